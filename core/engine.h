@@ -1,0 +1,79 @@
+// engine.h: the attention engine.
+//
+// Computes, for every kind of model, exactly what the contract defines:
+//
+//   scores  s[b,i,j] = score(q[b,i], k[b,j])                 (model's kind)
+//   allowed (i,j)    iff j < valid_len[b(,i)] and, if causal, j <= i
+//   s[b,i,j] = -1e6 where not allowed (replaced, not added)
+//   weights = softmax_j(s),  output = weights . values
+//
+// so a row with no allowed key gets uniform weights 1/n_k over all keys, and
+// valid_len >= n_k masks nothing. multi_head projects queries, keys and values
+// (y = x W^T + b), runs that rule per head with scale 1/sqrt(E/H) on columns
+// [h E/H, (h+1) E/H), concatenates the heads and applies the output projection.
+//
+// Layout: every tensor is row-major float32; queries (B, n_q, d_q), keys
+// (B, n_k, d_k), values (B, n_k, d_v); output (B, n_q, d_v), or (B, n_q, E)
+// for multi_head; weights (B, n_q, n_k), or (B, H, n_q, n_k) for multi_head.
+//
+// Speed: a batch of requests with different B, n_q and n_k runs as one ragged
+// execution: no padding, and the key loop of every query stops at its last
+// allowed key, so masked work is never done. Unless weights are asked for, no
+// (n_q x n_k) score matrix exists (fused kernel with online softmax).
+//
+//   attention::Engine engine;                     // pool sized to the cores
+//   absl::StatusOr<AttentionResult> r = engine.Attend(model, request);
+#pragma once
+
+#include <memory>
+#include <span>
+
+#include "absl/status/statusor.h"
+#include "core/model.h"
+#include "core/request.h"
+#include "core/tensor.h"
+
+namespace attention {
+
+class ThreadPool;
+
+struct AttentionResult {
+  Tensor output;             // (B, n_q, d_v) or (B, n_q, E)
+  Tensor attention_weights;  // empty unless return_attention_weights
+};
+
+// A request that passed Validate() for the model it runs with.
+struct ValidatedRequest {
+  const AttentionRequest* request = nullptr;  // not owned; outlives Run()
+  AttentionDims dims;
+};
+
+struct EngineOptions {
+  // Worker threads; 0 = one per hardware thread.
+  int num_threads = 0;
+};
+
+class Engine {
+ public:
+  explicit Engine(EngineOptions options = {});
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Validates, then computes one request.
+  absl::StatusOr<AttentionResult> Attend(const Model& model, const AttentionRequest& request,
+                                         const Limits& limits = {});
+
+  // Computes a batch of validated requests of one model as one execution;
+  // results[r] answers requests[r] and equals what Attend() returns for it
+  // alone. Safe to call from several threads at once (they share the pool).
+  void Run(const Model& model, std::span<const ValidatedRequest> requests,
+           std::span<AttentionResult> results);
+
+  int num_threads() const;
+
+ private:
+  std::unique_ptr<ThreadPool> pool_;
+};
+
+}  // namespace attention

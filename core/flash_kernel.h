@@ -1,0 +1,53 @@
+// flash_kernel.h: fused scaled-dot-product attention for one (example, head).
+//
+// Scores of the dot-product family share one form,
+//
+//   s[i,j] = scale * (q_i . k_j) + query_bias[i] + key_bias[j]
+//
+// (dot_product and multi_head heads: no biases; bilinear: q already mapped by
+// W_k; distance: scale * q.k - scale/2 |q|^2 - scale/2 |k|^2). The kernel
+// walks key tiles with an online softmax, so no (n_q x n_k) matrix is formed,
+// and each query's key loop stops at its allowed bound
+//
+//   bound(i) = min(valid_len(i), n_k, causal ? i + 1 : n_k)
+//
+// keys at or past the bound are disallowed (score -1e6 per the contract); a
+// query with bound 0 gets uniform weights over all n_k keys, i.e. the mean of
+// the values.
+#pragma once
+
+#include <cstdint>
+
+namespace attention {
+
+// One attention problem: an (example, head) slice. Pointers are not owned.
+struct FlashProblem {
+  const float* queries = nullptr;  // (n_q x head_size), row stride query_stride
+  const float* keys = nullptr;     // (n_k x head_size), row stride key_stride
+  const float* values = nullptr;   // (n_k x value_size), row stride value_stride
+  float* output = nullptr;         // (n_q x value_size), row stride output_stride
+  int64_t query_stride = 0, key_stride = 0, value_stride = 0, output_stride = 0;
+  int64_t num_queries = 0, num_keys = 0, head_size = 0, value_size = 0;
+  float scale = 1.0f;
+  const float* query_bias = nullptr;  // [n_q] or null
+  const float* key_bias = nullptr;    // [n_k] or null
+  // Length mask: per-query lengths [n_q] if set, else `valid_len` for all
+  // queries (INT32_MAX: no length mask).
+  const int32_t* valid_lens = nullptr;
+  int32_t valid_len = INT32_MAX;
+  bool causal = false;
+};
+
+// Allowed keys of query i: [0, bound). 0 means no key is allowed.
+int64_t AllowedKeys(const FlashProblem& problem, int64_t query);
+
+// Writes output rows [query_begin, query_end) of `problem`. Thread-safe for
+// disjoint row ranges.
+void FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t query_end);
+
+// As FlashAttention, and also writes the attention weights of those rows into
+// `weights` (n_q x n_k, row stride weights_stride), disallowed keys included.
+void AttentionWithWeights(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
+                          float* weights, int64_t weights_stride);
+
+}  // namespace attention

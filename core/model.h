@@ -1,0 +1,54 @@
+// model.h: what an attention model is to the engine.
+//
+// A model is a scoring function (its kind) plus the weights that function
+// needs. The two built-ins, `dot_product` and `distance`, have no weights and
+// accept any sizes. File models are made by LoadModel() (model_loader.h); both
+// multi-head layouts (d2l and torch.nn.MultiheadAttention) are normalised to
+// one set of projections here, so the kernels see a single layout.
+//
+// Weights are stored as PyTorch stores them: [out, in], y = x W^T + b.
+#pragma once
+
+#include <Eigen/Core>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace attention {
+
+using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Vector = Eigen::VectorXf;
+
+enum class Kind { kDotProduct, kDistance, kAdditive, kBilinear, kMultiHead };
+
+// The contract's name of a kind: "dot_product", "distance", "additive",
+// "bilinear", "multi_head".
+std::string_view KindName(Kind kind);
+std::optional<Kind> KindFromName(std::string_view name);
+
+struct Model {
+  std::string name;
+  Kind kind = Kind::kDotProduct;
+
+  // Sizes a request must have; 0 = any (the built-ins, and value_size of
+  // additive and bilinear models, which use values as they come).
+  int64_t num_heads = 0;    // multi_head: H
+  int64_t query_size = 0;   // d_q
+  int64_t key_size = 0;     // d_k
+  int64_t value_size = 0;   // d_v
+  int64_t output_size = 0;  // multi_head: E; 0 = d_v
+
+  // additive: W_q [h, d_q], W_k [h, d_k], w_v [1, h].
+  // bilinear: W_k [d_q, d_k].
+  // multi_head: W_q [E, d_q], W_k [E, d_k], W_v [E, d_v], W_o [E, E] and the
+  // biases b_q, b_k, b_v, b_o [E] (zero when the file has none).
+  RowMatrix w_q, w_k, w_v, w_o;
+  Vector b_q, b_k, b_v, b_o;
+};
+
+// The built-in models, present in every server.
+Model DotProductModel();
+Model DistanceModel();
+
+}  // namespace attention

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# install-deps.sh: installs every Debian 12 package the project needs to build,
+# test and run. Idempotent; used by the README, .ci/run and the Dockerfile.
+#
+#   scripts/install-deps.sh            build + test dependencies
+#   scripts/install-deps.sh --runtime  only the shared libraries the binaries need
+set -euo pipefail
+
+apt_opts=(-o DPkg::Lock::Timeout=600 -y --no-install-recommends)
+
+runtime_packages=(
+  libgrpc++1.51 libgrpc29 libprotobuf32 libspdlog1.10 libfmt9
+  libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 ca-certificates
+)
+
+build_packages=(
+  build-essential cmake ninja-build pkg-config git
+  libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
+  libabsl-dev libeigen3-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
+  prometheus-cpp-dev libcli11-dev
+  libgtest-dev libgmock-dev googletest libbenchmark-dev
+  openssl curl
+  python3 python3-numpy python3-grpcio python3-grpc-tools python3-matplotlib python3-protobuf
+  grpc-proto
+)
+
+if [[ "${1:-}" == "--runtime" ]]; then
+  wanted=("${runtime_packages[@]}")
+else
+  wanted=("${runtime_packages[@]}" "${build_packages[@]}")
+fi
+
+missing=()
+for p in "${wanted[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]} == 0)); then
+  echo "install-deps: all ${#wanted[@]} packages present"
+  exit 0
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+apt-get -o DPkg::Lock::Timeout=600 update
+apt-get install "${apt_opts[@]}" "${missing[@]}"
