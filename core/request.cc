@@ -1,0 +1,243 @@
+// request.cc: Validate(), the one place untrusted requests are checked.
+#include "core/request.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+
+namespace attention {
+namespace {
+
+using LengthMask = AttentionDims::LengthMask;
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// a * b, or nullopt on int64 overflow (shapes come from the wire and may be huge).
+std::optional<int64_t> CheckedMul(int64_t a, int64_t b) {
+  int64_t product;
+  if (__builtin_mul_overflow(a, b, &product)) return std::nullopt;
+  return product;
+}
+
+std::optional<int64_t> CheckedAdd(int64_t a, int64_t b) {
+  int64_t sum;
+  if (__builtin_add_overflow(a, b, &sum)) return std::nullopt;
+  return sum;
+}
+
+// Checks rank, positive sizes and data length; `axes` names the three axes.
+absl::Status CheckShape(absl::string_view field, const TensorView& tensor,
+                        absl::string_view axes) {
+  const auto& shape = tensor.shape;
+  if (shape.size() != 3) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape: expected rank 3 ", axes,
+                                                   ", got rank ", shape.size(), " ",
+                                                   ShapeString(shape)));
+  }
+  int64_t product = 1;
+  for (size_t axis = 0; axis < shape.size(); ++axis) {
+    if (shape[axis] <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".shape[", axis, "]: expected > 0 ",
+                                                     axes, ", got ", shape[axis], " in ",
+                                                     ShapeString(shape)));
+    }
+    auto next = CheckedMul(product, shape[axis]);
+    if (!next) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".shape: product of ", ShapeString(shape), " overflows 64-bit integers"));
+    }
+    product = *next;
+  }
+  if (static_cast<uint64_t>(product) != tensor.data.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: expected ", product,
+                                                   " values (product of shape ",
+                                                   ShapeString(shape), "), got ",
+                                                   tensor.data.size()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFinite(absl::string_view field, const TensorView& tensor) {
+  for (size_t i = 0; i < tensor.data.size(); ++i) {
+    if (!std::isfinite(tensor.data[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".data[", i,
+                                                     "]: expected a finite value, got ",
+                                                     tensor.data[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckAxis(absl::string_view field, int axis, absl::string_view axis_name,
+                       int64_t expected, int64_t actual, absl::string_view why) {
+  if (expected == actual) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, ".shape[", axis, "] (", axis_name,
+                                                 "): expected ", expected, " (", why,
+                                                 "), got ", actual));
+}
+
+float DefaultScale(const Model& model, const AttentionDims& dims) {
+  switch (model.kind) {
+    case Kind::kDotProduct:
+    case Kind::kBilinear:
+      return 1.0f / std::sqrt(static_cast<float>(dims.query_size));
+    case Kind::kDistance:
+    case Kind::kAdditive:
+      return 1.0f;
+    case Kind::kMultiHead:
+      return 1.0f / std::sqrt(static_cast<float>(model.output_size / model.num_heads));
+  }
+  return 1.0f;
+}
+
+}  // namespace
+
+const TensorView& ResolvedKeys(const AttentionRequest& request) {
+  return request.keys ? *request.keys : request.queries;
+}
+
+const TensorView& ResolvedValues(const AttentionRequest& request) {
+  return request.values ? *request.values : ResolvedKeys(request);
+}
+
+absl::StatusOr<AttentionDims> Validate(const Model& model, const AttentionRequest& request,
+                                       const Limits& limits) {
+  if (request.queries.shape.empty() && request.queries.data.empty()) {
+    return absl::InvalidArgumentError(
+        "queries: required tensor (B, n_q, d_q) is missing");
+  }
+  // Name the tensors after the fields the caller actually sent.
+  const absl::string_view keys_field = request.keys ? "keys" : "queries (standing in for keys)";
+  const absl::string_view values_field =
+      request.values ? "values" : (request.keys ? "keys (standing in for values)"
+                                                : "queries (standing in for values)");
+  if (auto s = CheckShape("queries", request.queries, "(B, n_q, d_q)"); !s.ok()) return s;
+  if (request.keys) {
+    if (auto s = CheckShape("keys", *request.keys, "(B, n_k, d_k)"); !s.ok()) return s;
+  }
+  if (request.values) {
+    if (auto s = CheckShape("values", *request.values, "(B, n_k, d_v)"); !s.ok()) return s;
+  }
+  const TensorView& queries = request.queries;
+  const TensorView& keys = ResolvedKeys(request);
+  const TensorView& values = ResolvedValues(request);
+
+  AttentionDims dims;
+  dims.batch = queries.shape[0];
+  dims.num_queries = queries.shape[1];
+  dims.query_size = queries.shape[2];
+  dims.num_keys = keys.shape[1];
+  dims.key_size = keys.shape[2];
+  dims.value_size = values.shape[2];
+
+  if (auto s = CheckAxis(request.keys ? "keys" : "queries", 0, "B", dims.batch, keys.shape[0],
+                         "queries' batch");
+      !s.ok()) {
+    return s;
+  }
+  if (request.values) {
+    if (auto s = CheckAxis("values", 0, "B", dims.batch, values.shape[0], "queries' batch");
+        !s.ok()) {
+      return s;
+    }
+    if (auto s = CheckAxis("values", 1, "n_k", dims.num_keys, values.shape[1],
+                           request.keys ? "keys' n_k" : "n_q, since keys = queries");
+        !s.ok()) {
+      return s;
+    }
+  }
+
+  switch (model.kind) {
+    case Kind::kDotProduct:
+    case Kind::kDistance:
+      if (auto s = CheckAxis(keys_field, 2, "d_k", dims.query_size, dims.key_size,
+                             absl::StrCat(std::string(KindName(model.kind)), " needs d_k == d_q"));
+          !s.ok()) {
+        return s;
+      }
+      break;
+    default: {
+      const std::string why = absl::StrCat("model '", model.name, "' input size");
+      if (auto s = CheckAxis("queries", 2, "d_q", model.query_size, dims.query_size, why);
+          !s.ok()) {
+        return s;
+      }
+      if (auto s = CheckAxis(keys_field, 2, "d_k", model.key_size, dims.key_size, why); !s.ok()) {
+        return s;
+      }
+      if (model.value_size != 0) {
+        if (auto s = CheckAxis(values_field, 2, "d_v", model.value_size, dims.value_size, why);
+            !s.ok()) {
+          return s;
+        }
+      }
+    }
+  }
+  dims.output_size = model.output_size != 0 ? model.output_size : dims.value_size;
+  dims.num_heads = model.kind == Kind::kMultiHead ? model.num_heads : 1;
+
+  const int64_t num_lens = static_cast<int64_t>(request.valid_lens.size());
+  if (num_lens == 0) {
+    dims.length_mask = LengthMask::kNone;
+  } else if (num_lens == dims.batch) {
+    dims.length_mask = LengthMask::kPerExample;
+  } else if (num_lens == dims.batch * dims.num_queries) {  // no overflow: <= queries' size
+    dims.length_mask = LengthMask::kPerQuery;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "valid_lens: expected 0, ", dims.batch, " (B, one per example) or ",
+        dims.batch * dims.num_queries, " (B*n_q, one per query) entries, got ", num_lens));
+  }
+  for (int64_t i = 0; i < num_lens; ++i) {
+    if (request.valid_lens[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("valid_lens[", i, "]: expected >= 0, got ",
+                                                     request.valid_lens[i]));
+    }
+  }
+
+  if (request.scale && !std::isfinite(*request.scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("scale: expected a finite value, got ", *request.scale));
+  }
+  dims.scale = request.scale ? *request.scale : DefaultScale(model, dims);
+
+  if (limits.max_request_elements > 0) {
+    // Each term is at most a validated tensor's size or a product checked here.
+    std::optional<int64_t> total = static_cast<int64_t>(queries.data.size());
+    if (request.keys) total = CheckedAdd(*total, static_cast<int64_t>(keys.data.size()));
+    if (total && request.values) {
+      total = CheckedAdd(*total, static_cast<int64_t>(values.data.size()));
+    }
+    auto output = CheckedMul(dims.batch * dims.num_queries, dims.output_size);
+    total = total && output ? CheckedAdd(*total, *output) : std::nullopt;
+    if (total && request.return_attention_weights) {
+      auto weights = CheckedMul(dims.batch, dims.num_heads);
+      if (weights) weights = CheckedMul(*weights, dims.num_queries);
+      if (weights) weights = CheckedMul(*weights, dims.num_keys);
+      total = weights ? CheckedAdd(*total, *weights) : std::nullopt;
+    }
+    if (!total || *total > limits.max_request_elements) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request: expected at most ", limits.max_request_elements,
+          " float elements in queries, keys, values, output and weights together, got ",
+          total ? absl::StrCat(*total) : std::string("more than 2^63")));
+    }
+  }
+
+  if (auto s = CheckFinite("queries", queries); !s.ok()) return s;
+  if (request.keys) {
+    if (auto s = CheckFinite("keys", keys); !s.ok()) return s;
+  }
+  if (request.values) {
+    if (auto s = CheckFinite("values", values); !s.ok()) return s;
+  }
+  return dims;
+}
+
+}  // namespace attention
