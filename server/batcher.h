@@ -1,0 +1,290 @@
+// batcher.h: dynamic batching of the tasks of one model.
+//
+// A Batcher owns a bounded queue and one thread. Callers hand it tasks with
+// Schedule(), which never blocks; the thread merges queued tasks into batches
+// of up to `max_batch_size` and hands each batch to the ProcessBatch callback,
+// in arrival order. A batch closes as soon as it is full, or when its oldest
+// task has waited `max_queue_delay_us`, whichever comes first; while one batch
+// runs the next one fills, so a busy batcher runs full batches back to back.
+//
+// Use one Batcher per model when concurrent requests are cheaper to compute
+// together than one by one. With max_batch_size = 1 it is a plain bounded FIFO.
+//
+// Worst-case queueing latency of a task: max_queue_delay_us plus the compute
+// time of the batches ahead of it (at most queue_capacity / max_batch_size of
+// them).
+//
+// Every accepted task is answered exactly once: it is either processed in a
+// batch or dropped through the DropTask callback, with DEADLINE_EXCEEDED when
+// its deadline passed while it was queued, or CANCELLED when its caller gave
+// up. Dropped tasks are never processed. Destroying the batcher drains it:
+// every accepted task is answered before the destructor returns.
+//
+//   auto batcher = Batcher<MyTask>::Create(options, process_batch, drop_task);
+//   if (!batcher.ok()) return batcher.status();
+//   absl::Status s = (*batcher)->Schedule(&task);  // on OK, task is now null
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace attention::server {
+
+// The time source of a Batcher; tests substitute a fake one.
+class BatcherClock {
+ public:
+  virtual ~BatcherClock() = default;
+  virtual absl::Time Now() = 0;
+  // Called with `mu` held: returns once `condition` holds or Now() reaches
+  // `deadline`, with `mu` held again.
+  virtual void AwaitWithDeadline(absl::Mutex& mu, const absl::Condition& condition,
+                                 absl::Time deadline) = 0;
+};
+
+// The wall clock (absl::Now()). Process-wide; never destroyed.
+BatcherClock* RealBatcherClock();
+
+// Task needs two thread-safe accessors:
+//   absl::Time deadline() const;  // absl::InfiniteFuture() when there is none
+//   bool cancelled() const;       // the caller no longer wants the answer
+template <typename Task>
+class Batcher {
+ public:
+  struct Options {
+    // Most tasks merged into one batch; 1 disables batching. Must be >= 1.
+    int max_batch_size = 8;
+    // Longest time the oldest queued task waits for its batch to fill before
+    // the batch runs anyway. Must be >= 0; 0 runs whatever is queued at once.
+    int64_t max_queue_delay_us = 1000;
+    // Most tasks waiting in the queue (tasks in a running batch do not count).
+    // Schedule() returns RESOURCE_EXHAUSTED beyond it. Must be >= 1.
+    int queue_capacity = 1024;
+    // Not owned; must outlive the batcher. nullptr: RealBatcherClock().
+    BatcherClock* clock = nullptr;
+  };
+
+  // Computes one batch of 1..max_batch_size tasks, in arrival order. Runs on
+  // the batcher's thread; the next batch fills meanwhile.
+  using ProcessBatch = std::function<void(std::vector<std::unique_ptr<Task>> batch)>;
+  // Answers a task that will never be processed; `why` is DEADLINE_EXCEEDED or
+  // CANCELLED. Runs on the batcher's thread or inside Schedule().
+  using DropTask = std::function<void(std::unique_ptr<Task> task, absl::Status why)>;
+
+  // INVALID_ARGUMENT naming the option when one is out of range.
+  static absl::StatusOr<std::unique_ptr<Batcher>> Create(Options options,
+                                                         ProcessBatch process_batch,
+                                                         DropTask drop_task);
+
+  // Drains (see Drain()).
+  ~Batcher();
+  Batcher(const Batcher&) = delete;
+  Batcher& operator=(const Batcher&) = delete;
+
+  // Queues `*task` without blocking. Ownership of `*task` moves to the batcher
+  // (and `*task` becomes null) iff the result is OK. Otherwise the caller keeps
+  // it: RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE once draining.
+  absl::Status Schedule(std::unique_ptr<Task>* task);
+
+  // Tasks waiting in the queue now.
+  int queue_depth() const;
+  int queue_capacity() const { return options_.queue_capacity; }
+
+  // Stops taking tasks, answers every accepted one (without waiting for
+  // batches to fill), then stops the thread. Idempotent. Must not be called
+  // from the callbacks.
+  void Drain();
+
+  // Implementation details follow. API users need not read.
+
+ private:
+  struct Entry {
+    std::unique_ptr<Task> task;
+    absl::Time enqueued;
+  };
+  struct Dropped {
+    std::unique_ptr<Task> task;
+    absl::Status why;
+  };
+
+  Batcher(Options options, ProcessBatch process_batch, DropTask drop_task);
+
+  void Loop();
+  bool HasWorkOrDraining() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !queue_.empty() || draining_;
+  }
+  bool BatchFullOrDraining() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return static_cast<int>(queue_.size()) >= options_.max_batch_size || draining_;
+  }
+  // Why `entry` must not run at `now`; OK when it may.
+  static absl::Status Unrunnable(const Entry& entry, absl::Time now);
+  // Moves every queued task that must not run into `dropped`.
+  void PurgeUnrunnable(std::vector<Dropped>* dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AnswerDropped(std::vector<Dropped> dropped);
+
+  const Options options_;
+  BatcherClock* const clock_;  // not owned; see Options::clock
+  const ProcessBatch process_batch_;
+  const DropTask drop_task_;
+
+  mutable absl::Mutex mu_;
+  // Invariant: every entry was accepted and is answered by Loop() exactly once.
+  std::deque<Entry> queue_ ABSL_GUARDED_BY(mu_);
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+
+  absl::Mutex join_mu_;  // serialises Drain() callers around the join
+  std::thread thread_;   // runs Loop(); joined by Drain(); started last
+};
+
+template <typename Task>
+absl::StatusOr<std::unique_ptr<Batcher<Task>>> Batcher<Task>::Create(Options options,
+                                                                     ProcessBatch process_batch,
+                                                                     DropTask drop_task) {
+  if (options.max_batch_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_batch_size must be >= 1; was ", options.max_batch_size));
+  }
+  if (options.max_queue_delay_us < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queue_delay_us must be >= 0; was ", options.max_queue_delay_us));
+  }
+  if (options.queue_capacity < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("queue_capacity must be >= 1; was ", options.queue_capacity));
+  }
+  if (!process_batch || !drop_task) {
+    return absl::InvalidArgumentError("process_batch and drop_task must be set");
+  }
+  return std::unique_ptr<Batcher>(
+      new Batcher(options, std::move(process_batch), std::move(drop_task)));
+}
+
+template <typename Task>
+Batcher<Task>::Batcher(Options options, ProcessBatch process_batch, DropTask drop_task)
+    : options_(options),
+      clock_(options.clock != nullptr ? options.clock : RealBatcherClock()),
+      process_batch_(std::move(process_batch)),
+      drop_task_(std::move(drop_task)),
+      thread_([this] { Loop(); }) {}
+
+template <typename Task>
+Batcher<Task>::~Batcher() {
+  Drain();
+}
+
+template <typename Task>
+absl::Status Batcher<Task>::Schedule(std::unique_ptr<Task>* task) {
+  std::vector<Dropped> dropped;
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    if (draining_) {
+      status = absl::UnavailableError("the server is shutting down and takes no new requests");
+    } else {
+      // Tasks nobody waits for must not keep a live one out of a full queue.
+      if (static_cast<int>(queue_.size()) >= options_.queue_capacity) PurgeUnrunnable(&dropped);
+      if (static_cast<int>(queue_.size()) >= options_.queue_capacity) {
+        status = absl::ResourceExhaustedError(absl::StrCat(
+            "the queue of this model is full (", options_.queue_capacity,
+            " requests waiting); retry later or raise --queue-capacity"));
+      } else {
+        queue_.push_back(Entry{std::move(*task), clock_->Now()});
+      }
+    }
+  }
+  AnswerDropped(std::move(dropped));
+  return status;
+}
+
+template <typename Task>
+int Batcher<Task>::queue_depth() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(queue_.size());
+}
+
+template <typename Task>
+void Batcher<Task>::Drain() {
+  {
+    absl::MutexLock lock(&mu_);
+    draining_ = true;
+  }
+  absl::MutexLock lock(&join_mu_);
+  if (thread_.joinable()) thread_.join();
+}
+
+template <typename Task>
+absl::Status Batcher<Task>::Unrunnable(const Entry& entry, absl::Time now) {
+  if (now >= entry.task->deadline()) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("the deadline passed after ", absl::ToInt64Microseconds(now - entry.enqueued),
+                     " us in the queue, before the request was computed"));
+  }
+  if (entry.task->cancelled()) {
+    return absl::CancelledError("the call was cancelled while its request was queued");
+  }
+  return absl::OkStatus();
+}
+
+template <typename Task>
+void Batcher<Task>::PurgeUnrunnable(std::vector<Dropped>* dropped) {
+  const absl::Time now = clock_->Now();
+  std::deque<Entry> kept;
+  for (Entry& entry : queue_) {
+    absl::Status why = Unrunnable(entry, now);
+    if (why.ok()) {
+      kept.push_back(std::move(entry));
+    } else {
+      dropped->push_back(Dropped{std::move(entry.task), std::move(why)});
+    }
+  }
+  queue_.swap(kept);
+}
+
+template <typename Task>
+void Batcher<Task>::AnswerDropped(std::vector<Dropped> dropped) {
+  for (Dropped& d : dropped) drop_task_(std::move(d.task), std::move(d.why));
+}
+
+template <typename Task>
+void Batcher<Task>::Loop() {
+  for (;;) {
+    std::vector<std::unique_ptr<Task>> batch;
+    std::vector<Dropped> dropped;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &Batcher::HasWorkOrDraining));
+      if (queue_.empty()) return;  // draining and every task answered
+      const absl::Time close_at =
+          queue_.front().enqueued + absl::Microseconds(options_.max_queue_delay_us);
+      clock_->AwaitWithDeadline(mu_, absl::Condition(this, &Batcher::BatchFullOrDraining),
+                                close_at);
+      const absl::Time now = clock_->Now();
+      while (static_cast<int>(batch.size()) < options_.max_batch_size && !queue_.empty()) {
+        Entry entry = std::move(queue_.front());
+        queue_.pop_front();
+        absl::Status why = Unrunnable(entry, now);
+        if (why.ok()) {
+          batch.push_back(std::move(entry.task));
+        } else {
+          dropped.push_back(Dropped{std::move(entry.task), std::move(why)});
+        }
+      }
+    }
+    AnswerDropped(std::move(dropped));
+    if (!batch.empty()) process_batch_(std::move(batch));
+  }
+}
+
+}  // namespace attention::server

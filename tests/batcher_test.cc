@@ -1,0 +1,315 @@
+// batcher_test.cc: the Batcher alone, with a fake clock that only the test
+// moves, so "the batch waits for its delay" is checked without timing.
+#include "server/batcher.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace attention::server {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Pair;
+
+// Time stands still until Advance(). Lock-free reads, because Now() is called
+// from inside absl::Condition evaluation.
+class FakeClock final : public BatcherClock {
+ public:
+  absl::Time Now() override { return absl::UnixEpoch() + absl::Microseconds(now_us_.load()); }
+
+  void AwaitWithDeadline(absl::Mutex& mu, const absl::Condition& condition,
+                         absl::Time deadline) override {
+    waiter_mu_.store(&mu);
+    struct Wait {
+      FakeClock* clock;
+      const absl::Condition* condition;
+      absl::Time deadline;
+    } wait{this, &condition, deadline};
+    mu.Await(absl::Condition(
+        +[](Wait* w) { return w->condition->Eval() || w->clock->Now() >= w->deadline; }, &wait));
+  }
+
+  void Advance(absl::Duration d) {
+    now_us_.fetch_add(absl::ToInt64Microseconds(d));
+    // A waiter's condition is re-evaluated when its mutex is released.
+    if (absl::Mutex* mu = waiter_mu_.load()) {
+      mu->Lock();
+      mu->Unlock();
+    }
+  }
+
+ private:
+  std::atomic<int64_t> now_us_{0};
+  std::atomic<absl::Mutex*> waiter_mu_{nullptr};
+};
+
+struct TestTask {
+  explicit TestTask(int id, absl::Time deadline = absl::InfiniteFuture())
+      : id(id), deadline_(deadline) {}
+  absl::Time deadline() const { return deadline_; }
+  bool cancelled() const { return cancelled_.load(); }
+
+  const int id;
+  const absl::Time deadline_;
+  std::atomic<bool> cancelled_{false};
+};
+
+using TestBatcher = Batcher<TestTask>;
+
+// Records what the batcher did. The first batch can be held at a gate to keep
+// the batcher busy while the test fills its queue.
+class Recorder {
+ public:
+  // Call before scheduling anything.
+  void HoldFirstBatch() { hold_first_batch_.store(true); }
+
+  TestBatcher::ProcessBatch process() {
+    return [this](std::vector<std::unique_ptr<TestTask>> batch) {
+      if (hold_first_batch_.load() && !first_started_.HasBeenNotified()) {
+        first_started_.Notify();
+        release_.WaitForNotification();
+      }
+      absl::MutexLock lock(&mu_);
+      std::vector<int>& ids = batches_.emplace_back();
+      for (const auto& task : batch) ids.push_back(task->id);
+      answered_ += static_cast<int>(batch.size());
+    };
+  }
+  TestBatcher::DropTask drop() {
+    return [this](std::unique_ptr<TestTask> task, absl::Status why) {
+      absl::MutexLock lock(&mu_);
+      dropped_.emplace_back(task->id, why.code());
+      ++answered_;
+    };
+  }
+
+  void WaitUntilFirstBatchStarted() { first_started_.WaitForNotification(); }
+  void ReleaseFirstBatch() { release_.Notify(); }
+
+  // False if `n` tasks were not answered within a generous real-time bound.
+  bool WaitForAnswered(int n) {
+    absl::MutexLock lock(&mu_);
+    auto done = [this, n] { return answered_ >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(30));
+  }
+  std::vector<std::vector<int>> batches() {
+    absl::MutexLock lock(&mu_);
+    return batches_;
+  }
+  std::vector<std::pair<int, absl::StatusCode>> dropped() {
+    absl::MutexLock lock(&mu_);
+    return dropped_;
+  }
+
+ private:
+  std::atomic<bool> hold_first_batch_{false};
+  absl::Notification first_started_;
+  absl::Notification release_;
+  absl::Mutex mu_;
+  std::vector<std::vector<int>> batches_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<int, absl::StatusCode>> dropped_ ABSL_GUARDED_BY(mu_);
+  int answered_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class BatcherTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<TestBatcher> Make(int max_batch_size, int64_t max_queue_delay_us,
+                                    int queue_capacity = 100) {
+    TestBatcher::Options options;
+    options.max_batch_size = max_batch_size;
+    options.max_queue_delay_us = max_queue_delay_us;
+    options.queue_capacity = queue_capacity;
+    options.clock = &clock_;
+    auto batcher = TestBatcher::Create(options, recorder_.process(), recorder_.drop());
+    EXPECT_TRUE(batcher.ok()) << batcher.status();
+    return batcher.ok() ? std::move(*batcher) : nullptr;
+  }
+
+  void ScheduleOk(TestBatcher& batcher, int id, absl::Time deadline = absl::InfiniteFuture()) {
+    auto task = std::make_unique<TestTask>(id, deadline);
+    ASSERT_TRUE(batcher.Schedule(&task).ok());
+    EXPECT_EQ(task, nullptr) << "an accepted task must belong to the batcher";
+  }
+
+  // Enough real time for the batcher thread to act if it (wrongly) would.
+  static void LetBatcherRun() { absl::SleepFor(absl::Milliseconds(30)); }
+
+  FakeClock clock_;
+  Recorder recorder_;
+};
+
+TEST(BatcherCreateTest, RejectsOutOfRangeOptions) {
+  auto process = [](std::vector<std::unique_ptr<TestTask>>) {};
+  auto drop = [](std::unique_ptr<TestTask>, absl::Status) {};
+  struct Case {
+    TestBatcher::Options options;
+    const char* message;
+  };
+  const Case cases[] = {
+      {{.max_batch_size = 0}, "max_batch_size must be >= 1; was 0"},
+      {{.max_queue_delay_us = -5}, "max_queue_delay_us must be >= 0; was -5"},
+      {{.queue_capacity = 0}, "queue_capacity must be >= 1; was 0"},
+  };
+  for (const Case& c : cases) {
+    auto batcher = TestBatcher::Create(c.options, process, drop);
+    ASSERT_EQ(batcher.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(std::string(batcher.status().message()), HasSubstr(c.message));
+  }
+  EXPECT_TRUE(TestBatcher::Create({}, process, drop).ok());
+}
+
+TEST_F(BatcherTest, FullBatchRunsWithoutWaitingForTheDelay) {
+  auto batcher = Make(/*max_batch_size=*/3, /*max_queue_delay_us=*/1'000'000);
+  for (int id = 0; id < 3; ++id) ScheduleOk(*batcher, id);
+  ASSERT_TRUE(recorder_.WaitForAnswered(3));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0, 1, 2)));
+}
+
+TEST_F(BatcherTest, PartialBatchWaitsExactlyTheDelay) {
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1000);
+  ScheduleOk(*batcher, 0);
+  ScheduleOk(*batcher, 1);
+  LetBatcherRun();
+  clock_.Advance(absl::Microseconds(999));
+  LetBatcherRun();
+  EXPECT_THAT(recorder_.batches(), IsEmpty());
+  clock_.Advance(absl::Microseconds(1));
+  ASSERT_TRUE(recorder_.WaitForAnswered(2));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0, 1)));
+}
+
+TEST_F(BatcherTest, QueuedTasksRunInArrivalOrderInBatchesOfAtMostMax) {
+  recorder_.HoldFirstBatch();
+  auto batcher = Make(/*max_batch_size=*/3, /*max_queue_delay_us=*/0);
+  ScheduleOk(*batcher, 0);
+  recorder_.WaitUntilFirstBatchStarted();
+  for (int id = 1; id <= 7; ++id) ScheduleOk(*batcher, id);
+  EXPECT_EQ(batcher->queue_depth(), 7);
+  recorder_.ReleaseFirstBatch();
+  ASSERT_TRUE(recorder_.WaitForAnswered(8));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(1, 2, 3),
+                                               ElementsAre(4, 5, 6), ElementsAre(7)));
+  EXPECT_EQ(batcher->queue_depth(), 0);
+}
+
+TEST_F(BatcherTest, FullQueueRefusesAtOnceAndCallerKeepsTheTask) {
+  recorder_.HoldFirstBatch();
+  auto batcher = Make(/*max_batch_size=*/1, /*max_queue_delay_us=*/0, /*queue_capacity=*/2);
+  ScheduleOk(*batcher, 0);
+  recorder_.WaitUntilFirstBatchStarted();  // task 0 left the queue
+  ScheduleOk(*batcher, 1);
+  ScheduleOk(*batcher, 2);
+
+  auto refused = std::make_unique<TestTask>(3);
+  absl::Status status = batcher->Schedule(&refused);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("2 requests waiting"));
+  ASSERT_NE(refused, nullptr);
+  EXPECT_EQ(refused->id, 3);
+
+  recorder_.ReleaseFirstBatch();
+  ASSERT_TRUE(recorder_.WaitForAnswered(3));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(1), ElementsAre(2)));
+  EXPECT_THAT(recorder_.dropped(), IsEmpty());
+}
+
+TEST_F(BatcherTest, TaskWhoseDeadlinePassesInTheQueueIsDroppedNotProcessed) {
+  auto batcher = Make(/*max_batch_size=*/3, /*max_queue_delay_us=*/1000);
+  ScheduleOk(*batcher, 0, clock_.Now() + absl::Microseconds(500));
+  ScheduleOk(*batcher, 1);
+  LetBatcherRun();
+  clock_.Advance(absl::Microseconds(1000));
+  ASSERT_TRUE(recorder_.WaitForAnswered(2));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(1)));
+  EXPECT_THAT(recorder_.dropped(), ElementsAre(Pair(0, absl::StatusCode::kDeadlineExceeded)));
+}
+
+TEST_F(BatcherTest, TaskWithDeadlineStillAheadRuns) {
+  auto batcher = Make(/*max_batch_size=*/1, /*max_queue_delay_us=*/0);
+  ScheduleOk(*batcher, 0, clock_.Now() + absl::Microseconds(1));
+  ASSERT_TRUE(recorder_.WaitForAnswered(1));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0)));
+}
+
+TEST_F(BatcherTest, CancelledTaskIsDroppedNotProcessed) {
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1000);
+  auto task = std::make_unique<TestTask>(0);
+  TestTask* cancelled = task.get();
+  ASSERT_TRUE(batcher->Schedule(&task).ok());
+  ScheduleOk(*batcher, 1);
+  cancelled->cancelled_.store(true);
+  clock_.Advance(absl::Microseconds(1000));
+  ASSERT_TRUE(recorder_.WaitForAnswered(2));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(1)));
+  EXPECT_THAT(recorder_.dropped(), ElementsAre(Pair(0, absl::StatusCode::kCancelled)));
+}
+
+TEST_F(BatcherTest, FullQueueMakesRoomByDroppingCancelledTasks) {
+  recorder_.HoldFirstBatch();
+  auto batcher = Make(/*max_batch_size=*/1, /*max_queue_delay_us=*/0, /*queue_capacity=*/1);
+  ScheduleOk(*batcher, 0);
+  recorder_.WaitUntilFirstBatchStarted();
+  auto task = std::make_unique<TestTask>(1);
+  TestTask* cancelled = task.get();
+  ASSERT_TRUE(batcher->Schedule(&task).ok());
+  cancelled->cancelled_.store(true);
+
+  ScheduleOk(*batcher, 2);
+  EXPECT_THAT(recorder_.dropped(), ElementsAre(Pair(1, absl::StatusCode::kCancelled)));
+  recorder_.ReleaseFirstBatch();
+  ASSERT_TRUE(recorder_.WaitForAnswered(3));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(2)));
+}
+
+TEST_F(BatcherTest, DrainAnswersEveryAcceptedTaskAndRefusesNewOnes) {
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/3'600'000'000);
+  ScheduleOk(*batcher, 0);
+  ScheduleOk(*batcher, 1);
+  batcher->Drain();  // returns without the clock moving: no wait for the delay
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0, 1)));
+
+  auto late = std::make_unique<TestTask>(2);
+  EXPECT_EQ(batcher->Schedule(&late).code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(late, nullptr);
+  batcher->Drain();
+}
+
+TEST_F(BatcherTest, DestructionDrains) {
+  auto batcher = Make(/*max_batch_size=*/2, /*max_queue_delay_us=*/3'600'000'000);
+  for (int id = 0; id < 5; ++id) ScheduleOk(*batcher, id);
+  batcher.reset();
+  EXPECT_THAT(recorder_.batches(),
+              ElementsAre(ElementsAre(0, 1), ElementsAre(2, 3), ElementsAre(4)));
+}
+
+TEST(BatcherRealClockTest, PartialBatchRunsAfterTheDelay) {
+  absl::Notification done;
+  std::vector<int> ids;
+  auto batcher = TestBatcher::Create(
+      {.max_batch_size = 8, .max_queue_delay_us = 100, .queue_capacity = 8},
+      [&](std::vector<std::unique_ptr<TestTask>> batch) {
+        for (const auto& task : batch) ids.push_back(task->id);
+        done.Notify();
+      },
+      [](std::unique_ptr<TestTask>, absl::Status) {});
+  ASSERT_TRUE(batcher.ok());
+  auto task = std::make_unique<TestTask>(7);
+  ASSERT_TRUE((*batcher)->Schedule(&task).ok());
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_THAT(ids, ElementsAre(7));
+}
+
+}  // namespace
+}  // namespace attention::server
