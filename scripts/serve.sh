@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# serve.sh: installs the dependencies, builds, and runs attention-server on the
+# example models in models/ (gRPC on :50051, metrics on :9464/metrics).
+# Extra arguments go to the server, e.g. scripts/serve.sh --max-batch-size 16.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+build_dir=${ATTENTION_BUILD_DIR:-build}
+scripts/install-deps.sh
+cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release
+cmake --build "$build_dir" -j "$(nproc)" --target attention-server attention-client
+exec "$build_dir"/server/attention-server --model-repository models "$@"
