@@ -1,0 +1,221 @@
+#!/usr/bin/env bash
+# test-image.sh: builds the container image from the Dockerfile with buildah
+# (no Docker engine or registry needed) and checks that it really serves:
+# gRPC health through the image's own HEALTHCHECK command, one Attend, and a
+# /metrics scrape. The Debian base images are seeded from debootstrap into
+# buildah's local storage, so nothing is pulled from a registry.
+#
+#   deploy/test-image.sh           seed (once), build, run, check, clean up
+#   deploy/test-image.sh --seed    only seed the base images
+#   KEEP_IMAGE=1 deploy/test-image.sh   keep the built image afterwards
+#
+# Needs root (buildah with chroot isolation, debootstrap), about 15 GB of disk
+# and, on 2 cores, most of an hour: the build stage compiles the server twice.
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+image=localhost/attention-server:test
+mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+seed_dir=${SEED_DIR:-/var/tmp/attention-seed}
+buildah_opts=(--storage-driver "${BUILDAH_STORAGE_DRIVER:-vfs}")
+
+log() { printf '[test-image] %s\n' "$*" >&2; }
+die() { log "FAIL: $*"; exit 1; }
+
+ensure_tools() {
+  local missing=()
+  command -v buildah >/dev/null || missing+=(buildah)
+  command -v debootstrap >/dev/null || missing+=(debootstrap)
+  command -v curl >/dev/null || missing+=(curl)
+  if ((${#missing[@]})); then
+    log "installing ${missing[*]}"
+    apt-get -o DPkg::Lock::Timeout=600 update
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      -o DPkg::Lock::Timeout=600 "${missing[@]}"
+  fi
+}
+
+have_image() { buildah "${buildah_opts[@]}" inspect --type image "$1" >/dev/null 2>&1; }
+
+# Commits a root file system directory as an image named like the official one,
+# so the Dockerfile's FROM lines resolve locally with --pull=never.
+commit_rootfs() {
+  local rootfs=$1 name=$2 ctr
+  ctr=$(buildah "${buildah_opts[@]}" from scratch)
+  tar -C "$rootfs" -cf "$seed_dir/$(basename "$rootfs").tar" .
+  buildah "${buildah_opts[@]}" add "$ctr" "$seed_dir/$(basename "$rootfs").tar" /
+  rm -f "$seed_dir/$(basename "$rootfs").tar"
+  buildah "${buildah_opts[@]}" config \
+    --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    --cmd bash "$ctr"
+  buildah "${buildah_opts[@]}" commit --rm "$ctr" "$name" >/dev/null
+  log "seeded $name"
+}
+
+# The official images' apt sources (deb822), so the build sees security updates.
+write_sources() {
+  local rootfs=$1
+  rm -f "$rootfs/etc/apt/sources.list"
+  cat >"$rootfs/etc/apt/sources.list.d/debian.sources" <<SOURCES
+Types: deb
+URIs: $mirror
+Suites: bookworm bookworm-updates
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb
+URIs: ${mirror%/debian}/debian-security
+Suites: bookworm-security
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SOURCES
+}
+
+# debootstrap mounts /proc (and may bind /dev) in the target; a failed run can
+# leave them mounted, and rm -rf must never walk into the host's /dev.
+unmount_under() {
+  local dir mounts
+  dir=$(realpath "$1")
+  mounts=$(awk -v d="$dir/" 'index($2, d) == 1 {print $2}' /proc/mounts | sort -r)
+  for m in $mounts; do umount -l "$m"; done
+}
+
+seed_base_images() {
+  if have_image docker.io/library/debian:bookworm && have_image docker.io/library/debian:bookworm-slim; then
+    log "base images already seeded"
+    return
+  fi
+  mkdir -p "$seed_dir"
+  local full=$seed_dir/bookworm slim=$seed_dir/bookworm-slim
+  [[ -d $full ]] && unmount_under "$full"
+  if [[ ! -f $seed_dir/bookworm.done ]]; then
+    rm -rf "$full"
+    log "debootstrap bookworm (minbase) into $full"
+    nice debootstrap --variant=minbase bookworm "$full" "$mirror" >"$seed_dir/debootstrap.log" 2>&1 ||
+      die "debootstrap failed, see $seed_dir/debootstrap.log"
+    touch "$seed_dir/bookworm.done"
+  fi
+  write_sources "$full"
+  rm -rf "$full"/var/lib/apt/lists/* "$full"/var/cache/apt/archives/*.deb
+  # slim = the same system without documentation, as the official -slim image.
+  rm -rf "$slim"
+  cp -a "$full" "$slim"
+  rm -rf "$slim"/usr/share/doc/* "$slim"/usr/share/man/* "$slim"/usr/share/info/*
+  commit_rootfs "$full" docker.io/library/debian:bookworm
+  commit_rootfs "$slim" docker.io/library/debian:bookworm-slim
+  rm -rf "$slim"
+}
+
+build_image() {
+  log "building $image (buildah bud, chroot isolation)"
+  local start=$SECONDS
+  nice buildah "${buildah_opts[@]}" bud --pull=never --isolation chroot --format docker \
+    --layers -t "$image" -f "$repo/Dockerfile" "$repo"
+  log "image built in $((SECONDS - start)) s"
+}
+
+free_port() {
+  /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+# Reads one field of the image's (Docker-format) config as JSON.
+image_config() {
+  buildah "${buildah_opts[@]}" inspect --type image --format "{{json .Docker.Config.$1}}" "$image"
+}
+
+ctr=""
+server_pid=""
+cleanup() {
+  [[ -n $server_pid ]] && kill "$server_pid" 2>/dev/null && wait "$server_pid" 2>/dev/null
+  [[ -n $ctr ]] && buildah "${buildah_opts[@]}" rm "$ctr" >/dev/null 2>&1
+  if [[ -z ${KEEP_IMAGE:-} ]] && have_image "$image"; then
+    buildah "${buildah_opts[@]}" rmi "$image" >/dev/null 2>&1 || true
+  fi
+  true
+}
+
+run_and_check() {
+  local grpc_port metrics_port workdir entrypoint healthcheck
+  workdir=$(mktemp -d)
+  grpc_port=$(free_port)
+  metrics_port=$(free_port)
+  ctr=$(buildah "${buildah_opts[@]}" from --pull=never "$image")
+
+  entrypoint=$(image_config Entrypoint)
+  [[ $entrypoint == '["attention-server"]' ]] || die "unexpected entrypoint $entrypoint"
+  [[ $(image_config User) == '"10001"' ]] || die "image does not run as user 10001"
+  image_config ExposedPorts | grep -q '"50051/tcp"' || die "50051 not exposed"
+  image_config ExposedPorts | grep -q '"9464/tcp"' || die "9464 not exposed"
+
+  # chroot isolation shares the host's network, so the ports are picked free
+  # on the host and handed over through the contract's ATTENTION_* variables.
+  log "starting the image's entrypoint on 127.0.0.1:$grpc_port (metrics :$metrics_port)"
+  buildah "${buildah_opts[@]}" run --isolation chroot \
+    --env ATTENTION_ADDRESS="127.0.0.1:$grpc_port" \
+    --env ATTENTION_METRICS_ADDRESS="127.0.0.1:$metrics_port" \
+    "$ctr" -- attention-server >"$workdir/server.log" 2>&1 &
+  server_pid=$!
+
+  healthcheck=$(image_config Healthcheck)
+  log "HEALTHCHECK: $healthcheck"
+  local probe
+  probe=$(/usr/bin/python3 -c 'import json,sys; t=json.loads(sys.argv[1])["Test"]; print(t[1] if t[0]=="CMD-SHELL" else "")' "$healthcheck")
+  [[ -n $probe ]] || die "HEALTHCHECK is not a shell command: $healthcheck"
+  local healthy=""
+  for _ in $(seq 60); do
+    if buildah "${buildah_opts[@]}" run --isolation chroot \
+        --env ATTENTION_ADDRESS="127.0.0.1:$grpc_port" "$ctr" -- sh -c "$probe" >/dev/null 2>&1; then
+      healthy=1; break
+    fi
+    kill -0 "$server_pid" 2>/dev/null || { cat "$workdir/server.log" >&2; die "server exited"; }
+    sleep 1
+  done
+  [[ -n $healthy ]] || { cat "$workdir/server.log" >&2; die "HEALTHCHECK never passed"; }
+  log "HEALTHCHECK passed"
+
+  buildah "${buildah_opts[@]}" run --isolation chroot "$ctr" -- \
+    attention-client models --target "127.0.0.1:$grpc_port" >"$workdir/models.json"
+  log "models served: $(tr -d '\n' <"$workdir/models.json" | head -c 400)"
+
+  cat >"$workdir/request.json" <<'JSON'
+{"model": "dot_product",
+ "queries": {"shape": [1, 2, 2], "data": [1, 0, 0, 1]},
+ "keys": {"shape": [1, 2, 2], "data": [1, 0, 0, 1]},
+ "values": {"shape": [1, 2, 1], "data": [10, 20]}}
+JSON
+  buildah "${buildah_opts[@]}" run --isolation chroot "$ctr" -- \
+    attention-client attend --target "127.0.0.1:$grpc_port" <"$workdir/request.json" >"$workdir/response.json"
+  log "Attend answered: $(tr -d '\n' <"$workdir/response.json")"
+  # softmax([1/sqrt2, 0]) . [10, 20] and its mirror image, computed here.
+  /usr/bin/python3 - "$workdir/response.json" <<'PY'
+import json, math, sys
+out = json.load(open(sys.argv[1]))["output"]
+assert [int(d) for d in out["shape"]] == [1, 2, 1], out["shape"]
+a = math.exp(1 / math.sqrt(2))
+expected = [(10 * a + 20) / (a + 1), (10 + 20 * a) / (a + 1)]
+got = out["data"]
+assert all(abs(g - e) < 1e-4 for g, e in zip(got, expected, strict=True)), (got, expected)
+PY
+
+  curl -fsS "http://127.0.0.1:$metrics_port/metrics" >"$workdir/metrics.txt"
+  grep -q '^attention_requests_total{.*model="dot_product".*} [1-9]' "$workdir/metrics.txt" ||
+    { grep '^attention_' "$workdir/metrics.txt" >&2 || true; die "/metrics does not count the Attend call"; }
+  log "/metrics counts the Attend call"
+
+  kill -TERM "$server_pid"
+  local rc=0
+  wait "$server_pid" || rc=$?
+  server_pid=""
+  [[ $rc == 0 ]] || { cat "$workdir/server.log" >&2; die "server exited $rc on SIGTERM"; }
+  log "server drained and exited 0 on SIGTERM"
+  rm -rf "$workdir"
+}
+
+[[ $(id -u) == 0 ]] || die "run as root (buildah chroot isolation and debootstrap need it)"
+ensure_tools
+seed_base_images
+[[ ${1:-} == --seed ]] && exit 0
+trap cleanup EXIT
+build_image
+run_and_check
+log "PASS"
