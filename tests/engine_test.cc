@@ -1,0 +1,241 @@
+// engine_test.cc: the engine against the plain reference, as properties.
+//
+// Random shapes (1, primes, tile edges), every mask form, causal, scale
+// override, the self-attention shorthand and every kind, at every thread count
+// from 1 to the machine's cores; and a ragged batch through Engine::Run must
+// equal each request computed alone.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "core/engine.h"
+#include "tests/reference_attention.h"
+
+namespace attention {
+namespace {
+
+using testing::ReferenceAttention;
+
+constexpr int64_t kSizes[] = {1, 2, 3, 5, 7, 13, 31, 64, 67};
+
+RowMatrix RandomMatrix(std::mt19937& rng, int64_t rows, int64_t cols) {
+  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(cols)));
+  RowMatrix m(rows, cols);
+  for (int64_t i = 0; i < m.size(); ++i) m.data()[i] = normal(rng);
+  return m;
+}
+
+Vector RandomVector(std::mt19937& rng, int64_t size) {
+  std::normal_distribution<float> normal(0.0f, 0.5f);
+  Vector v(size);
+  for (int64_t i = 0; i < size; ++i) v[i] = normal(rng);
+  return v;
+}
+
+// A model of `kind` with random weights for inputs of the given sizes.
+Model RandomModel(Kind kind, std::mt19937& rng, int64_t d_q, int64_t d_k, int64_t d_v) {
+  Model m;
+  m.kind = kind;
+  m.name = std::string(KindName(kind));
+  switch (kind) {
+    case Kind::kDotProduct:
+    case Kind::kDistance:
+      break;
+    case Kind::kAdditive: {
+      const int64_t hidden = 1 + rng() % 20;
+      m.query_size = d_q;
+      m.key_size = d_k;
+      m.w_q = RandomMatrix(rng, hidden, d_q);
+      m.w_k = RandomMatrix(rng, hidden, d_k);
+      m.w_v = RandomMatrix(rng, 1, hidden);
+      break;
+    }
+    case Kind::kBilinear:
+      m.query_size = d_q;
+      m.key_size = d_k;
+      m.w_k = RandomMatrix(rng, d_q, d_k);
+      break;
+    case Kind::kMultiHead: {
+      const int64_t heads = 1 + rng() % 4;
+      const int64_t width = heads * (1 + rng() % 9);
+      m.num_heads = heads;
+      m.query_size = d_q;
+      m.key_size = d_k;
+      m.value_size = d_v;
+      m.output_size = width;
+      m.w_q = RandomMatrix(rng, width, d_q);
+      m.w_k = RandomMatrix(rng, width, d_k);
+      m.w_v = RandomMatrix(rng, width, d_v);
+      m.w_o = RandomMatrix(rng, width, width);
+      m.b_q = RandomVector(rng, width);
+      m.b_k = RandomVector(rng, width);
+      m.b_v = RandomVector(rng, width);
+      m.b_o = RandomVector(rng, width);
+      break;
+    }
+  }
+  return m;
+}
+
+// A random request and the tensors it views.
+struct Case {
+  Tensor queries, keys, values;
+  std::vector<int32_t> valid_lens;
+  AttentionRequest request;
+};
+
+Tensor RandomTensor(std::mt19937& rng, int64_t b, int64_t n, int64_t d) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Tensor t{{b, n, d}, std::vector<float>(b * n * d)};
+  for (float& x : t.data) x = normal(rng);
+  return t;
+}
+
+std::unique_ptr<Case> RandomCase(std::mt19937& rng, Kind kind, Model& model) {
+  auto c = std::make_unique<Case>();
+  auto pick = [&] { return kSizes[rng() % std::size(kSizes)]; };
+  const int64_t batch = 1 + rng() % 3;
+  const int64_t n_q = pick();
+  const bool self = rng() % 4 == 0;
+  const int64_t n_k = self ? n_q : pick();
+  const int64_t d_q = pick();
+  const bool same_d = kind == Kind::kDotProduct || kind == Kind::kDistance || self;
+  const int64_t d_k = same_d ? d_q : pick();
+  const int64_t d_v = self ? d_k : pick();
+  model = RandomModel(kind, rng, d_q, d_k, d_v);
+
+  c->queries = RandomTensor(rng, batch, n_q, d_q);
+  c->request.queries = c->queries.view();
+  if (!self) {
+    c->keys = RandomTensor(rng, batch, n_k, d_k);
+    c->values = RandomTensor(rng, batch, n_k, d_v);
+    c->request.keys = c->keys.view();
+    c->request.values = c->values.view();
+  }
+  switch (rng() % 3) {
+    case 0:
+      break;
+    case 1:
+      for (int64_t b = 0; b < batch; ++b) c->valid_lens.push_back(rng() % (n_k + 3));
+      break;
+    case 2:
+      for (int64_t i = 0; i < batch * n_q; ++i) c->valid_lens.push_back(rng() % (n_k + 3));
+      break;
+  }
+  c->request.valid_lens = c->valid_lens;
+  c->request.causal = rng() % 2 == 0;
+  c->request.return_attention_weights = rng() % 2 == 0;
+  if (kind != Kind::kAdditive && rng() % 4 == 0) c->request.scale = 0.1f + (rng() % 20) * 0.1f;
+  return c;
+}
+
+void ExpectNear(const Tensor& actual, const Tensor& expected, const char* what) {
+  ASSERT_EQ(actual.shape, expected.shape) << what;
+  int reported = 0;
+  for (size_t i = 0; i < expected.data.size(); ++i) {
+    const float tolerance = 1e-5f + 1e-4f * std::abs(expected.data[i]);
+    if (std::abs(actual.data[i] - expected.data[i]) > tolerance && reported++ < 5) {
+      ADD_FAILURE() << what << "[" << i << "]: expected " << expected.data[i] << ", got "
+                    << actual.data[i];
+    }
+  }
+}
+
+class EngineVsReference : public ::testing::TestWithParam<Kind> {};
+
+TEST_P(EngineVsReference, RandomRequestsAtEveryThreadCount) {
+  const int cores = std::max(1u, std::thread::hardware_concurrency());
+  std::mt19937 rng(1234 + static_cast<int>(GetParam()));
+  for (int threads = 1; threads <= cores; ++threads) {
+    Engine engine(EngineOptions{threads});
+    for (int trial = 0; trial < 40; ++trial) {
+      Model model;
+      auto c = RandomCase(rng, GetParam(), model);
+      SCOPED_TRACE(::testing::Message()
+                   << "threads " << threads << " trial " << trial << " shape q "
+                   << c->queries.shape[0] << "x" << c->queries.shape[1] << "x"
+                   << c->queries.shape[2] << " lens " << c->valid_lens.size() << " causal "
+                   << c->request.causal);
+      absl::StatusOr<AttentionResult> result = engine.Attend(model, c->request);
+      ASSERT_TRUE(result.ok()) << result.status();
+      const AttentionResult expected = ReferenceAttention(model, c->request);
+      ExpectNear(result->output, expected.output, "output");
+      if (c->request.return_attention_weights) {
+        ExpectNear(result->attention_weights, expected.attention_weights, "weights");
+      } else {
+        EXPECT_TRUE(result->attention_weights.data.empty());
+      }
+    }
+  }
+}
+
+TEST_P(EngineVsReference, RaggedBatchEqualsEachRequestAlone) {
+  std::mt19937 rng(99 + static_cast<int>(GetParam()));
+  Engine engine;
+  for (int trial = 0; trial < 10; ++trial) {
+    // One model; requests of different B, n_q and n_k (same feature sizes).
+    Model model;
+    auto first = RandomCase(rng, GetParam(), model);
+    std::vector<std::unique_ptr<Case>> cases;
+    cases.push_back(std::move(first));
+    const int64_t d_q = cases[0]->queries.shape[2];
+    const int64_t d_k = cases[0]->request.keys ? cases[0]->keys.shape[2] : d_q;
+    const int64_t d_v = cases[0]->request.values ? cases[0]->values.shape[2] : d_k;
+    for (int extra = 0; extra < 4; ++extra) {
+      auto c = std::make_unique<Case>();
+      const int64_t batch = 1 + rng() % 3, n_q = kSizes[rng() % 9], n_k = kSizes[rng() % 9];
+      c->queries = RandomTensor(rng, batch, n_q, d_q);
+      c->keys = RandomTensor(rng, batch, n_k, d_k);
+      c->values = RandomTensor(rng, batch, n_k, d_v);
+      c->request.queries = c->queries.view();
+      c->request.keys = c->keys.view();
+      c->request.values = c->values.view();
+      for (int64_t b = 0; b < batch; ++b) c->valid_lens.push_back(rng() % (n_k + 1));
+      c->request.valid_lens = c->valid_lens;
+      c->request.causal = extra % 2 == 1;
+      c->request.return_attention_weights = extra % 3 == 0;
+      cases.push_back(std::move(c));
+    }
+    std::vector<ValidatedRequest> batch;
+    for (const auto& c : cases) {
+      absl::StatusOr<AttentionDims> dims = Validate(model, c->request);
+      ASSERT_TRUE(dims.ok()) << dims.status();
+      batch.push_back({&c->request, *dims});
+    }
+    std::vector<AttentionResult> results(batch.size());
+    engine.Run(model, batch, results);
+    for (size_t r = 0; r < cases.size(); ++r) {
+      SCOPED_TRACE(::testing::Message() << "trial " << trial << " request " << r);
+      absl::StatusOr<AttentionResult> alone = engine.Attend(model, cases[r]->request);
+      ASSERT_TRUE(alone.ok());
+      ExpectNear(results[r].output, alone->output, "output");
+      ExpectNear(results[r].attention_weights, alone->attention_weights, "weights");
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllKinds, EngineVsReference,
+                         ::testing::Values(Kind::kDotProduct, Kind::kDistance, Kind::kAdditive,
+                                           Kind::kBilinear, Kind::kMultiHead),
+                         [](const auto& info) { return std::string(KindName(info.param)); });
+
+TEST(Engine, ValidLenZeroGivesUniformWeights) {
+  Tensor q{{1, 2, 3}, {1, 2, 3, 4, 5, 6}};
+  Tensor k{{1, 4, 3}, {9, 1, 0, 2, 2, 2, -1, 0, 5, 3, 3, 3}};
+  Tensor v{{1, 4, 2}, {1, 10, 2, 20, 3, 30, 4, 40}};
+  const std::vector<int32_t> lens = {0};
+  AttentionRequest request{q.view(), k.view(), v.view(), lens, false, true, std::nullopt};
+  Engine engine;
+  absl::StatusOr<AttentionResult> result = engine.Attend(DotProductModel(), request);
+  ASSERT_TRUE(result.ok());
+  for (float w : result->attention_weights.data) EXPECT_FLOAT_EQ(w, 0.25f);
+  EXPECT_FLOAT_EQ(result->output.data[0], 2.5f);
+  EXPECT_FLOAT_EQ(result->output.data[1], 25.0f);
+}
+
+}  // namespace
+}  // namespace attention
