@@ -22,6 +22,7 @@ build_packages=(
   openssl curl
   python3 python3-numpy python3-grpcio python3-grpc-tools python3-matplotlib python3-protobuf
   grpc-proto
+  prometheus python3-yaml
 )
 
 if [[ "${1:-}" == "--runtime" ]]; then
