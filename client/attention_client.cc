@@ -1,0 +1,143 @@
+// attention_client.cc: AttentionClient (see attention_client.h). Blocking
+// calls use the callback API and wait on it: the Await() bridge of gRPC's
+// callback examples.
+#include "client/attention_client.h"
+
+#include <condition_variable>
+#include <mutex>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/channel.h"
+
+namespace attention::client {
+namespace {
+
+using attention::v1::AttendRequest;
+using attention::v1::AttendResponse;
+using attention::v1::ListModelsRequest;
+using attention::v1::ListModelsResponse;
+using grpc::health::v1::HealthCheckRequest;
+using grpc::health::v1::HealthCheckResponse;
+
+// Blocks a thread until one callback-API call reports its status.
+class CallAwaiter {
+ public:
+  std::function<void(grpc::Status)> Done() {
+    return [this](grpc::Status status) {
+      std::lock_guard<std::mutex> lock(mu_);
+      status_ = std::move(status);
+      done_ = true;
+      cv_.notify_one();
+    };
+  }
+
+  grpc::Status Await() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return done_; });
+    return status_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  grpc::Status status_;
+};
+
+// What an AttendAsync call keeps alive until it ends; deletes itself then.
+struct AsyncAttendCall {
+  grpc::ClientContext context;
+  AttendResponse response;
+  AttentionClient::AttendCallback done;
+};
+
+}  // namespace
+
+absl::Status ToAbslStatus(const grpc::Status& status) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      status.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
+    ClientOptions options) {
+  if (options.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "timeout must be positive; was ", absl::FormatDuration(options.timeout)));
+  }
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = CreateChannel(options);
+  if (!channel.ok()) return channel.status();
+  return std::unique_ptr<AttentionClient>(
+      new AttentionClient(std::move(options), *std::move(channel)));
+}
+
+AttentionClient::AttentionClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(attention::v1::AttentionService::NewStub(channel_)),
+      health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
+
+void AttentionClient::Prepare(grpc::ClientContext& context, absl::Duration timeout) const {
+  if (timeout != absl::InfiniteDuration()) {
+    context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  }
+  if (!options_.token.empty()) {
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", options_.token));
+  }
+}
+
+absl::StatusOr<AttendResponse> AttentionClient::Attend(const AttendRequest& request) {
+  return Attend(request, options_.timeout);
+}
+
+absl::StatusOr<AttendResponse> AttentionClient::Attend(const AttendRequest& request,
+                                                       absl::Duration timeout) {
+  grpc::ClientContext context;
+  Prepare(context, timeout);
+  AttendResponse response;
+  CallAwaiter awaiter;
+  stub_->async()->Attend(&context, &request, &response, awaiter.Done());
+  if (grpc::Status status = awaiter.Await(); !status.ok()) return ToAbslStatus(status);
+  return response;
+}
+
+void AttentionClient::AttendAsync(const AttendRequest* request, AttendCallback done) {
+  auto* call = new AsyncAttendCall;
+  call->done = std::move(done);
+  Prepare(call->context, options_.timeout);
+  stub_->async()->Attend(&call->context, request, &call->response,
+                         [call](grpc::Status status) {
+                           if (status.ok()) {
+                             call->done(std::move(call->response));
+                           } else {
+                             call->done(ToAbslStatus(status));
+                           }
+                           delete call;
+                         });
+}
+
+absl::StatusOr<ListModelsResponse> AttentionClient::ListModels() {
+  grpc::ClientContext context;
+  Prepare(context, options_.timeout);
+  ListModelsRequest request;
+  ListModelsResponse response;
+  CallAwaiter awaiter;
+  stub_->async()->ListModels(&context, &request, &response, awaiter.Done());
+  if (grpc::Status status = awaiter.Await(); !status.ok()) return ToAbslStatus(status);
+  return response;
+}
+
+absl::StatusOr<HealthCheckResponse::ServingStatus> AttentionClient::Health(
+    const std::string& service) {
+  grpc::ClientContext context;
+  Prepare(context, options_.timeout);
+  HealthCheckRequest request;
+  request.set_service(service);
+  HealthCheckResponse response;
+  CallAwaiter awaiter;
+  health_stub_->async()->Check(&context, &request, &response, awaiter.Done());
+  if (grpc::Status status = awaiter.Await(); !status.ok()) return ToAbslStatus(status);
+  return response.status();
+}
+
+}  // namespace attention::client

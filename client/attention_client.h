@@ -1,0 +1,84 @@
+// attention_client.h: a small typed client for attention.v1.AttentionService.
+//
+// Wraps the generated stub with what every caller would otherwise repeat:
+//   - a deadline on every call (counted across its retries);
+//   - TLS (server CA, optional client certificate) and a bearer token, sent as
+//     `authorization: Bearer <token>`;
+//   - several servers in one channel, balanced by gRPC's own `round_robin`
+//     policy (see target.h for how a HOST:PORT list becomes one target);
+//   - retries with exponential backoff on UNAVAILABLE only, done by gRPC's
+//     retry policy in the channel's service config. UNAVAILABLE means the
+//     call did not run (no server, or the server went away), so repeating it
+//     is safe; every other code is the server's answer and is returned as is.
+//
+// Use it when you want one answer per call with errors as values. Calls are
+// thread-safe; one client (one channel) is meant to be shared.
+//
+//   absl::StatusOr<std::unique_ptr<AttentionClient>> client =
+//       AttentionClient::Create({.target = "127.0.0.1:50051,127.0.0.1:50052"});
+//   if (!client.ok()) return client.status();
+//   absl::StatusOr<attention::v1::AttendResponse> response = (*client)->Attend(request);
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attention.grpc.pb.h"
+#include "client/client_options.h"
+#include "health.grpc.pb.h"
+
+namespace attention::client {
+
+class AttentionClient {
+ public:
+  // Builds the channel; it connects lazily, on the first call. Errors
+  // (INVALID_ARGUMENT) name the option and the value at fault; an unreadable
+  // TLS file is NOT_FOUND with its path.
+  static absl::StatusOr<std::unique_ptr<AttentionClient>> Create(ClientOptions options);
+
+  AttentionClient(const AttentionClient&) = delete;
+  AttentionClient& operator=(const AttentionClient&) = delete;
+
+  // One Attend call; blocks until its answer. `timeout` overrides the
+  // client's default deadline for this call.
+  absl::StatusOr<attention::v1::AttendResponse> Attend(
+      const attention::v1::AttendRequest& request);
+  absl::StatusOr<attention::v1::AttendResponse> Attend(
+      const attention::v1::AttendRequest& request, absl::Duration timeout);
+
+  // Starts an Attend call and returns at once; `done` runs on a gRPC thread
+  // when the call ends. `request` is not copied: the caller owns it and keeps
+  // it alive until `done` has run. `done` may start further calls.
+  using AttendCallback = std::function<void(absl::StatusOr<attention::v1::AttendResponse>)>;
+  void AttendAsync(const attention::v1::AttendRequest* request, AttendCallback done);
+
+  absl::StatusOr<attention::v1::ListModelsResponse> ListModels();
+
+  // grpc.health.v1.Health/Check for `service` ("" = the whole server).
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
+      const std::string& service = "");
+
+  // The channel, for callers that need another stub on the same connections.
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+
+ private:
+  AttentionClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+
+  // Deadline and credentials every call carries.
+  void Prepare(grpc::ClientContext& context, absl::Duration timeout) const;
+
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<attention::v1::AttentionService::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+};
+
+// gRPC's status as an absl::Status: the codes are the same numbers.
+absl::Status ToAbslStatus(const grpc::Status& status);
+
+}  // namespace attention::client

@@ -1,0 +1,42 @@
+// commands.h: the subcommands of attention-client, each a function from its
+// options to the process exit code (0 success, 1 the server said no or is
+// not serving, 2 bad input). Errors go to stderr; results to stdout.
+#pragma once
+
+#include <string>
+
+#include "client/attention_client.h"
+#include "client/load_generator.h"
+#include "client/request_generator.h"
+
+namespace attention::client {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailed = 1;
+inline constexpr int kExitBadInput = 2;
+
+// Prints the models as a table, or as a ListModelsResponse in proto JSON.
+int RunModels(AttentionClient& client, bool json);
+
+// Prints the serving status of `service` ("" = the server); 0 only if SERVING.
+int RunHealth(AttentionClient& client, const std::string& service);
+
+// Sends the AttendRequest read (proto JSON) from `input` ("-" = stdin);
+// prints the AttendResponse as proto JSON.
+int RunAttend(AttentionClient& client, const std::string& input, bool pretty);
+
+struct BenchCommand {
+  std::string target;  // for the report
+  LoadOptions load;
+  // The request file (proto JSON); empty: one generated from `shape`.
+  std::string request_file;
+  GeneratedRequestShape shape;
+  bool json = false;
+};
+
+// Runs the load; prints the report (or only the JSON object with `json`),
+// and a progress line on stderr when stderr is a terminal. 1 when no call
+// succeeded.
+int RunBench(AttentionClient& client, const BenchCommand& command);
+
+}  // namespace attention::client
