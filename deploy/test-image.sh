@@ -8,12 +8,15 @@
 #   deploy/test-image.sh           seed (once), build, run, check, clean up
 #   deploy/test-image.sh --seed    only seed the base images
 #   KEEP_IMAGE=1 deploy/test-image.sh   keep the built image afterwards
+#   BUILD_CONTEXT=DIR deploy/test-image.sh   build another tree (e.g. a
+#     `git archive HEAD` export) instead of this working tree
 #
 # Needs root (buildah with chroot isolation, debootstrap), about 15 GB of disk
 # and, on 2 cores, most of an hour: the build stage compiles the server twice.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
+context=${BUILD_CONTEXT:-$repo}
 image=localhost/attention-server:test
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 seed_dir=${SEED_DIR:-/var/tmp/attention-seed}
@@ -110,7 +113,7 @@ build_image() {
   log "building $image (buildah bud, chroot isolation)"
   local start=$SECONDS
   nice buildah "${buildah_opts[@]}" bud --pull=never --isolation chroot --format docker \
-    --layers -t "$image" -f "$repo/Dockerfile" "$repo"
+    --layers -t "$image" -f "$context/Dockerfile" "$context"
   log "image built in $((SECONDS - start)) s"
 }
 

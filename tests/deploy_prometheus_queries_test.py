@@ -251,7 +251,8 @@ def main():
         # Traffic: successful requests that get batched, and one for a model
         # that does not exist (a NOT_FOUND in attention_requests_total).
         bench = run_client(args.client, ["bench", "--target", grpc_target, "--model", "dot_product",
-                                         "--requests", "400", "--concurrency", "8"], deadline)
+                                         "--concurrency", "8", "--duration", "2", "--warmup", "0"],
+                           deadline)
         if bench.returncode != 0:
             raise Failure(f"attention-client bench failed: {bench.stderr}")
         missing = run_client(args.client, ["attend", "--target", grpc_target], deadline, stdin=json.dumps({
