@@ -1,0 +1,99 @@
+// attention_service.h: the attention.v1.AttentionService implementation.
+//
+// Built on gRPC's callback API: no thread waits on a call. A request is
+// authenticated, resolved to its model, validated (core's Validate(), which
+// names the faulty field) and queued in its model's Batcher, all inside the
+// RPC handler; anything wrong is answered there, before any work is queued.
+// Each model's batcher thread runs merged batches through Engine::Run and
+// answers every request of the batch: Attend finishes its default reactor,
+// AttendStream hands the answer to its stream's reactor, which writes answers
+// in request order and keeps going after a bad request.
+//
+// Shutdown: StopAccepting() refuses new requests (UNAVAILABLE); Drain()
+// answers every queued one; the destructor drains too.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attention.grpc.pb.h"
+#include "core/engine.h"
+#include "core/request.h"
+#include "grpcpp/grpcpp.h"
+#include "server/metrics.h"
+#include "server/model_repository.h"
+
+namespace attention::server {
+
+struct ServiceOptions {
+  // Per-request size caps, checked by validation.
+  Limits limits;
+  // Batching, per model (see Batcher::Options).
+  int max_batch_size = 8;
+  int64_t max_queue_delay_us = 1000;
+  int queue_capacity = 256;
+  // Accepted bearer tokens; empty: no authentication. Never logged.
+  std::vector<std::string> auth_tokens;
+};
+
+class AttentionService final : public v1::AttentionService::CallbackService {
+ public:
+  // Starts one batcher per model of `repository`. `repository`, `engine` and
+  // `metrics` are not owned and must outlive the service. INVALID_ARGUMENT for
+  // out-of-range batching options.
+  static absl::StatusOr<std::unique_ptr<AttentionService>> Create(
+      const ModelRepository* repository, Engine* engine, ServerMetrics* metrics,
+      ServiceOptions options);
+  ~AttentionService() override;
+
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
+                                   const v1::AttendRequest* request,
+                                   v1::AttendResponse* response) override;
+  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
+                                       const v1::ListModelsRequest* request,
+                                       v1::ListModelsResponse* response) override;
+
+  // Every request from now on is refused with UNAVAILABLE.
+  void StopAccepting();
+  // Answers every queued request, then stops the batchers. Idempotent.
+  void Drain();
+
+  // Implementation details follow.
+
+ private:
+  struct Task;
+  struct ModelQueue;
+  class StreamReactor;
+  // Receives a request's answer exactly once; `result` is set iff status is OK
+  // and valid only during the call.
+  using Done = std::function<void(const absl::Status& status, const AttentionResult* result)>;
+
+  AttentionService(const ModelRepository* repository, Engine* engine, ServerMetrics* metrics,
+                   ServiceOptions options);
+
+  // Answers `request` through `done`, now (when it is refused) or from the
+  // model's batcher thread. `request` must stay alive until `done` runs.
+  void Submit(grpc::CallbackServerContext* context, const v1::AttendRequest& request, Done done);
+  absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
+  void ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch);
+  void DropTask(ModelQueue& queue, std::unique_ptr<Task> task, const absl::Status& why);
+  // Counts, logs and answers `task`.
+  void Answer(Task& task, const absl::Status& status, const AttentionResult* result);
+
+  const ModelRepository* const repository_;  // not owned
+  Engine* const engine_;                     // not owned
+  ServerMetrics* const metrics_;             // not owned
+  const ServiceOptions options_;
+  std::atomic<bool> accepting_{true};
+  std::vector<std::unique_ptr<ModelQueue>> queues_;  // one per model, in repository order
+};
+
+}  // namespace attention::server

@@ -1,0 +1,80 @@
+// metrics.cc: metric families and their per-model series.
+#include "server/metrics.h"
+
+#include "absl/status/status.h"
+
+namespace attention::server {
+namespace {
+
+// 50 us to 10 s in 1-2.5-5 steps: fine where small requests live, wide enough
+// for the largest ones.
+const prometheus::Histogram::BucketBoundaries& DurationBuckets() {
+  static const auto* const buckets = new prometheus::Histogram::BucketBoundaries{
+      50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
+      50e-3, 100e-3, 250e-3, 500e-3, 1.0,  2.5,    5.0,  10.0};
+  return *buckets;
+}
+
+// 1, 2, 4, ... up to and including max_batch_size.
+prometheus::Histogram::BucketBoundaries BatchSizeBuckets(int max_batch_size) {
+  prometheus::Histogram::BucketBoundaries buckets;
+  for (int size = 1; size < max_batch_size; size *= 2) buckets.push_back(size);
+  buckets.push_back(max_batch_size);
+  return buckets;
+}
+
+}  // namespace
+
+ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_batch_size)
+    : registry_(std::make_shared<prometheus::Registry>()) {
+  requests_ = &prometheus::BuildCounter()
+                   .Name("attention_requests_total")
+                   .Help("Answered attention requests by model and gRPC status code")
+                   .Register(*registry_);
+  auto& request_duration = prometheus::BuildHistogram()
+                               .Name("attention_request_duration_seconds")
+                               .Help("Time from a request's arrival to its answer")
+                               .Register(*registry_);
+  auto& queue_duration = prometheus::BuildHistogram()
+                             .Name("attention_queue_duration_seconds")
+                             .Help("Time a request waited in its model's batching queue")
+                             .Register(*registry_);
+  auto& compute_duration = prometheus::BuildHistogram()
+                               .Name("attention_compute_duration_seconds")
+                               .Help("Duration of the engine execution that computed a request")
+                               .Register(*registry_);
+  auto& batch_size = prometheus::BuildHistogram()
+                         .Name("attention_batch_size")
+                         .Help("Requests merged into one engine execution")
+                         .Register(*registry_);
+  auto& queue_depth = prometheus::BuildGauge()
+                          .Name("attention_queue_depth")
+                          .Help("Requests waiting in a model's batching queue")
+                          .Register(*registry_);
+  inflight_ = &prometheus::BuildGauge()
+                   .Name("attention_inflight_requests")
+                   .Help("Requests accepted and not yet answered")
+                   .Register(*registry_)
+                   .Add({});
+  for (const std::string& model : models) {
+    const prometheus::Labels labels{{"model", model}};
+    models_.emplace(model,
+                    ModelMetrics{&request_duration.Add(labels, DurationBuckets()),
+                                 &queue_duration.Add(labels, DurationBuckets()),
+                                 &compute_duration.Add(labels, DurationBuckets()),
+                                 &batch_size.Add(labels, BatchSizeBuckets(max_batch_size)),
+                                 &queue_depth.Add(labels)});
+  }
+}
+
+ModelMetrics* ServerMetrics::ForModel(std::string_view model) {
+  auto it = models_.find(model);
+  return it == models_.end() ? nullptr : &it->second;
+}
+
+void ServerMetrics::CountRequest(std::string_view model, absl::StatusCode code) {
+  requests_->Add({{"model", std::string(model)}, {"code", absl::StatusCodeToString(code)}})
+      .Increment();
+}
+
+}  // namespace attention::server

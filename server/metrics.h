@@ -1,0 +1,65 @@
+// metrics.h: the Prometheus metrics of attention-server (names per contract).
+//
+//   attention_requests_total{model,code}       counter; code is the gRPC status
+//                                               name ("OK", "INVALID_ARGUMENT"...)
+//   attention_request_duration_seconds{model}  arrival to answer
+//   attention_queue_duration_seconds{model}    time in the batcher's queue
+//   attention_compute_duration_seconds{model}  the execution that computed it
+//   attention_batch_size{model}                requests per engine execution
+//   attention_queue_depth{model}               requests waiting now
+//   attention_inflight_requests                requests accepted, not answered
+//
+// `model` is a served model's name, or empty for a request naming no served
+// model, so clients cannot create label values at will. Durations use buckets
+// from 50 us to 10 s.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace attention::server {
+
+// The series of one model, created up front so the hot path only observes.
+struct ModelMetrics {
+  prometheus::Histogram* request_duration;
+  prometheus::Histogram* queue_duration;
+  prometheus::Histogram* compute_duration;
+  prometheus::Histogram* batch_size;
+  prometheus::Gauge* queue_depth;
+};
+
+class ServerMetrics {
+ public:
+  // Series for every name in `models`; batch sizes bucketed up to max_batch_size.
+  ServerMetrics(const std::vector<std::string>& models, int max_batch_size);
+
+  // nullptr for a name not given to the constructor.
+  ModelMetrics* ForModel(std::string_view model);
+  // Counts one answered request; `model` as in ForModel, or "" for none.
+  void CountRequest(std::string_view model, absl::StatusCode code);
+  prometheus::Gauge& inflight() { return *inflight_; }
+
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Gauge* inflight_;
+  std::map<std::string, ModelMetrics, std::less<>> models_;
+};
+
+// Seconds, as Prometheus wants them.
+inline double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+}  // namespace attention::server

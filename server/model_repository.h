@@ -1,0 +1,43 @@
+// model_repository.h: the models a server runs, found by name.
+//
+// The built-ins (dot_product, distance) are always present. Every
+// `*.safetensors` file of the repository directory becomes the model named by
+// its stem; a file that is not a valid model is skipped and its reason kept
+// for the caller to report (or, when strict, fails the whole load).
+//
+//   std::vector<absl::Status> skipped;
+//   auto repository = ModelRepository::Load("models", /*strict=*/false, &skipped);
+//   const Model* model = repository->Find("mha_small");
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/model.h"
+
+namespace attention::server {
+
+class ModelRepository {
+ public:
+  // Built-ins plus every model file of `directory` (none when nullopt), in
+  // name order. NOT_FOUND when the directory does not exist. A bad file is
+  // appended to `skipped` (its name and reason), or, with `strict`, is the
+  // returned error.
+  static absl::StatusOr<ModelRepository> Load(const std::optional<std::filesystem::path>& directory,
+                                               bool strict, std::vector<absl::Status>* skipped);
+
+  // nullptr when there is no model of that name.
+  const Model* Find(std::string_view name) const;
+  // Stable addresses for the repository's lifetime.
+  const std::vector<std::unique_ptr<Model>>& models() const { return models_; }
+
+ private:
+  std::vector<std::unique_ptr<Model>> models_;  // built-ins first, then files by name
+};
+
+}  // namespace attention::server

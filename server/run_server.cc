@@ -1,0 +1,261 @@
+// run_server.cc: attention-server's life from start-up to exit.
+#include "server/run_server.h"
+
+#include <signal.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "core/engine.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "prometheus/exposer.h"
+#include "server/attention_service.h"
+#include "server/logging.h"
+#include "server/metrics.h"
+#include "server/model_repository.h"
+#include "spdlog/spdlog.h"
+
+namespace attention::server {
+namespace {
+
+constexpr char kServiceName[] = "attention.v1.AttentionService";
+
+absl::StatusOr<std::string> ReadFile(const std::string& flag, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(flag, " ", path, ": cannot open the file"));
+  std::ostringstream contents;
+  contents << in.rdbuf();
+  return contents.str();
+}
+
+// One token per line; blank lines and lines starting with '#' are skipped.
+absl::StatusOr<std::vector<std::string>> ReadTokens(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFile("--auth-token-file", path);
+  if (!text.ok()) return text.status();
+  std::vector<std::string> tokens;
+  for (absl::string_view line : absl::StrSplit(*text, '\n')) {
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty() || line.front() == '#') continue;
+    tokens.emplace_back(line);
+  }
+  if (tokens.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--auth-token-file ", path, " holds no token; every request would be refused"));
+  }
+  return tokens;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const ServerConfig& config) {
+  if (config.tls_cert.empty() != config.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key must be given together");
+  }
+  if (config.tls_cert.empty()) {
+    if (!config.tls_client_ca.empty()) {
+      return absl::InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  absl::StatusOr<std::string> key = ReadFile("--tls-key", config.tls_key);
+  if (!key.ok()) return key.status();
+  absl::StatusOr<std::string> cert = ReadFile("--tls-cert", config.tls_cert);
+  if (!cert.ok()) return cert.status();
+  options.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});
+  if (!config.tls_client_ca.empty()) {
+    absl::StatusOr<std::string> ca = ReadFile("--tls-client-ca", config.tls_client_ca);
+    if (!ca.ok()) return ca.status();
+    options.pem_root_certs = *std::move(ca);
+    options.client_certificate_request =
+        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(options);
+}
+
+// "0.0.0.0:0" with port 51234 bound -> "0.0.0.0:51234".
+std::string WithPort(const std::string& address, int port) {
+  const size_t colon = address.rfind(':');
+  return absl::StrCat(address.substr(0, colon == std::string::npos ? address.size() : colon), ":",
+                      port);
+}
+
+bool IsLoopback(const std::string& address) {
+  return absl::StartsWith(address, "127.") || absl::StartsWith(address, "localhost:") ||
+         absl::StartsWith(address, "[::1]");
+}
+
+// Written to a temporary name first, so a reader never sees half a file.
+absl::Status WritePortFile(const std::string& path, const std::string& grpc_address,
+                           const std::string& metrics_address) {
+  const std::string temporary = path + ".tmp";
+  {
+    std::ofstream out(temporary);
+    out << "grpc " << grpc_address << "\n";
+    if (!metrics_address.empty()) out << "metrics " << metrics_address << "\n";
+    if (!out) return absl::UnavailableError(absl::StrCat("--port-file ", path, ": cannot write"));
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    return absl::UnavailableError(absl::StrCat("--port-file ", path, ": cannot rename into place"));
+  }
+  return absl::OkStatus();
+}
+
+std::string Describe(const Model& model) {
+  if (model.query_size == 0) return absl::StrCat(std::string(KindName(model.kind)), ", any sizes");
+  std::string sizes = absl::StrCat(std::string(KindName(model.kind)), ", d_q=", model.query_size,
+                                   " d_k=", model.key_size);
+  if (model.value_size != 0) absl::StrAppend(&sizes, " d_v=", model.value_size);
+  if (model.num_heads != 0) {
+    absl::StrAppend(&sizes, " heads=", model.num_heads, " E=", model.output_size);
+  }
+  return sizes;
+}
+
+int Fail(const absl::Status& status) {
+  spdlog::critical("cannot start: {}", status.ToString());
+  return 1;
+}
+
+}  // namespace
+
+int RunServer(const ServerConfig& config) {
+  // Blocked before any thread exists, so every thread inherits the mask and
+  // only the sigwait() below receives these signals.
+  sigset_t termination;
+  sigemptyset(&termination);
+  sigaddset(&termination, SIGTERM);
+  sigaddset(&termination, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &termination, nullptr);
+
+  if (absl::Status s = ConfigureLogging(config.log_level, config.log_format); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 2;
+  }
+
+  ServiceOptions service_options;
+  service_options.limits.max_request_elements = config.max_request_elements;
+  service_options.max_batch_size = config.max_batch_size;
+  service_options.max_queue_delay_us = config.max_queue_delay_us;
+  service_options.queue_capacity = config.queue_capacity;
+  if (!config.auth_token_file.empty()) {
+    absl::StatusOr<std::vector<std::string>> tokens = ReadTokens(config.auth_token_file);
+    if (!tokens.ok()) return Fail(tokens.status());
+    service_options.auth_tokens = *std::move(tokens);
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = Credentials(config);
+  if (!credentials.ok()) return Fail(credentials.status());
+
+  std::vector<absl::Status> skipped;
+  std::optional<std::filesystem::path> directory;
+  if (!config.model_repository.empty()) directory = config.model_repository;
+  absl::StatusOr<ModelRepository> repository =
+      ModelRepository::Load(directory, config.strict, &skipped);
+  if (!repository.ok()) return Fail(repository.status());
+  for (const absl::Status& problem : skipped) {
+    spdlog::error("model skipped: {}", std::string(problem.message()));
+  }
+
+  std::vector<std::string> model_names;
+  for (const auto& model : repository->models()) model_names.push_back(model->name);
+  ServerMetrics metrics(model_names, config.max_batch_size);
+  Engine engine(EngineOptions{.num_threads = config.threads});
+  absl::StatusOr<std::unique_ptr<AttentionService>> service =
+      AttentionService::Create(&*repository, &engine, &metrics, service_options);
+  if (!service.ok()) return Fail(service.status());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(config.address, *credentials, &port);
+  builder.RegisterService(service->get());
+  builder.SetMaxReceiveMessageSize(config.max_message_bytes);
+  if (config.max_connection_age_seconds > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               static_cast<int>(std::min<int64_t>(
+                                   config.max_connection_age_seconds * 1000, INT32_MAX)));
+  }
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    return Fail(absl::UnavailableError(
+        absl::StrCat("cannot listen on --address ", config.address, " (in use or invalid)")));
+  }
+  const std::string grpc_address = WithPort(config.address, port);
+
+  std::unique_ptr<prometheus::Exposer> exposer;
+  std::string metrics_address;
+  if (!config.metrics_address.empty()) {
+    try {
+      exposer = std::make_unique<prometheus::Exposer>(config.metrics_address);
+    } catch (const std::exception& e) {
+      server->Shutdown();
+      return Fail(absl::UnavailableError(absl::StrCat(
+          "cannot listen on --metrics-address ", config.metrics_address, ": ", e.what())));
+    }
+    exposer->RegisterCollectable(metrics.registry());
+    const std::vector<int> ports = exposer->GetListeningPorts();
+    metrics_address = WithPort(config.metrics_address, ports.empty() ? 0 : ports.front());
+  }
+
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  health->SetServingStatus(true);
+  health->SetServingStatus(kServiceName, true);
+
+  spdlog::info("listening on {} ({}{})", grpc_address,
+               config.tls_cert.empty() ? "plaintext"
+                                       : (config.tls_client_ca.empty() ? "TLS" : "mutual TLS"),
+               service_options.auth_tokens.empty() ? "" : ", bearer tokens required");
+  if (config.tls_cert.empty() && !service_options.auth_tokens.empty() &&
+      !IsLoopback(config.address)) {
+    spdlog::warn("bearer tokens travel in plaintext: set --tls-cert and --tls-key");
+  }
+  if (exposer) spdlog::info("metrics on {}/metrics", metrics_address);
+  spdlog::info("batching: --max-batch-size {} --max-queue-delay-us {} --queue-capacity {}; "
+               "engine threads {}; --max-message-bytes {} --max-request-elements {}",
+               config.max_batch_size, config.max_queue_delay_us, config.queue_capacity,
+               engine.num_threads(), config.max_message_bytes, config.max_request_elements);
+  spdlog::info("serving {} models:", repository->models().size());
+  for (const auto& model : repository->models()) {
+    spdlog::info("  model {} ({})", model->name, Describe(*model));
+  }
+  if (!config.port_file.empty()) {
+    if (absl::Status s = WritePortFile(config.port_file, grpc_address, metrics_address); !s.ok()) {
+      server->Shutdown();
+      return Fail(s);
+    }
+  }
+
+  int signal_number = 0;
+  sigwait(&termination, &signal_number);
+  spdlog::info("{} received: draining for up to {} s", signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
+               config.shutdown_grace_seconds);
+  health->SetServingStatus(false);
+  health->SetServingStatus(kServiceName, false);
+  (*service)->StopAccepting();
+  // Returns once every call is finished; calls still open at the deadline
+  // are cancelled, which the batchers answer without computing.
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(config.shutdown_grace_seconds)));
+  (*service)->Drain();
+  server->Wait();
+  spdlog::info("stopped");
+  return 0;
+}
+
+}  // namespace attention::server

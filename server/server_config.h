@@ -1,0 +1,56 @@
+// server_config.h: everything an operator can set on attention-server.
+//
+// Each field is one command-line flag (server_flags.h) and one ATTENTION_*
+// environment variable; the defaults here are the documented defaults.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace attention::server {
+
+struct ServerConfig {
+  // gRPC listening address; port 0 picks a free port (see port_file).
+  std::string address = "0.0.0.0:50051";
+  // Prometheus endpoint (path /metrics); empty disables it.
+  std::string metrics_address = "0.0.0.0:9464";
+  // Directory of *.safetensors models; empty: built-ins only.
+  std::string model_repository;
+  // A model file that fails to load stops the server instead of being skipped.
+  bool strict = false;
+
+  // Batching, per model.
+  int max_batch_size = 32;
+  int64_t max_queue_delay_us = 1000;
+  int queue_capacity = 512;
+
+  // Largest request message accepted by gRPC.
+  int max_message_bytes = 64 << 20;
+  // Most float elements one request may involve (inputs, output and weights).
+  int64_t max_request_elements = int64_t{1} << 26;
+  // Engine worker threads; 0 = one per hardware thread.
+  int threads = 0;
+
+  // Time given to accepted requests after SIGTERM/SIGINT.
+  double shutdown_grace_seconds = 20.0;
+  // Connections are closed (gracefully) after this long so that clients
+  // re-resolve and spread over new replicas; 0 = never.
+  int64_t max_connection_age_seconds = 0;
+
+  std::string log_level = "info";
+  std::string log_format = "text";
+
+  // TLS: PEM server certificate chain and key; with tls_client_ca, clients
+  // must present a certificate signed by that CA (mutual TLS).
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;
+  // File of accepted bearer tokens, one per line ('#' starts a comment).
+  std::string auth_token_file;
+
+  // Once serving, the bound addresses are written here ("grpc HOST:PORT" and
+  // "metrics HOST:PORT" lines), for tests and scripts that use port 0.
+  std::string port_file;
+};
+
+}  // namespace attention::server

@@ -1,0 +1,72 @@
+// server_flags.cc: the flags of attention-server and their environment names.
+#include "server/server_flags.h"
+
+#include <climits>
+#include <string>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_replace.h"
+
+namespace attention::server {
+namespace {
+
+// "--max-batch-size" -> "ATTENTION_MAX_BATCH_SIZE".
+std::string EnvName(const std::string& flag) {
+  return "ATTENTION_" + absl::AsciiStrToUpper(absl::StrReplaceAll(flag.substr(2), {{"-", "_"}}));
+}
+
+template <typename T>
+CLI::Option* Flag(CLI::App& app, const std::string& name, T* value, const std::string& help) {
+  return app.add_option(name, *value, help)->envname(EnvName(name))->capture_default_str();
+}
+
+}  // namespace
+
+void AddServerFlags(CLI::App& app, ServerConfig* c) {
+  Flag(app, "--address", &c->address, "gRPC listening address HOST:PORT (port 0: any free port)");
+  Flag(app, "--metrics-address", &c->metrics_address,
+       "Prometheus listening address HOST:PORT, path /metrics (empty: no metrics endpoint)");
+  Flag(app, "--model-repository", &c->model_repository,
+       "Directory whose *.safetensors files are served as models (built-ins are always served)");
+  app.add_flag("--strict", c->strict, "Exit when a model file fails to load instead of skipping it")
+      ->envname(EnvName("--strict"))
+      ->capture_default_str();
+  Flag(app, "--max-batch-size", &c->max_batch_size,
+       "Most requests of one model merged into one execution (1: no batching)")
+      ->check(CLI::Range(1, 1 << 16));
+  Flag(app, "--max-queue-delay-us", &c->max_queue_delay_us,
+       "Longest wait, in microseconds, for a batch to fill before it runs anyway")
+      ->check(CLI::Range(int64_t{0}, int64_t{60'000'000}));
+  Flag(app, "--queue-capacity", &c->queue_capacity,
+       "Most requests waiting per model; beyond it requests get RESOURCE_EXHAUSTED")
+      ->check(CLI::Range(1, 1 << 24));
+  Flag(app, "--max-message-bytes", &c->max_message_bytes, "Largest request message, in bytes")
+      ->check(CLI::Range(1, INT_MAX));
+  Flag(app, "--max-request-elements", &c->max_request_elements,
+       "Most float elements per request in queries, keys, values, output and weights together")
+      ->check(CLI::Range(int64_t{1}, INT64_MAX));
+  Flag(app, "--threads", &c->threads, "Engine worker threads (0: one per hardware thread)")
+      ->check(CLI::Range(0, 4096));
+  Flag(app, "--shutdown-grace-seconds", &c->shutdown_grace_seconds,
+       "After SIGTERM/SIGINT, time given to accepted requests before remaining calls are cancelled")
+      ->check(CLI::Range(0.0, 86400.0));
+  Flag(app, "--max-connection-age-seconds", &c->max_connection_age_seconds,
+       "Close client connections gracefully after this age so clients rebalance (0: never)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
+  Flag(app, "--log-level", &c->log_level, "Log level")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
+  Flag(app, "--log-format", &c->log_format, "Log line format")
+      ->check(CLI::IsMember({"text", "json"}));
+  Flag(app, "--tls-cert", &c->tls_cert,
+       "PEM server certificate chain; with --tls-key enables TLS (empty: plaintext)");
+  Flag(app, "--tls-key", &c->tls_key, "PEM private key of --tls-cert");
+  Flag(app, "--tls-client-ca", &c->tls_client_ca,
+       "PEM CA bundle; clients must present a certificate it signed (mutual TLS)");
+  Flag(app, "--auth-token-file", &c->auth_token_file,
+       "File of accepted bearer tokens, one per line; requests must send "
+       "'authorization: Bearer <token>' (health checks stay open)");
+  Flag(app, "--port-file", &c->port_file,
+       "Once serving, write the bound addresses here ('grpc HOST:PORT', 'metrics HOST:PORT')");
+}
+
+}  // namespace attention::server
