@@ -45,14 +45,14 @@ constexpr absl::string_view kNumHeadsKey = "num_heads";
 // Tensor names of the two multi-head layouts.
 constexpr absl::string_view kD2lWeights[] = {"W_q.weight", "W_k.weight", "W_v.weight", "W_o.weight"};
 constexpr absl::string_view kD2lBiases[] = {"W_q.bias", "W_k.bias", "W_v.bias", "W_o.bias"};
-constexpr absl::string_view kTorchNames[] = {"in_proj_weight", "q_proj_weight",   "k_proj_weight",
-                                            "v_proj_weight",  "in_proj_bias",    "out_proj.weight",
-                                            "out_proj.bias"};
+constexpr absl::string_view kTorchNames[] = {"in_proj_weight", "q_proj_weight", "k_proj_weight",
+                                             "v_proj_weight",  "in_proj_bias",  "out_proj.weight",
+                                             "out_proj.bias"};
 
 absl::Status Invalid(absl::string_view message) { return absl::InvalidArgumentError(message); }
 
-// One axis of an expected shape: a literal size, or `factor` times the size
-// named `symbol`.
+// One axis of an expected shape: `factor` times the size named `symbol`, or,
+// with no symbol, the literal size `factor`.
 struct Dim {
   absl::string_view symbol;
   int64_t factor = 1;
@@ -116,8 +116,8 @@ class Weights {
   // Fails on the first tensor no Take() asked for.
   absl::Status CheckAllTaken(absl::string_view model_description) const {
     if (remaining_.empty()) return absl::OkStatus();
-    return Invalid(absl::StrCat("unexpected tensor '", remaining_.begin()->first, "' with shape ",
-                                ShapeString(remaining_.begin()->second.shape), " in ",
+    return Invalid(absl::StrCat("unexpected tensor '", absl::CHexEscape(remaining_.begin()->first),
+                                "' with shape ", ShapeString(remaining_.begin()->second.shape), " in ",
                                 model_description));
   }
 
@@ -191,31 +191,43 @@ absl::Status LoadBilinear(Weights& weights, Model& model) {
 // Called once E is bound: heads split E evenly.
 absl::Status CheckHeadsDivideWidth(const Model& model, int64_t width) {
   if (width % model.num_heads != 0) {
-    return Invalid(absl::StrCat(kNumHeadsKey, " ", model.num_heads, " does not divide the model width E = ",
-                                width));
+    return Invalid(
+        absl::StrCat(kNumHeadsKey, " ", model.num_heads, " does not divide the model width E = ", width));
   }
+  return absl::OkStatus();
+}
+
+// Takes the input projections W_q [E, query_in], W_k [E, d_k], W_v [E, d_v]
+// under a layout's names into `model`, with the input sizes they give.
+absl::Status TakeInputProjections(Weights& weights, absl::string_view q_name, absl::string_view k_name,
+                                  absl::string_view v_name, Dim query_in, Model& model) {
+  absl::StatusOr<Tensor> w_q = weights.Take(q_name, {Sym("E"), query_in});
+  if (!w_q.ok()) return w_q.status();
+  absl::StatusOr<Tensor> w_k = weights.Take(k_name, {Sym("E"), Sym("d_k")});
+  if (!w_k.ok()) return w_k.status();
+  absl::StatusOr<Tensor> w_v = weights.Take(v_name, {Sym("E"), Sym("d_v")});
+  if (!w_v.ok()) return w_v.status();
+  model.query_size = weights.Size(query_in.symbol);
+  model.key_size = weights.Size("d_k");
+  model.value_size = weights.Size("d_v");
+  model.w_q = Matrix(*w_q);
+  model.w_k = Matrix(*w_k);
+  model.w_v = Matrix(*w_v);
   return absl::OkStatus();
 }
 
 // d2l.ai MultiHeadAttention: W_q/W_k/W_v [E, d_*], W_o [E, E], biases all or none.
 absl::Status LoadD2lMultiHead(Weights& weights, Model& model) {
-  absl::StatusOr<Tensor> w_q = weights.Take("W_q.weight", {Sym("E"), Sym("d_q")});
-  if (!w_q.ok()) return w_q.status();
+  if (absl::Status status =
+          TakeInputProjections(weights, "W_q.weight", "W_k.weight", "W_v.weight", Sym("d_q"), model);
+      !status.ok()) {
+    return status;
+  }
   const int64_t width = weights.Size("E");
   if (absl::Status status = CheckHeadsDivideWidth(model, width); !status.ok()) return status;
-  absl::StatusOr<Tensor> w_k = weights.Take("W_k.weight", {Sym("E"), Sym("d_k")});
-  if (!w_k.ok()) return w_k.status();
-  absl::StatusOr<Tensor> w_v = weights.Take("W_v.weight", {Sym("E"), Sym("d_v")});
-  if (!w_v.ok()) return w_v.status();
   absl::StatusOr<Tensor> w_o = weights.Take("W_o.weight", {Sym("E"), Sym("E")});
   if (!w_o.ok()) return w_o.status();
-  model.query_size = weights.Size("d_q");
-  model.key_size = weights.Size("d_k");
-  model.value_size = weights.Size("d_v");
   model.output_size = width;
-  model.w_q = Matrix(*w_q);
-  model.w_k = Matrix(*w_k);
-  model.w_v = Matrix(*w_v);
   model.w_o = Matrix(*w_o);
 
   std::vector<absl::string_view> present, absent;
@@ -246,23 +258,17 @@ absl::Status LoadTorchMultiHead(Weights& weights, Model& model) {
   if (absl::Status status = CheckHeadsDivideWidth(model, width); !status.ok()) return status;
   model.w_o = Matrix(*out_weight);
 
-  const bool separate = weights.Has("q_proj_weight") || weights.Has("k_proj_weight") ||
-                        weights.Has("v_proj_weight");
+  const bool separate =
+      weights.Has("q_proj_weight") || weights.Has("k_proj_weight") || weights.Has("v_proj_weight");
   if (weights.Has("in_proj_weight") && separate) {
     return Invalid("has both in_proj_weight and q/k/v_proj_weight; torch writes one or the other");
   }
   if (separate) {
-    absl::StatusOr<Tensor> w_q = weights.Take("q_proj_weight", {Sym("E"), Sym("E")});
-    if (!w_q.ok()) return w_q.status();
-    absl::StatusOr<Tensor> w_k = weights.Take("k_proj_weight", {Sym("E"), Sym("d_k")});
-    if (!w_k.ok()) return w_k.status();
-    absl::StatusOr<Tensor> w_v = weights.Take("v_proj_weight", {Sym("E"), Sym("d_v")});
-    if (!w_v.ok()) return w_v.status();
-    model.key_size = weights.Size("d_k");
-    model.value_size = weights.Size("d_v");
-    model.w_q = Matrix(*w_q);
-    model.w_k = Matrix(*w_k);
-    model.w_v = Matrix(*w_v);
+    if (absl::Status status =
+            TakeInputProjections(weights, "q_proj_weight", "k_proj_weight", "v_proj_weight", Sym("E"), model);
+        !status.ok()) {
+      return status;
+    }
   } else {
     if (!weights.Has("in_proj_weight")) {
       return Invalid(absl::StrCat("missing tensor 'in_proj_weight' (expected shape [", 3 * width, ", ", width,
@@ -270,13 +276,13 @@ absl::Status LoadTorchMultiHead(Weights& weights, Model& model) {
     }
     absl::StatusOr<Tensor> in_weight = weights.Take("in_proj_weight", {Sym("E", 3), Sym("E")});
     if (!in_weight.ok()) return in_weight.status();
+    model.query_size = width;
     model.key_size = width;
     model.value_size = width;
     model.w_q = Rows(*in_weight, 0, width);
     model.w_k = Rows(*in_weight, width, width);
     model.w_v = Rows(*in_weight, 2 * width, width);
   }
-  model.query_size = width;
   model.output_size = width;
 
   const bool has_in_bias = weights.Has("in_proj_bias");
@@ -311,8 +317,8 @@ absl::Status LoadMultiHead(Weights& weights, Model& model) {
   if (!d2l) d2l = first_present(kD2lBiases);
   const std::optional<absl::string_view> torch = first_present(kTorchNames);
   if (d2l && torch) {
-    return Invalid(absl::StrCat("mixes the d2l layout ('", *d2l, "') and the torch.nn.MultiheadAttention layout ('",
-                                *torch, "')"));
+    return Invalid(absl::StrCat("mixes the d2l layout ('", *d2l,
+                                "') and the torch.nn.MultiheadAttention layout ('", *torch, "')"));
   }
   if (d2l) return LoadD2lMultiHead(weights, model);
   if (torch) return LoadTorchMultiHead(weights, model);
@@ -328,8 +334,8 @@ absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const u
 
   const auto kind_entry = file->metadata.find(std::string(kKindKey));
   if (kind_entry == file->metadata.end()) {
-    return Invalid(absl::StrCat("__metadata__ has no \"", kKindKey,
-                                "\" (expected additive, bilinear or multi_head)"));
+    return Invalid(
+        absl::StrCat("__metadata__ has no \"", kKindKey, "\" (expected additive, bilinear or multi_head)"));
   }
   const std::optional<Kind> kind = KindFromName(kind_entry->second);
   if (!kind) {
@@ -349,8 +355,8 @@ absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const u
     if (!num_heads.ok()) return num_heads.status();
     model.num_heads = *num_heads;
   } else if (heads_entry != file->metadata.end()) {
-    return Invalid(absl::StrCat("__metadata__ \"", kNumHeadsKey, "\" is given, but a ", std::string(KindName(*kind)),
-                                " model has no heads"));
+    return Invalid(absl::StrCat("__metadata__ \"", kNumHeadsKey, "\" is given, but a ",
+                                std::string(KindName(*kind)), " model has no heads"));
   }
 
   Weights weights(std::move(file->tensors));
@@ -358,7 +364,8 @@ absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const u
   switch (*kind) {
     case Kind::kDotProduct:
     case Kind::kDistance:
-      status = weights.CheckAllTaken(absl::StrCat("a ", std::string(KindName(*kind)), " model (it has no weights)"));
+      status = weights.CheckAllTaken(
+          absl::StrCat("a ", std::string(KindName(*kind)), " model (it has no weights)"));
       break;
     case Kind::kAdditive:
       status = LoadAdditive(weights, model);

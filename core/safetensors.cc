@@ -7,12 +7,11 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <utility>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -123,8 +122,7 @@ absl::StatusOr<Json> ParseHeaderJson(absl::string_view text) {
         keys_of_open_objects.pop_back();
         break;
       case Json::parse_event_t::key:
-        if (!keys_of_open_objects.back().insert(parsed.get<std::string>()).second &&
-            !duplicate_key) {
+        if (!keys_of_open_objects.back().insert(parsed.get<std::string>()).second && !duplicate_key) {
           duplicate_key = parsed.get<std::string>();
         }
         break;
@@ -193,8 +191,8 @@ absl::StatusOr<Entry> ParseEntry(const std::string& name, const Json& value, uin
   const auto known = std::find_if(kDTypes.begin(), kDTypes.end(),
                                   [&](const DTypeInfo& info) { return info.name == dtype_name; });
   if (known == kDTypes.end()) {
-    return Invalid(absl::StrCat(where, " has dtype '", Printable(dtype_name),
-                                "', expected F32, F16 or BF16"));
+    return Invalid(
+        absl::StrCat(where, " has dtype '", Printable(dtype_name), "', expected F32, F16 or BF16"));
   }
   entry.dtype = &*known;
 
@@ -224,19 +222,19 @@ absl::StatusOr<Entry> ParseEntry(const std::string& name, const Json& value, uin
   // A zero dimension makes the product 0 however large the others are.
   if (!has_zero_dim &&
       (overflow || num_elements > std::numeric_limits<uint64_t>::max() / entry.dtype->size_bytes)) {
-    return Invalid(absl::StrCat(where, ": shape ", ShapeString(entry.shape),
-                                " has more bytes than fit in 64 bits"));
+    return Invalid(
+        absl::StrCat(where, ": shape ", ShapeString(entry.shape), " has more bytes than fit in 64 bits"));
   }
   const uint64_t expected_bytes = num_elements * entry.dtype->size_bytes;
 
   const Json& offsets = value["data_offsets"];
   if (!offsets.is_array()) {
-    return Invalid(absl::StrCat(where, ": data_offsets is a JSON ", offsets.type_name(),
-                                ", expected [begin, end]"));
+    return Invalid(
+        absl::StrCat(where, ": data_offsets is a JSON ", offsets.type_name(), ", expected [begin, end]"));
   }
   if (offsets.size() != 2) {
-    return Invalid(absl::StrCat(where, ": data_offsets has ", offsets.size(),
-                                " elements, expected [begin, end]"));
+    return Invalid(
+        absl::StrCat(where, ": data_offsets has ", offsets.size(), " elements, expected [begin, end]"));
   }
   std::array<uint64_t, 2> bounds{};
   for (size_t i = 0; i < bounds.size(); ++i) {
@@ -276,8 +274,8 @@ absl::Status CheckLayout(std::vector<const Entry*> entries, uint64_t data_size) 
   for (const Entry* entry : entries) {
     if (entry->begin < covered) {
       return Invalid(absl::StrCat("tensors '", Printable(previous->name), "' [", previous->begin, ", ",
-                                  previous->end, ") and '", Printable(entry->name), "' [", entry->begin,
-                                  ", ", entry->end, ") overlap"));
+                                  previous->end, ") and '", Printable(entry->name), "' [", entry->begin, ", ",
+                                  entry->end, ") overlap"));
     }
     if (entry->begin > covered) {
       return Invalid(absl::StrCat("data bytes [", covered, ", ", entry->begin,
@@ -318,8 +316,7 @@ Tensor Convert(const Entry& entry, const uint8_t* data) {
 
 absl::StatusOr<SafetensorsFile> ParseSafetensors(std::span<const uint8_t> bytes) {
   if (bytes.size() < kLengthPrefixBytes) {
-    return Invalid(absl::StrCat("file has ", bytes.size(),
-                                " bytes, too short for the 8-byte header length"));
+    return Invalid(absl::StrCat("file has ", bytes.size(), " bytes, too short for the 8-byte header length"));
   }
   const uint64_t header_size = ReadU64(bytes.data());
   const uint64_t after_prefix = bytes.size() - kLengthPrefixBytes;
@@ -328,7 +325,7 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(std::span<const uint8_t> bytes)
                                 after_prefix, " bytes after the length)"));
   }
   const absl::string_view header_text(reinterpret_cast<const char*>(bytes.data() + kLengthPrefixBytes),
-                                     header_size);
+                                      header_size);
   absl::StatusOr<Json> header = ParseHeaderJson(header_text);
   if (!header.ok()) return header.status();
 

@@ -5,16 +5,15 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
-#include <unistd.h>
 
 #include "tests/safetensors_builder.h"
 
@@ -189,9 +188,10 @@ TEST(ModelLoaderTest, LoadsEveryExampleModelWithTheSizesItsNameGives) {
 }
 
 TEST(ModelLoaderTest, LoadsAdditive) {
-  absl::StatusOr<Model> model =
-      Parse("add", {Weight("W_q.weight", {3, 4}), Weight("W_k.weight", {3, 2}, 100), Weight("w_v.weight", {1, 3}, 200)},
-            {{"kind", "additive"}});
+  absl::StatusOr<Model> model = Parse(
+      "add",
+      {Weight("W_q.weight", {3, 4}), Weight("W_k.weight", {3, 2}, 100), Weight("w_v.weight", {1, 3}, 200)},
+      {{"kind", "additive"}});
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(model->name, "add");
   EXPECT_EQ(model->kind, Kind::kAdditive);
@@ -218,10 +218,10 @@ TEST(ModelLoaderTest, LoadsBilinearFromF16) {
 }
 
 TEST(ModelLoaderTest, LoadsD2lMultiHeadWithoutBiasesAsZeroBiases) {
-  absl::StatusOr<Model> model =
-      Parse("d2l", {Weight("W_q.weight", {6, 5}), Weight("W_k.weight", {6, 4}, 100), Weight("W_v.weight", {6, 3}, 200),
-                    Weight("W_o.weight", {6, 6}, 300)},
-            {{"kind", "multi_head"}, {"num_heads", "3"}});
+  absl::StatusOr<Model> model = Parse("d2l",
+                                      {Weight("W_q.weight", {6, 5}), Weight("W_k.weight", {6, 4}, 100),
+                                       Weight("W_v.weight", {6, 3}, 200), Weight("W_o.weight", {6, 6}, 300)},
+                                      {{"kind", "multi_head"}, {"num_heads", "3"}});
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(model->kind, Kind::kMultiHead);
   EXPECT_EQ(model->num_heads, 3);
@@ -241,21 +241,24 @@ TEST(ModelLoaderTest, LoadsD2lMultiHeadWithoutBiasesAsZeroBiases) {
 TEST(ModelLoaderTest, LoadsD2lMultiHeadBiasesFromBF16) {
   std::vector<TensorBytes> tensors;
   for (const char* projection : {"W_q", "W_k", "W_v", "W_o"}) {
-    tensors.push_back(HalfTensor(std::string(projection) + ".weight", "BF16", {2, 2}, {0x3F80, 0, 0, 0x3F80}));
+    tensors.push_back(
+        HalfTensor(std::string(projection) + ".weight", "BF16", {2, 2}, {0x3F80, 0, 0, 0x3F80}));
     tensors.push_back(HalfTensor(std::string(projection) + ".bias", "BF16", {2}, {0x4040, 0xC000}));
   }
   absl::StatusOr<Model> model = Parse("d2l_bf16", tensors, {{"kind", "multi_head"}, {"num_heads", "1"}});
   ASSERT_TRUE(model.ok()) << model.status();
   ExpectMatrix(model->w_o, 2, 2, {1, 0, 0, 1});
-  for (const Vector* bias : {&model->b_q, &model->b_k, &model->b_v, &model->b_o}) ExpectVector(*bias, {3.0f, -2.0f});
+  for (const Vector* bias : {&model->b_q, &model->b_k, &model->b_v, &model->b_o})
+    ExpectVector(*bias, {3.0f, -2.0f});
 }
 
 // Rows [0,E) of in_proj_weight are W_q, [E,2E) W_k, [2E,3E) W_v; the bias
 // likewise.
 TEST(ModelLoaderTest, SplitsTorchPackedProjections) {
   absl::StatusOr<Model> model =
-      Parse("torch", {Weight("in_proj_weight", {12, 4}), Weight("in_proj_bias", {12}, 100),
-                      Weight("out_proj.weight", {4, 4}, 200), Weight("out_proj.bias", {4}, 300)},
+      Parse("torch",
+            {Weight("in_proj_weight", {12, 4}), Weight("in_proj_bias", {12}, 100),
+             Weight("out_proj.weight", {4, 4}, 200), Weight("out_proj.bias", {4}, 300)},
             {{"kind", "multi_head"}, {"num_heads", "2"}});
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(model->num_heads, 2);
@@ -275,9 +278,10 @@ TEST(ModelLoaderTest, SplitsTorchPackedProjections) {
 
 TEST(ModelLoaderTest, LoadsTorchSeparateProjections) {
   absl::StatusOr<Model> model =
-      Parse("kvdim", {Weight("q_proj_weight", {6, 6}), Weight("k_proj_weight", {6, 2}, 100),
-                      Weight("v_proj_weight", {6, 5}, 200), Weight("in_proj_bias", {18}, 300),
-                      Weight("out_proj.weight", {6, 6}, 400), Weight("out_proj.bias", {6}, 500)},
+      Parse("kvdim",
+            {Weight("q_proj_weight", {6, 6}), Weight("k_proj_weight", {6, 2}, 100),
+             Weight("v_proj_weight", {6, 5}, 200), Weight("in_proj_bias", {18}, 300),
+             Weight("out_proj.weight", {6, 6}, 400), Weight("out_proj.bias", {6}, 500)},
             {{"kind", "multi_head"}, {"num_heads", "3"}});
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(model->query_size, 6);
@@ -291,10 +295,12 @@ TEST(ModelLoaderTest, LoadsTorchSeparateProjections) {
 
 // torch.nn.MultiheadAttention(bias=False) writes neither bias.
 TEST(ModelLoaderTest, LoadsTorchWithoutBiasesAsZeroBiases) {
-  absl::StatusOr<Model> model = Parse("nobias", {Weight("in_proj_weight", {6, 2}), Weight("out_proj.weight", {2, 2})},
-                                      {{"kind", "multi_head"}, {"num_heads", "2"}});
+  absl::StatusOr<Model> model =
+      Parse("nobias", {Weight("in_proj_weight", {6, 2}), Weight("out_proj.weight", {2, 2})},
+            {{"kind", "multi_head"}, {"num_heads", "2"}});
   ASSERT_TRUE(model.ok()) << model.status();
-  for (const Vector* bias : {&model->b_q, &model->b_k, &model->b_v, &model->b_o}) ExpectVector(*bias, {0.0f, 0.0f});
+  for (const Vector* bias : {&model->b_q, &model->b_k, &model->b_v, &model->b_o})
+    ExpectVector(*bias, {0.0f, 0.0f});
 }
 
 TEST(ModelLoaderTest, LoadsWeightlessAliasesOfTheBuiltIns) {
@@ -305,27 +311,32 @@ TEST(ModelLoaderTest, LoadsWeightlessAliasesOfTheBuiltIns) {
     EXPECT_EQ(model->name, "alias");
     EXPECT_EQ(model->query_size, 0);
     EXPECT_EQ(model->key_size, 0);
-    ExpectInvalid(Parse("alias", {Weight("W_k.weight", {2, 2})}, {{"kind", std::string(KindName(kind))}}), "alias",
+    ExpectInvalid(Parse("alias", {Weight("W_k.weight", {2, 2})}, {{"kind", std::string(KindName(kind))}}),
+                  "alias",
                   "unexpected tensor 'W_k.weight' with shape [2, 2] in a " + std::string(KindName(kind)) +
                       " model (it has no weights)");
   }
 }
 
 TEST(ModelLoaderTest, IgnoresOtherMetadata) {
-  absl::StatusOr<Model> model = Parse("bil", {Weight("W_k.weight", {2, 2})}, {{"kind", "bilinear"}, {"format", "pt"}});
+  absl::StatusOr<Model> model =
+      Parse("bil", {Weight("W_k.weight", {2, 2})}, {{"kind", "bilinear"}, {"format", "pt"}});
   EXPECT_TRUE(model.ok()) << model.status();
 }
 
 TEST(ModelLoaderTest, RejectsMissingOrUnknownKinds) {
   ExpectInvalid(Parse("m", {Weight("W_k.weight", {2, 2})}, {}), "m", "__metadata__ has no \"kind\"");
-  ExpectInvalid(Parse("m", {Weight("W_k.weight", {2, 2})}, {{"format", "pt"}}), "m", "__metadata__ has no \"kind\"");
+  ExpectInvalid(Parse("m", {Weight("W_k.weight", {2, 2})}, {{"format", "pt"}}), "m",
+                "__metadata__ has no \"kind\"");
   ExpectInvalid(Parse("m", {Weight("W_k.weight", {2, 2})}, {{"kind", "Bilinear"}}), "m",
                 "__metadata__ \"kind\" is \"Bilinear\", expected additive, bilinear or multi_head");
 }
 
 TEST(ModelLoaderTest, RejectsBadNumHeads) {
-  const std::vector<TensorBytes> torch = {Weight("in_proj_weight", {24, 8}), Weight("out_proj.weight", {8, 8})};
-  ExpectInvalid(Parse("mh", torch, {{"kind", "multi_head"}}), "mh", "multi_head model has no __metadata__ \"num_heads\"");
+  const std::vector<TensorBytes> torch = {Weight("in_proj_weight", {24, 8}),
+                                          Weight("out_proj.weight", {8, 8})};
+  ExpectInvalid(Parse("mh", torch, {{"kind", "multi_head"}}), "mh",
+                "multi_head model has no __metadata__ \"num_heads\"");
   for (const char* heads : {"0", "-2", "+2", " 2", "2 ", "2.0", "0x2", "two", "", "99999999999999999999"}) {
     ExpectInvalid(Parse("mh", torch, {{"kind", "multi_head"}, {"num_heads", heads}}), "mh",
                   "\"num_heads\" is \"" + std::string(heads) + "\", expected a positive decimal integer");
@@ -334,25 +345,28 @@ TEST(ModelLoaderTest, RejectsBadNumHeads) {
                 "num_heads 3 does not divide the model width E = 8");
   ExpectInvalid(Parse("mh", torch, {{"kind", "multi_head"}, {"num_heads", "16"}}), "mh",
                 "num_heads 16 does not divide the model width E = 8");
-  ExpectInvalid(Parse("add", {Weight("W_k.weight", {2, 2})}, {{"kind", "bilinear"}, {"num_heads", "2"}}), "add",
-                "__metadata__ \"num_heads\" is given, but a bilinear model has no heads");
+  ExpectInvalid(Parse("add", {Weight("W_k.weight", {2, 2})}, {{"kind", "bilinear"}, {"num_heads", "2"}}),
+                "add", "__metadata__ \"num_heads\" is given, but a bilinear model has no heads");
 }
 
 TEST(ModelLoaderTest, NamesTheTensorAndBothShapesOnAMismatch) {
   ExpectInvalid(Parse("mh",
-                      {Weight("W_q.weight", {8, 8}), Weight("W_k.weight", {8, 8}), Weight("W_v.weight", {8, 8}),
-                       Weight("W_o.weight", {4, 5})},
+                      {Weight("W_q.weight", {8, 8}), Weight("W_k.weight", {8, 8}),
+                       Weight("W_v.weight", {8, 8}), Weight("W_o.weight", {4, 5})},
                       {{"kind", "multi_head"}, {"num_heads", "2"}}),
                 "mh", "tensor 'W_o.weight' has shape [4, 5], expected [8, 8]");
-  ExpectInvalid(Parse("add", {Weight("W_q.weight", {7, 4}), Weight("W_k.weight", {6, 4}), Weight("w_v.weight", {1, 7})},
-                      {{"kind", "additive"}}),
-                "add", "tensor 'W_k.weight' has shape [6, 4], expected [7, d_k]");
-  ExpectInvalid(Parse("add", {Weight("W_q.weight", {7, 4}), Weight("W_k.weight", {7, 4}), Weight("w_v.weight", {2, 7})},
-                      {{"kind", "additive"}}),
-                "add", "tensor 'w_v.weight' has shape [2, 7], expected [1, 7]");
-  ExpectInvalid(Parse("add", {Weight("W_q.weight", {7, 4}), Weight("W_k.weight", {7, 4}), Weight("w_v.weight", {7})},
-                      {{"kind", "additive"}}),
-                "add", "tensor 'w_v.weight' has shape [7], expected [1, 7]");
+  ExpectInvalid(
+      Parse("add", {Weight("W_q.weight", {7, 4}), Weight("W_k.weight", {6, 4}), Weight("w_v.weight", {1, 7})},
+            {{"kind", "additive"}}),
+      "add", "tensor 'W_k.weight' has shape [6, 4], expected [7, d_k]");
+  ExpectInvalid(
+      Parse("add", {Weight("W_q.weight", {7, 4}), Weight("W_k.weight", {7, 4}), Weight("w_v.weight", {2, 7})},
+            {{"kind", "additive"}}),
+      "add", "tensor 'w_v.weight' has shape [2, 7], expected [1, 7]");
+  ExpectInvalid(
+      Parse("add", {Weight("W_q.weight", {7, 4}), Weight("W_k.weight", {7, 4}), Weight("w_v.weight", {7})},
+            {{"kind", "additive"}}),
+      "add", "tensor 'w_v.weight' has shape [7], expected [1, 7]");
   ExpectInvalid(Parse("bil", {Weight("W_k.weight", {2, 2, 1})}, {{"kind", "bilinear"}}), "bil",
                 "tensor 'W_k.weight' has shape [2, 2, 1], expected [d_q, d_k]");
   ExpectInvalid(Parse("bil", {Weight("W_k.weight", {0, 3})}, {{"kind", "bilinear"}}), "bil",
@@ -360,55 +374,65 @@ TEST(ModelLoaderTest, NamesTheTensorAndBothShapesOnAMismatch) {
 }
 
 TEST(ModelLoaderTest, NamesTheExpectedShapeOfAMissingTensor) {
-  ExpectInvalid(Parse("add", {Weight("W_q.weight", {7, 4}), Weight("W_k.weight", {7, 3})}, {{"kind", "additive"}}), "add",
-                "missing tensor 'w_v.weight' (expected shape [1, 7])");
-  ExpectInvalid(Parse("bil", {}, {{"kind", "bilinear"}}), "bil", "missing tensor 'W_k.weight' (expected shape [d_q, d_k])");
-  ExpectInvalid(Parse("t", {Weight("out_proj.weight", {4, 4})}, {{"kind", "multi_head"}, {"num_heads", "2"}}), "t",
-                "missing tensor 'in_proj_weight' (expected shape [12, 4]) or q_proj_weight, k_proj_weight and "
-                "v_proj_weight");
+  ExpectInvalid(
+      Parse("add", {Weight("W_q.weight", {7, 4}), Weight("W_k.weight", {7, 3})}, {{"kind", "additive"}}),
+      "add", "missing tensor 'w_v.weight' (expected shape [1, 7])");
+  ExpectInvalid(Parse("bil", {}, {{"kind", "bilinear"}}), "bil",
+                "missing tensor 'W_k.weight' (expected shape [d_q, d_k])");
+  ExpectInvalid(
+      Parse("t", {Weight("out_proj.weight", {4, 4})}, {{"kind", "multi_head"}, {"num_heads", "2"}}), "t",
+      "missing tensor 'in_proj_weight' (expected shape [12, 4]) or q_proj_weight, k_proj_weight and "
+      "v_proj_weight");
   ExpectInvalid(Parse("t", {Weight("in_proj_weight", {12, 4}), Weight("in_proj_bias", {12})},
                       {{"kind", "multi_head"}, {"num_heads", "2"}}),
                 "t", "missing tensor 'out_proj.weight' (expected shape [E, E])");
   ExpectInvalid(Parse("kv",
-                      {Weight("q_proj_weight", {4, 4}), Weight("v_proj_weight", {4, 3}), Weight("out_proj.weight", {4, 4})},
+                      {Weight("q_proj_weight", {4, 4}), Weight("v_proj_weight", {4, 3}),
+                       Weight("out_proj.weight", {4, 4})},
                       {{"kind", "multi_head"}, {"num_heads", "2"}}),
                 "kv", "missing tensor 'k_proj_weight' (expected shape [4, d_k])");
 }
 
 TEST(ModelLoaderTest, RejectsTorchShapeMismatches) {
   const Metadata metadata = {{"kind", "multi_head"}, {"num_heads", "2"}};
-  ExpectInvalid(Parse("t", {Weight("in_proj_weight", {12, 5}), Weight("out_proj.weight", {4, 4})}, metadata), "t",
-                "tensor 'in_proj_weight' has shape [12, 5], expected [12, 4]");
-  ExpectInvalid(Parse("t", {Weight("in_proj_weight", {12, 4}), Weight("out_proj.weight", {4, 4}),
-                            Weight("in_proj_bias", {4}), Weight("out_proj.bias", {4})},
+  ExpectInvalid(Parse("t", {Weight("in_proj_weight", {12, 5}), Weight("out_proj.weight", {4, 4})}, metadata),
+                "t", "tensor 'in_proj_weight' has shape [12, 5], expected [12, 4]");
+  ExpectInvalid(Parse("t",
+                      {Weight("in_proj_weight", {12, 4}), Weight("out_proj.weight", {4, 4}),
+                       Weight("in_proj_bias", {4}), Weight("out_proj.bias", {4})},
                       metadata),
                 "t", "tensor 'in_proj_bias' has shape [4], expected [12]");
-  ExpectInvalid(Parse("t", {Weight("in_proj_weight", {12, 4}), Weight("out_proj.weight", {4, 6})}, metadata), "t",
-                "tensor 'out_proj.weight' has shape [4, 6], expected [E, E]");
+  ExpectInvalid(Parse("t", {Weight("in_proj_weight", {12, 4}), Weight("out_proj.weight", {4, 6})}, metadata),
+                "t", "tensor 'out_proj.weight' has shape [4, 6], expected [E, E]");
   ExpectInvalid(Parse("kv",
-                      {Weight("q_proj_weight", {4, 3}), Weight("k_proj_weight", {4, 3}), Weight("v_proj_weight", {4, 3}),
-                       Weight("out_proj.weight", {4, 4})},
+                      {Weight("q_proj_weight", {4, 3}), Weight("k_proj_weight", {4, 3}),
+                       Weight("v_proj_weight", {4, 3}), Weight("out_proj.weight", {4, 4})},
                       metadata),
                 "kv", "tensor 'q_proj_weight' has shape [4, 3], expected [4, 4]");
 }
 
 TEST(ModelLoaderTest, RejectsUnexpectedTensors) {
-  ExpectInvalid(Parse("bil", {Weight("W_k.weight", {2, 2}), Weight("W_k.bias", {2})}, {{"kind", "bilinear"}}), "bil",
-                "unexpected tensor 'W_k.bias' with shape [2] in a bilinear model (W_k.weight)");
+  ExpectInvalid(Parse("bil", {Weight("W_k.weight", {2, 2}), Weight("W_k.bias", {2})}, {{"kind", "bilinear"}}),
+                "bil", "unexpected tensor 'W_k.bias' with shape [2] in a bilinear model (W_k.weight)");
   ExpectInvalid(Parse("add",
-                      {Weight("W_q.weight", {3, 4}), Weight("W_k.weight", {3, 2}), Weight("w_v.weight", {1, 3}),
-                       Weight("W_v.weight", {1, 3})},
+                      {Weight("W_q.weight", {3, 4}), Weight("W_k.weight", {3, 2}),
+                       Weight("w_v.weight", {1, 3}), Weight("W_v.weight", {1, 3})},
                       {{"kind", "additive"}}),
                 "add", "unexpected tensor 'W_v.weight'");
   // torch's add_bias_kv appends learned keys: a different model, not ignorable.
-  ExpectInvalid(Parse("t", {Weight("in_proj_weight", {12, 4}), Weight("out_proj.weight", {4, 4}), Weight("bias_k", {1, 1, 4})},
-                      {{"kind", "multi_head"}, {"num_heads", "2"}}),
-                "t", "unexpected tensor 'bias_k' with shape [1, 1, 4] in a torch.nn.MultiheadAttention multi_head model");
-  ExpectInvalid(Parse("d2l",
-                      {Weight("W_q.weight", {2, 2}), Weight("W_k.weight", {2, 2}), Weight("W_v.weight", {2, 2}),
-                       Weight("W_o.weight", {2, 2}), Weight("W_0.weight", {2, 2})},
-                      {{"kind", "multi_head"}, {"num_heads", "1"}}),
-                "d2l", "unexpected tensor 'W_0.weight'");
+  ExpectInvalid(
+      Parse(
+          "t",
+          {Weight("in_proj_weight", {12, 4}), Weight("out_proj.weight", {4, 4}), Weight("bias_k", {1, 1, 4})},
+          {{"kind", "multi_head"}, {"num_heads", "2"}}),
+      "t",
+      "unexpected tensor 'bias_k' with shape [1, 1, 4] in a torch.nn.MultiheadAttention multi_head model");
+  ExpectInvalid(
+      Parse("d2l",
+            {Weight("W_q.weight", {2, 2}), Weight("W_k.weight", {2, 2}), Weight("W_v.weight", {2, 2}),
+             Weight("W_o.weight", {2, 2}), Weight("W_0.weight", {2, 2})},
+            {{"kind", "multi_head"}, {"num_heads", "1"}}),
+      "d2l", "unexpected tensor 'W_0.weight'");
 }
 
 TEST(ModelLoaderTest, RejectsInconsistentMultiHeadLayouts) {
@@ -423,14 +447,18 @@ TEST(ModelLoaderTest, RejectsInconsistentMultiHeadLayouts) {
 
   std::vector<TensorBytes> mixed = d2l;
   mixed.push_back(Weight("out_proj.bias", {2}));
-  ExpectInvalid(Parse("mix", mixed, metadata), "mix",
-                "mixes the d2l layout ('W_q.weight') and the torch.nn.MultiheadAttention layout ('out_proj.bias')");
+  ExpectInvalid(
+      Parse("mix", mixed, metadata), "mix",
+      "mixes the d2l layout ('W_q.weight') and the torch.nn.MultiheadAttention layout ('out_proj.bias')");
 
   ExpectInvalid(Parse("both",
-                      {Weight("in_proj_weight", {6, 2}), Weight("q_proj_weight", {2, 2}), Weight("out_proj.weight", {2, 2})},
+                      {Weight("in_proj_weight", {6, 2}), Weight("q_proj_weight", {2, 2}),
+                       Weight("out_proj.weight", {2, 2})},
                       metadata),
                 "both", "has both in_proj_weight and q/k/v_proj_weight");
-  ExpectInvalid(Parse("half", {Weight("in_proj_weight", {6, 2}), Weight("in_proj_bias", {6}), Weight("out_proj.weight", {2, 2})},
+  ExpectInvalid(Parse("half",
+                      {Weight("in_proj_weight", {6, 2}), Weight("in_proj_bias", {6}),
+                       Weight("out_proj.weight", {2, 2})},
                       metadata),
                 "half", "has in_proj_bias but not out_proj.bias");
   ExpectInvalid(Parse("none", {Weight("weight", {2, 2})}, metadata), "none",
@@ -438,9 +466,10 @@ TEST(ModelLoaderTest, RejectsInconsistentMultiHeadLayouts) {
 }
 
 TEST(ModelLoaderTest, RejectsNonFiniteWeights) {
-  ExpectInvalid(ParseModel("nan", BuildFile({HalfTensor("W_k.weight", "F16", {2, 2}, {0x3C00, 0x3C00, 0x7E00, 0x3C00})},
-                                            {{"kind", "bilinear"}})),
-                "nan", "tensor 'W_k.weight' has the non-finite value nan at element 2");
+  ExpectInvalid(
+      ParseModel("nan", BuildFile({HalfTensor("W_k.weight", "F16", {2, 2}, {0x3C00, 0x3C00, 0x7E00, 0x3C00})},
+                                  {{"kind", "bilinear"}})),
+      "nan", "tensor 'W_k.weight' has the non-finite value nan at element 2");
   ExpectInvalid(ParseModel("inf", BuildFile({HalfTensor("W_k.weight", "BF16", {1, 2}, {0x3F80, 0xFF80})},
                                             {{"kind", "bilinear"}})),
                 "inf", "has the non-finite value -inf at element 1");

@@ -8,10 +8,9 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace attention::testing {
 
@@ -65,7 +64,8 @@ inline std::vector<uint8_t> BuildFile(const std::vector<TensorBytes>& tensors,
   for (const TensorBytes& tensor : tensors) {
     const uint64_t begin = data.size();
     data.insert(data.end(), tensor.data.begin(), tensor.data.end());
-    header[tensor.name] = {{"dtype", tensor.dtype}, {"shape", tensor.shape}, {"data_offsets", {begin, data.size()}}};
+    header[tensor.name] = {
+        {"dtype", tensor.dtype}, {"shape", tensor.shape}, {"data_offsets", {begin, data.size()}}};
   }
   std::string text = header.dump();
   text.resize((text.size() + 7) / 8 * 8, ' ');

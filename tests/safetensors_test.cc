@@ -109,7 +109,8 @@ TEST(SafetensorsTest, RejectsDuplicateKeys) {
 
 TEST(SafetensorsTest, RejectsEntriesMissingAField) {
   ExpectInvalid(OneEntry(R"({"shape": [1], "data_offsets": [0, 4]})", Zeros(4)), "tensor 'w' has no 'dtype'");
-  ExpectInvalid(OneEntry(R"({"dtype": "F32", "data_offsets": [0, 4]})", Zeros(4)), "tensor 'w' has no 'shape'");
+  ExpectInvalid(OneEntry(R"({"dtype": "F32", "data_offsets": [0, 4]})", Zeros(4)),
+                "tensor 'w' has no 'shape'");
   ExpectInvalid(OneEntry(R"({"dtype": "F32", "shape": [1]})", Zeros(4)), "tensor 'w' has no 'data_offsets'");
   ExpectInvalid(OneEntry("[1, 2]"), "tensor 'w' is a JSON array, expected an object");
 }
@@ -159,30 +160,31 @@ TEST(SafetensorsTest, RejectsShapesWhoseByteCountOverflows) {
   ExpectInvalid(OneEntry(R"({"dtype": "F32", "shape": [4611686018427387904], "data_offsets": [0, 0]})"),
                 "has more bytes than fit in 64 bits");
   // ...and a product that wraps to exactly 0 must not pass as an empty tensor.
-  ExpectInvalid(
-      OneEntry(R"({"dtype": "F16", "shape": [4294967296, 4294967296, 4], "data_offsets": [0, 0]})"),
-      "has more bytes than fit in 64 bits");
+  ExpectInvalid(OneEntry(R"({"dtype": "F16", "shape": [4294967296, 4294967296, 4], "data_offsets": [0, 0]})"),
+                "has more bytes than fit in 64 bits");
 }
 
 TEST(SafetensorsTest, RejectsUnknownDtypes) {
   for (const char* dtype : {"F64", "I32", "f32", "float32", ""}) {
-    ExpectInvalid(OneEntry(std::string(R"({"dtype": ")") + dtype + R"(", "shape": [1], "data_offsets": [0, 4]})",
-                           Zeros(4)),
-                  std::string("has dtype '") + dtype + "', expected F32, F16 or BF16");
+    ExpectInvalid(
+        OneEntry(std::string(R"({"dtype": ")") + dtype + R"(", "shape": [1], "data_offsets": [0, 4]})",
+                 Zeros(4)),
+        std::string("has dtype '") + dtype + "', expected F32, F16 or BF16");
   }
 }
 
 TEST(SafetensorsTest, RejectsOffsetsOutsideTheData) {
   ExpectInvalid(OneEntry(R"({"dtype": "F32", "shape": [2], "data_offsets": [0, 8]})", Zeros(4)),
                 "data_offsets [0, 8] go past the end of the data section (4 bytes)");
-  ExpectInvalid(OneEntry(R"({"dtype": "F32", "shape": [1], "data_offsets": [18446744073709551612, 0]})",
-                         Zeros(4)),
-                "end before they begin");
+  ExpectInvalid(
+      OneEntry(R"({"dtype": "F32", "shape": [1], "data_offsets": [18446744073709551612, 0]})", Zeros(4)),
+      "end before they begin");
   ExpectInvalid(OneEntry(R"({"dtype": "F32", "shape": [1], "data_offsets": [4, 0]})", Zeros(4)),
                 "data_offsets [4, 0] end before they begin");
   ExpectInvalid(
-      OneEntry(R"({"dtype": "F32", "shape": [1], "data_offsets": [18446744073709551612, 18446744073709551615]})",
-               Zeros(4)),
+      OneEntry(
+          R"({"dtype": "F32", "shape": [1], "data_offsets": [18446744073709551612, 18446744073709551615]})",
+          Zeros(4)),
       "go past the end of the data section");
 }
 
@@ -305,8 +307,7 @@ TEST(SafetensorsTest, ConvertsKnownBF16Patterns) {
   std::vector<uint16_t> bits;
   for (const auto& [pattern, value] : cases) bits.push_back(pattern);
   bits.push_back(0x7FC0);  // NaN
-  absl::StatusOr<SafetensorsFile> file =
-      ParseSafetensors(BuildFile({HalfTensor("b", "BF16", {3, 3}, bits)}));
+  absl::StatusOr<SafetensorsFile> file = ParseSafetensors(BuildFile({HalfTensor("b", "BF16", {3, 3}, bits)}));
   ASSERT_TRUE(file.ok()) << file.status();
   const std::vector<float>& data = file->tensors.at("b").data;
   EXPECT_THAT(file->tensors.at("b").shape, ElementsAre(3, 3));
@@ -317,9 +318,9 @@ TEST(SafetensorsTest, ConvertsKnownBF16Patterns) {
 }
 
 TEST(SafetensorsTest, ReadsEachDtypeFromItsOwnOffsets) {
-  const std::vector<uint8_t> bytes = BuildFile({HalfTensor("half", "F16", {2}, {0x3C00, 0x4000}),
-                                                F32Tensor("single", {1}, {-0.5f}),
-                                                HalfTensor("brain", "BF16", {1}, {0x4040})});
+  const std::vector<uint8_t> bytes =
+      BuildFile({HalfTensor("half", "F16", {2}, {0x3C00, 0x4000}), F32Tensor("single", {1}, {-0.5f}),
+                 HalfTensor("brain", "BF16", {1}, {0x4040})});
   absl::StatusOr<SafetensorsFile> file = ParseSafetensors(bytes);
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_THAT(file->tensors.at("half").data, ElementsAre(1.0f, 2.0f));
