@@ -13,12 +13,18 @@
 //
 // keys at or past the bound are disallowed (score -1e6 per the contract); a
 // query with bound 0 gets uniform weights over all n_k keys, i.e. the mean of
-// the values.
+// the values. Exactly so: if a row's allowed scores are themselves near or
+// below -1e6, its disallowed keys carry weight, and the kernel computes that
+// row on an exact path.
 #pragma once
 
 #include <cstdint>
 
 namespace attention {
+
+// Query rows the kernel processes together (one GEMM tile). Callers splitting
+// a problem's rows into tasks should use multiples of it.
+inline constexpr int64_t kFlashQueryTile = 64;
 
 // One attention problem: an (example, head) slice. Pointers are not owned.
 struct FlashProblem {

@@ -1,0 +1,405 @@
+// flash_kernel_test.cc: the fused kernel against a naive reference of the
+// contract (scores, disallowed -> -1e6, softmax with max subtraction, weighted
+// sum), over shapes, every mask form, biases, strides and split row ranges.
+#include "core/flash_kernel.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace attention {
+namespace {
+
+constexpr double kAbsTolerance = 1e-5;
+constexpr double kRelTolerance = 1e-4;
+// Written into output and weight cells the kernel must not touch.
+constexpr float kUntouched = 12345.0f;
+
+enum class Mask { kNone, kPerExample, kPerQuery };
+
+struct Case {
+  int64_t num_queries = 1, num_keys = 1, head_size = 1, value_size = 1;
+  Mask mask = Mask::kNone;
+  int32_t valid_len = 0;  // kPerExample
+  bool causal = false;
+  bool query_bias = false, key_bias = false;
+  int64_t pad = 0;  // extra floats at the end of every row (strides > width)
+  float scale = 1.0f;
+
+  std::string Describe() const {
+    std::ostringstream out;
+    out << "n_q=" << num_queries << " n_k=" << num_keys << " d=" << head_size
+        << " d_v=" << value_size << " mask=" << static_cast<int>(mask) << " valid_len=" << valid_len
+        << " causal=" << causal << " query_bias=" << query_bias << " key_bias=" << key_bias
+        << " pad=" << pad;
+    return out.str();
+  }
+};
+
+// Owns the inputs of one problem, row-major with row stride width + pad.
+struct Inputs {
+  Case c;
+  std::vector<float> queries, keys, values, query_bias, key_bias;
+  std::vector<int32_t> valid_lens;
+
+  int64_t QueryStride() const { return c.head_size + c.pad; }
+  int64_t KeyStride() const { return c.head_size + c.pad; }
+  int64_t ValueStride() const { return c.value_size + c.pad; }
+  int64_t OutputStride() const { return c.value_size + c.pad; }
+  int64_t WeightsStride() const { return c.num_keys + c.pad; }
+
+  FlashProblem Problem(float* output) const {
+    FlashProblem p;
+    p.queries = queries.data();
+    p.keys = keys.data();
+    p.values = values.data();
+    p.output = output;
+    p.query_stride = QueryStride();
+    p.key_stride = KeyStride();
+    p.value_stride = ValueStride();
+    p.output_stride = OutputStride();
+    p.num_queries = c.num_queries;
+    p.num_keys = c.num_keys;
+    p.head_size = c.head_size;
+    p.value_size = c.value_size;
+    p.scale = c.scale;
+    p.query_bias = c.query_bias ? query_bias.data() : nullptr;
+    p.key_bias = c.key_bias ? key_bias.data() : nullptr;
+    if (c.mask == Mask::kPerExample) p.valid_len = c.valid_len;
+    if (c.mask == Mask::kPerQuery) p.valid_lens = valid_lens.data();
+    p.causal = c.causal;
+    return p;
+  }
+};
+
+std::vector<float> Uniform(std::mt19937& rng, int64_t count, float lo, float hi) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> out(count);
+  for (float& x : out) x = dist(rng);
+  return out;
+}
+
+Inputs RandomInputs(const Case& c, std::mt19937& rng) {
+  Inputs in{c, {}, {}, {}, {}, {}, {}};
+  in.queries = Uniform(rng, c.num_queries * in.QueryStride(), -1.0f, 1.0f);
+  in.keys = Uniform(rng, c.num_keys * in.KeyStride(), -1.0f, 1.0f);
+  in.values = Uniform(rng, c.num_keys * in.ValueStride(), -1.0f, 1.0f);
+  in.query_bias = Uniform(rng, c.num_queries, -2.0f, 2.0f);
+  in.key_bias = Uniform(rng, c.num_keys, -2.0f, 2.0f);
+  std::uniform_int_distribution<int32_t> len(0, static_cast<int32_t>(c.num_keys) + 3);
+  in.valid_lens.resize(c.num_queries);
+  for (int32_t& l : in.valid_lens) l = len(rng);
+  return in;
+}
+
+// The contract, literally, in double: (n_q x n_k) weights and (n_q x d_v) output.
+struct Reference {
+  std::vector<double> weights, output;
+};
+
+Reference NaiveAttention(const Inputs& in) {
+  const Case& c = in.c;
+  Reference ref;
+  ref.weights.assign(c.num_queries * c.num_keys, 0.0);
+  ref.output.assign(c.num_queries * c.value_size, 0.0);
+  for (int64_t i = 0; i < c.num_queries; ++i) {
+    double* w = &ref.weights[i * c.num_keys];
+    for (int64_t j = 0; j < c.num_keys; ++j) {
+      bool allowed = true;
+      if (c.mask == Mask::kPerExample) allowed = j < c.valid_len;
+      if (c.mask == Mask::kPerQuery) allowed = j < in.valid_lens[i];
+      if (c.causal && j > i) allowed = false;
+      if (!allowed) {
+        w[j] = -1e6;
+        continue;
+      }
+      double dot = 0.0;
+      for (int64_t t = 0; t < c.head_size; ++t) {
+        dot += static_cast<double>(in.queries[i * in.QueryStride() + t]) *
+               in.keys[j * in.KeyStride() + t];
+      }
+      w[j] = c.scale * dot + (c.query_bias ? in.query_bias[i] : 0.0) +
+             (c.key_bias ? in.key_bias[j] : 0.0);
+    }
+    const double max = *std::max_element(w, w + c.num_keys);
+    double sum = 0.0;
+    for (int64_t j = 0; j < c.num_keys; ++j) sum += (w[j] = std::exp(w[j] - max));
+    for (int64_t j = 0; j < c.num_keys; ++j) {
+      w[j] /= sum;
+      for (int64_t t = 0; t < c.value_size; ++t) {
+        ref.output[i * c.value_size + t] += w[j] * in.values[j * in.ValueStride() + t];
+      }
+    }
+  }
+  return ref;
+}
+
+bool Close(double actual, double expected) {
+  return std::abs(actual - expected) <= kAbsTolerance + kRelTolerance * std::abs(expected);
+}
+
+// Compares a (rows x cols) float matrix with row stride `stride` to a dense
+// reference; cells [cols, stride) of each row and rows outside [begin, end)
+// must still hold kUntouched. Reports the first mismatch only.
+void ExpectMatrix(const std::vector<float>& actual, int64_t stride, const std::vector<double>& expected,
+                  int64_t rows, int64_t cols, int64_t begin, int64_t end, const char* what) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < stride; ++c) {
+      const float a = actual[r * stride + c];
+      if (c >= cols || r < begin || r >= end) {
+        ASSERT_EQ(a, kUntouched) << what << " wrote outside its rows/columns at (" << r << ", " << c
+                                 << ")";
+        continue;
+      }
+      const double e = expected[r * cols + c];
+      ASSERT_TRUE(Close(a, e)) << what << "(" << r << ", " << c << ") = " << a << ", expected " << e;
+    }
+  }
+}
+
+// Runs both kernel entry points on [0, split) and [split, n_q) and checks
+// output and weights against the reference.
+void CheckCase(const Inputs& in, int64_t split) {
+  SCOPED_TRACE(in.c.Describe() + " split=" + std::to_string(split));
+  const Case& c = in.c;
+  const Reference ref = NaiveAttention(in);
+
+  std::vector<float> flash_out(c.num_queries * in.OutputStride(), kUntouched);
+  const FlashProblem flash = in.Problem(flash_out.data());
+  FlashAttention(flash, 0, split);
+  ExpectMatrix(flash_out, in.OutputStride(), ref.output, c.num_queries, c.value_size, 0, split,
+               "FlashAttention output of the first range");
+  FlashAttention(flash, split, c.num_queries);
+  ExpectMatrix(flash_out, in.OutputStride(), ref.output, c.num_queries, c.value_size, 0,
+               c.num_queries, "FlashAttention output");
+
+  std::vector<float> out(c.num_queries * in.OutputStride(), kUntouched);
+  std::vector<float> weights(c.num_queries * in.WeightsStride(), kUntouched);
+  const FlashProblem with_weights = in.Problem(out.data());
+  AttentionWithWeights(with_weights, 0, split, weights.data(), in.WeightsStride());
+  AttentionWithWeights(with_weights, split, c.num_queries, weights.data(), in.WeightsStride());
+  ExpectMatrix(out, in.OutputStride(), ref.output, c.num_queries, c.value_size, 0, c.num_queries,
+               "AttentionWithWeights output");
+  ExpectMatrix(weights, in.WeightsStride(), ref.weights, c.num_queries, c.num_keys, 0,
+               c.num_queries, "AttentionWithWeights weights");
+  for (int64_t i = 0; i < c.num_queries; ++i) {
+    for (int64_t t = 0; t < c.value_size; ++t) {
+      const int64_t at = i * in.OutputStride() + t;
+      ASSERT_NEAR(out[at], flash_out[at], kAbsTolerance) << "paths disagree at (" << i << ", " << t << ")";
+    }
+  }
+}
+
+TEST(AllowedKeysTest, IsMinOfValidLenKeysAndCausalLimit) {
+  std::vector<int32_t> lens = {0, 2, 9, 4};
+  FlashProblem p;
+  p.num_queries = 4;
+  p.num_keys = 5;
+  EXPECT_EQ(AllowedKeys(p, 0), 5);  // no mask
+  p.valid_len = 3;
+  EXPECT_EQ(AllowedKeys(p, 2), 3);
+  p.valid_len = 7;  // beyond n_k masks nothing
+  EXPECT_EQ(AllowedKeys(p, 2), 5);
+  p.valid_len = 0;
+  EXPECT_EQ(AllowedKeys(p, 3), 0);
+  p.valid_lens = lens.data();  // per query wins over valid_len
+  EXPECT_EQ(AllowedKeys(p, 1), 2);
+  EXPECT_EQ(AllowedKeys(p, 2), 5);
+  p.causal = true;
+  EXPECT_EQ(AllowedKeys(p, 2), 3);
+  EXPECT_EQ(AllowedKeys(p, 3), 4);
+  EXPECT_EQ(AllowedKeys(p, 0), 0);
+}
+
+// Every (n_q, n_k) pair of sizes, with head and value sizes, mask form, causal
+// flag, biases, padding and the row split drawn per pair from a fixed seed.
+TEST(FlashKernelTest, MatchesReferenceAcrossShapesAndMasks) {
+  const std::vector<int64_t> sizes = {1, 2, 3, 7, 17, 64, 65, 129};
+  std::mt19937 rng(20240611);
+  std::uniform_int_distribution<size_t> pick_size(0, sizes.size() - 1);
+  std::uniform_int_distribution<int> coin(0, 1);
+  for (int64_t n_q : sizes) {
+    for (int64_t n_k : sizes) {
+      for (Mask mask : {Mask::kNone, Mask::kPerExample, Mask::kPerQuery}) {
+        Case c;
+        c.num_queries = n_q;
+        c.num_keys = n_k;
+        c.head_size = sizes[pick_size(rng)];
+        c.value_size = sizes[pick_size(rng)];
+        c.mask = mask;
+        const int32_t lens[] = {0, 1, static_cast<int32_t>(n_k / 2), static_cast<int32_t>(n_k),
+                                static_cast<int32_t>(n_k) + 5};
+        c.valid_len = lens[std::uniform_int_distribution<int>(0, 4)(rng)];
+        c.causal = coin(rng) == 1;
+        c.query_bias = coin(rng) == 1;
+        c.key_bias = coin(rng) == 1;
+        c.pad = coin(rng) == 1 ? 3 : 0;
+        c.scale = 1.0f / std::sqrt(static_cast<float>(c.head_size));
+        const Inputs in = RandomInputs(c, rng);
+        CheckCase(in, std::uniform_int_distribution<int64_t>(0, n_q)(rng));
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// Long rows cross several key tiles, and query tiles end mid-range.
+TEST(FlashKernelTest, MatchesReferenceOverManyTiles) {
+  std::mt19937 rng(7);
+  for (bool causal : {false, true}) {
+    for (Mask mask : {Mask::kNone, Mask::kPerExample, Mask::kPerQuery}) {
+      Case c;
+      c.num_queries = 300;
+      c.num_keys = 777;
+      c.head_size = 64;
+      c.value_size = 33;
+      c.mask = mask;
+      c.valid_len = 600;
+      c.causal = causal;
+      c.key_bias = true;
+      c.pad = 5;
+      c.scale = 0.125f;
+      CheckCase(RandomInputs(c, rng), 131);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// Causal with more queries than keys (rows past n_k see every key) and fewer.
+TEST(FlashKernelTest, CausalWithUnequalQueryAndKeyCounts) {
+  std::mt19937 rng(11);
+  for (auto [n_q, n_k] : {std::pair<int64_t, int64_t>{130, 17}, {17, 130}, {1, 300}, {300, 1}}) {
+    Case c;
+    c.num_queries = n_q;
+    c.num_keys = n_k;
+    c.head_size = 8;
+    c.value_size = 5;
+    c.causal = true;
+    c.scale = 0.5f;
+    CheckCase(RandomInputs(c, rng), n_q / 2);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Integer data with scale 1: scores are exact integers up to about +-150,
+// which overflow exp() unless the row max is subtracted.
+TEST(FlashKernelTest, LargeScoresDoNotOverflow) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> digit(-3, 3);
+  Case c;
+  c.num_queries = 70;
+  c.num_keys = 300;
+  c.head_size = 17;
+  c.value_size = 9;
+  c.mask = Mask::kPerQuery;
+  Inputs in = RandomInputs(c, rng);
+  for (float& x : in.queries) x = static_cast<float>(digit(rng));
+  for (float& x : in.keys) x = static_cast<float>(digit(rng));
+  const Reference ref = NaiveAttention(in);
+  EXPECT_GT(*std::max_element(ref.weights.begin(), ref.weights.end()), 0.99)
+      << "the case should have dominant scores";
+  CheckCase(in, 33);
+}
+
+// Allowed scores near or below -1e6, so disallowed keys (score -1e6) carry
+// weight in the contract. Scores are exact in float: -1e6 plus a query or
+// key bias plus small integers.
+TEST(FlashKernelTest, AllowedScoresNearMaskedScoreKeepMaskedWeight) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> digit(-2, 2);
+  for (float offset : {-1e6f, -1e6f - 4.0f, -1e6f + 40.0f, -1e6f + 200.0f, -3e6f}) {
+    for (bool on_query : {true, false}) {
+      Case c;
+      c.num_queries = 67;
+      c.num_keys = 290;
+      c.head_size = 3;
+      c.value_size = 4;
+      c.mask = Mask::kPerQuery;
+      c.causal = true;
+      c.query_bias = on_query;
+      c.key_bias = !on_query;
+      Inputs in = RandomInputs(c, rng);
+      for (float& x : in.queries) x = static_cast<float>(digit(rng));
+      for (float& x : in.keys) x = static_cast<float>(digit(rng));
+      std::fill(in.query_bias.begin(), in.query_bias.end(), offset);
+      std::fill(in.key_bias.begin(), in.key_bias.end(), offset);
+      SCOPED_TRACE("offset=" + std::to_string(offset));
+      CheckCase(in, 64);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// The same hazard from the dot product itself: q = (1000, a), k = (-1000, b)
+// gives s = -1e6 + a b exactly.
+TEST(FlashKernelTest, DotProductNearMaskedScore) {
+  std::mt19937 rng(9);
+  std::uniform_int_distribution<int> digit(-3, 3);
+  Case c;
+  c.num_queries = 5;
+  c.num_keys = 40;
+  c.head_size = 2;
+  c.value_size = 3;
+  c.mask = Mask::kPerExample;
+  c.valid_len = 20;
+  Inputs in = RandomInputs(c, rng);
+  for (int64_t i = 0; i < c.num_queries; ++i) {
+    in.queries[i * 2] = 1000.0f;
+    in.queries[i * 2 + 1] = static_cast<float>(digit(rng));
+  }
+  for (int64_t j = 0; j < c.num_keys; ++j) {
+    in.keys[j * 2] = -1000.0f;
+    in.keys[j * 2 + 1] = static_cast<float>(digit(rng));
+  }
+  const Reference ref = NaiveAttention(in);
+  EXPECT_GT(ref.weights[c.num_keys - 1], 1e-3) << "masked keys should carry weight in this case";
+  CheckCase(in, 2);
+}
+
+// A row with no allowed key is the mean of all values, for every cause.
+TEST(FlashKernelTest, RowWithoutAllowedKeysIsValueMean) {
+  std::mt19937 rng(13);
+  Case c;
+  c.num_queries = 4;
+  c.num_keys = 300;
+  c.head_size = 6;
+  c.value_size = 7;
+  c.mask = Mask::kPerExample;
+  c.valid_len = 0;
+  const Inputs in = RandomInputs(c, rng);
+  std::vector<float> out(c.num_queries * c.value_size, kUntouched);
+  FlashAttention(in.Problem(out.data()), 0, c.num_queries);
+  for (int64_t t = 0; t < c.value_size; ++t) {
+    double mean = 0.0;
+    for (int64_t j = 0; j < c.num_keys; ++j) mean += in.values[j * c.value_size + t];
+    mean /= static_cast<double>(c.num_keys);
+    for (int64_t i = 0; i < c.num_queries; ++i) {
+      EXPECT_NEAR(out[i * c.value_size + t], mean, kAbsTolerance) << "row " << i;
+    }
+  }
+  CheckCase(in, 1);
+}
+
+// An empty range writes nothing.
+TEST(FlashKernelTest, EmptyRangeWritesNothing) {
+  std::mt19937 rng(17);
+  Case c;
+  c.num_queries = 3;
+  c.num_keys = 3;
+  const Inputs in = RandomInputs(c, rng);
+  std::vector<float> out(3, kUntouched), weights(9, kUntouched);
+  FlashAttention(in.Problem(out.data()), 2, 2);
+  AttentionWithWeights(in.Problem(out.data()), 1, 1, weights.data(), 3);
+  EXPECT_EQ(out, std::vector<float>(3, kUntouched));
+  EXPECT_EQ(weights, std::vector<float>(9, kUntouched));
+}
+
+}  // namespace
+}  // namespace attention
