@@ -255,6 +255,9 @@ int RunServer(const ServerConfig& config) {
   (*service)->Drain();
   server->Wait();
   spdlog::info("stopped");
+  // Not destroyed: ~Exposer waits up to 2 s for civetweb's poll loop, and the
+  // process ends right after this anyway.
+  static_cast<void>(exposer.release());
   return 0;
 }
 
