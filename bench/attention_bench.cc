@@ -1,0 +1,212 @@
+// attention_bench.cc: `attention-bench`, the engine's speed through its public
+// API, next to the machine's GEMM peak so ratios come from one run.
+//
+//   multi_head/B:8/n:128/E:256/H:8/masked:0   self-attention of a multi_head
+//       model (torch layout, random weights and biases): projections, H heads
+//       of size E/H, output projection.
+//   dot_product/B:8/n:128/E:256/H:8/masked:0  the attention core of the same
+//       problem: B*H slices of head size d = E/H through the dot_product model.
+//   gemm/M:2048/N:2048/K:2048/threads:T       Eigen SGEMM C = A B, split by
+//       column blocks over T threads: the peak the kernels are built from.
+//
+// masked:1 gives every example a valid length drawn uniformly from [n/4, n]
+// (fixed seed). GFLOPS counts useful work per wall-clock second:
+//   attention   sum_b n * L_b * 4E    (QK^T and PV over allowed keys only;
+//                                      L_b = n when unmasked)
+//   projections 8 B n E^2             (multi_head only: Q, K, V and output)
+// so a masked run has the same GFLOPS as an unmasked one when it skips the
+// masked work perfectly, and its Time shows the speedup. `allowed` is the
+// fraction of score entries that are allowed.
+#include <benchmark/benchmark.h>
+
+#include <Eigen/Core>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/engine.h"
+#include "core/model.h"
+#include "core/request.h"
+#include "core/thread_pool.h"
+
+namespace attention {
+namespace {
+
+struct Shape {
+  int64_t batch, length, width, heads;  // B, n, E, H
+};
+
+constexpr Shape kShapes[] = {{8, 128, 256, 8}, {4, 512, 512, 8}, {1, 2048, 512, 8}, {32, 32, 256, 8}};
+constexpr int64_t kGemmSize = 2048;
+constexpr uint32_t kSeed = 42;
+
+Engine& SharedEngine() {
+  static Engine engine;
+  return engine;
+}
+
+std::vector<float> RandomData(int64_t count, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> data(count);
+  for (float& x : data) x = dist(rng);
+  return data;
+}
+
+// A multi_head model of width E with H heads, weights like PyTorch's init scale.
+Model MultiHeadModel(int64_t width, int64_t heads, std::mt19937& rng) {
+  Model model;
+  model.name = "bench_multi_head";
+  model.kind = Kind::kMultiHead;
+  model.num_heads = heads;
+  model.query_size = model.key_size = model.value_size = model.output_size = width;
+  const float bound = 1.0f / std::sqrt(static_cast<float>(width));
+  for (RowMatrix* w : {&model.w_q, &model.w_k, &model.w_v, &model.w_o}) {
+    std::vector<float> data = RandomData(width * width, rng);
+    *w = Eigen::Map<RowMatrix>(data.data(), width, width) * bound;
+  }
+  for (Vector* b : {&model.b_q, &model.b_k, &model.b_v, &model.b_o}) {
+    std::vector<float> data = RandomData(width, rng);
+    *b = Eigen::Map<Vector>(data.data(), width) * bound;
+  }
+  return model;
+}
+
+// SplitMix64: simple enough that bench/compare_torch.py draws the same lengths.
+uint64_t SplitMix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Valid lengths uniform in [n/4, n], one per example; the same for every
+// benchmark of a shape.
+std::vector<int32_t> ValidLengths(int64_t batch, int64_t length) {
+  uint64_t state = kSeed;
+  const uint64_t lowest = static_cast<uint64_t>(length / 4);
+  const uint64_t choices = static_cast<uint64_t>(length) - lowest + 1;
+  std::vector<int32_t> lens(batch);
+  for (int32_t& l : lens) l = static_cast<int32_t>(lowest + SplitMix64(state) % choices);
+  return lens;
+}
+
+// Runs `model` on self-attention queries (examples, n, size) with per-example
+// valid lengths `lens` (empty: none) and reports GFLOPS for `flops` per call.
+void RunEngine(benchmark::State& state, const Model& model, int64_t examples, int64_t length,
+               int64_t size, const std::vector<int32_t>& lens, double flops,
+               double allowed_fraction) {
+  std::mt19937 rng(kSeed);
+  const std::vector<float> queries = RandomData(examples * length * size, rng);
+  AttentionRequest request;
+  request.queries = {{examples, length, size}, queries};
+  request.valid_lens = lens;
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    absl::StatusOr<AttentionResult> result = SharedEngine().Attend(model, request);
+    if (!result.ok()) {
+      state.SkipWithError(std::string(result.status().message()).c_str());
+      return;
+    }
+    benchmark::DoNotOptimize(result->output.data.data());
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  state.counters["GFLOPS"] = flops * static_cast<double>(state.iterations()) / seconds * 1e-9;
+  state.counters["allowed"] = allowed_fraction;
+}
+
+// Attention FLOPs of the shape over allowed keys: sum_b n * L_b * 4E.
+double AttentionFlops(const Shape& s, const std::vector<int32_t>& lens) {
+  double flops = 0.0;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const double keys = lens.empty() ? static_cast<double>(s.length) : lens[b];
+    flops += static_cast<double>(s.length) * keys * 4.0 * static_cast<double>(s.width);
+  }
+  return flops;
+}
+
+double AllowedFraction(const Shape& s, const std::vector<int32_t>& lens) {
+  return AttentionFlops(s, lens) / AttentionFlops(s, {});
+}
+
+void MultiHead(benchmark::State& state, Shape s, bool masked) {
+  std::mt19937 rng(kSeed);
+  const Model model = MultiHeadModel(s.width, s.heads, rng);
+  const std::vector<int32_t> lens = masked ? ValidLengths(s.batch, s.length) : std::vector<int32_t>{};
+  const double projections = 8.0 * s.batch * s.length * static_cast<double>(s.width) * s.width;
+  RunEngine(state, model, s.batch, s.length, s.width, lens, AttentionFlops(s, lens) + projections,
+            AllowedFraction(s, lens));
+}
+
+void DotProduct(benchmark::State& state, Shape s, bool masked) {
+  const std::vector<int32_t> lens = masked ? ValidLengths(s.batch, s.length) : std::vector<int32_t>{};
+  // Slice b*H + h has example b's valid length.
+  std::vector<int32_t> slice_lens;
+  for (int32_t l : lens) slice_lens.insert(slice_lens.end(), s.heads, l);
+  RunEngine(state, DotProductModel(), s.batch * s.heads, s.length, s.width / s.heads, slice_lens,
+            AttentionFlops(s, lens), AllowedFraction(s, lens));
+}
+
+// C (M x N) = A (M x K) B (K x N), column blocks of C spread over a pool.
+void Gemm(benchmark::State& state, int threads) {
+  constexpr int64_t kColumnBlock = 256;
+  const Eigen::MatrixXf a = Eigen::MatrixXf::Random(kGemmSize, kGemmSize);
+  const Eigen::MatrixXf b = Eigen::MatrixXf::Random(kGemmSize, kGemmSize);
+  Eigen::MatrixXf c(kGemmSize, kGemmSize);
+  ThreadPool pool(threads);
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    pool.ParallelFor(kGemmSize / kColumnBlock, [&](int64_t block) {
+      c.middleCols(block * kColumnBlock, kColumnBlock).noalias() =
+          a * b.middleCols(block * kColumnBlock, kColumnBlock);
+    });
+    benchmark::DoNotOptimize(c.data());
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  state.counters["GFLOPS"] = 2.0 * kGemmSize * kGemmSize * static_cast<double>(kGemmSize) *
+                             static_cast<double>(state.iterations()) / seconds * 1e-9;
+}
+
+std::string ShapeName(const char* kind, const Shape& s, bool masked) {
+  return std::string(kind) + "/B:" + std::to_string(s.batch) + "/n:" + std::to_string(s.length) +
+         "/E:" + std::to_string(s.width) + "/H:" + std::to_string(s.heads) +
+         "/masked:" + (masked ? "1" : "0");
+}
+
+void RegisterAll() {
+  for (const Shape& s : kShapes) {
+    for (bool masked : {false, true}) {
+      benchmark::RegisterBenchmark(ShapeName("multi_head", s, masked).c_str(), MultiHead, s, masked)
+          ->Unit(benchmark::kMillisecond);
+    }
+  }
+  for (const Shape& s : kShapes) {
+    for (bool masked : {false, true}) {
+      benchmark::RegisterBenchmark(ShapeName("dot_product", s, masked).c_str(), DotProduct, s, masked)
+          ->Unit(benchmark::kMillisecond);
+    }
+  }
+  const std::string gemm = "gemm/M:" + std::to_string(kGemmSize) + "/N:" + std::to_string(kGemmSize) +
+                           "/K:" + std::to_string(kGemmSize) + "/threads:";
+  for (int threads : {1, 2}) {
+    benchmark::RegisterBenchmark((gemm + std::to_string(threads)).c_str(), Gemm, threads)
+        ->Unit(benchmark::kMillisecond);
+  }
+}
+
+}  // namespace
+}  // namespace attention
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  attention::RegisterAll();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
