@@ -260,11 +260,11 @@ def main():
         if missing.returncode == 0 or "NOT_FOUND" not in missing.stderr:
             raise Failure(f"an Attend for an unknown model should fail with NOT_FOUND: {missing.stderr}")
 
-        # Rates need two scrapes after the traffic; wait for the error too.
+        # Rates need two scrapes after the traffic. The NOT_FOUND series is born
+        # at 1 and stays there, so only its presence can be awaited.
         def counted():
-            data = prometheus_query(prometheus_port, 'sum(rate(attention_requests_total{code="NOT_FOUND"}[1m])) > 0')
-            return data["result"] and prometheus_query(
-                prometheus_port, 'sum(rate(attention_batch_size_count[1m])) > 0')["result"]
+            return prometheus_query(prometheus_port, 'attention_requests_total{code="NOT_FOUND"}')["result"] and \
+                prometheus_query(prometheus_port, 'sum(rate(attention_batch_size_count[1m])) > 0')["result"]
         wait_for("the traffic to show in rates", counted, deadline)
 
         for name, expr in queries:
