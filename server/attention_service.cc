@@ -200,7 +200,8 @@ void AttentionService::DropTask(ModelQueue& queue, std::unique_ptr<Task> task,
 void AttentionService::Answer(Task& task, const absl::Status& status,
                               const AttentionResult* result) {
   const absl::Duration total = absl::Now() - task.arrived;
-  const std::string_view model = task.queue != nullptr ? task.queue->model->name : "";
+  const std::string_view model =
+      task.queue != nullptr ? std::string_view(task.queue->model->name) : std::string_view();
   metrics_->CountRequest(model, status.code());
   if (task.queue != nullptr) {
     ModelMetrics& m = *task.queue->metrics;
