@@ -4,11 +4,14 @@
 # by exit code and message), bench (closed and open loop, JSON and text,
 # progress line on a terminal), environment variables and the bearer token.
 #
-#   tests/client_cli_test.sh SERVER_BINARY CLIENT_BINARY
+# Also runs the README's C++ example (attention-client-example).
+#
+#   tests/client_cli_test.sh SERVER_BINARY CLIENT_BINARY EXAMPLE_BINARY
 set -euo pipefail
 
 SERVER_BIN=$1
 CLIENT=$2
+EXAMPLE=$3
 SOURCE_DIR=$(cd "$(dirname "$0")/.." && pwd)
 source "$SOURCE_DIR/tests/client_server.sh"
 
@@ -139,6 +142,21 @@ if command -v script >/dev/null; then
   if grep -q answered "$ERR"; then fail "no progress line in a pipe" "$(cat "$ERR")"; else pass "no progress line in a pipe"; fi
 else
   fail "progress line" "the script command (util-linux) is missing"
+fi
+
+# The C++ example: q = (1, 0) over keys (1, 0), (0, 1), (-1, 0) with values
+# 10, 20, 30; scores q.k / sqrt(2).
+if run "C++ example" 0 "$EXAMPLE" "$T"; then
+  if /usr/bin/python3 - "$OUT" <<'PY'; then pass "C++ example answer"; else fail "C++ example answer" "$(cat "$OUT")"; fi
+import math, sys
+lines = dict(line.split(":", 1) for line in open(sys.argv[1]).read().splitlines())
+output = [float(x) for x in lines["output"].split()]
+weights = [float(x) for x in lines["weights"].split()]
+scores = [s / math.sqrt(2) for s in (1.0, 0.0, -1.0)]
+expected = [math.exp(s) / sum(math.exp(t) for t in scores) for s in scores]
+assert all(abs(w - e) < 1e-5 for w, e in zip(weights, expected)) and len(weights) == 3, weights
+assert len(output) == 1 and abs(output[0] - sum(w * v for w, v in zip(expected, (10, 20, 30)))) < 1e-3, output
+PY
 fi
 
 # Bearer token: refused without it, accepted from --token-file and ATTENTION_TOKEN.
