@@ -104,6 +104,12 @@ AttentionService::~AttentionService() { Drain(); }
 
 void AttentionService::StopAccepting() { accepting_.store(false); }
 
+bool AttentionService::WaitForIdle(absl::Time deadline) {
+  absl::MutexLock lock(&in_flight_mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(in_flight_mu_) { return in_flight_ == 0; };
+  return in_flight_mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+}
+
 void AttentionService::Drain() {
   StopAccepting();
   for (auto& queue : queues_) queue->batcher->Drain();
@@ -134,6 +140,10 @@ void AttentionService::Submit(grpc::CallbackServerContext* context,
   task->deadline_at = ToAbslTime(context->deadline());
   task->done = std::move(done);
   metrics_->inflight().Increment();
+  {
+    absl::MutexLock lock(&in_flight_mu_);
+    ++in_flight_;
+  }
 
   if (absl::Status auth = Authenticate(*context); !auth.ok()) return Answer(*task, auth, nullptr);
   if (!accepting_.load()) {
@@ -223,6 +233,8 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
   }
   metrics_->inflight().Decrement();
   task.done(status, result);
+  absl::MutexLock lock(&in_flight_mu_);
+  --in_flight_;
 }
 
 grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* context,

@@ -22,6 +22,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "attention.grpc.pb.h"
 #include "core/engine.h"
 #include "core/request.h"
@@ -63,6 +65,9 @@ class AttentionService final : public v1::AttentionService::CallbackService {
 
   // Every request from now on is refused with UNAVAILABLE.
   void StopAccepting();
+  // Waits until no request is in flight (every accepted one is answered), or
+  // until `deadline`; false on the deadline.
+  bool WaitForIdle(absl::Time deadline);
   // Answers every queued request, then stops the batchers. Idempotent.
   void Drain();
 
@@ -93,6 +98,8 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   ServerMetrics* const metrics_;             // not owned
   const ServiceOptions options_;
   std::atomic<bool> accepting_{true};
+  absl::Mutex in_flight_mu_;
+  int64_t in_flight_ ABSL_GUARDED_BY(in_flight_mu_) = 0;  // requests in Submit..done
   std::vector<std::unique_ptr<ModelQueue>> queues_;  // one per model, in repository order
 };
 

@@ -248,10 +248,19 @@ int RunServer(const ServerConfig& config) {
                config.shutdown_grace_seconds);
   health->SetServingStatus(false);
   health->SetServingStatus(kServiceName, false);
+  const absl::Time grace_end = absl::Now() + absl::Seconds(config.shutdown_grace_seconds);
+  // Two phases. While the accepted requests finish, the server still answers
+  // new calls itself (UNAVAILABLE, and NOT_SERVING to health checks), which
+  // clients can retry elsewhere; gRPC's own shutdown would cancel calls that
+  // are in transit instead.
   (*service)->StopAccepting();
+  if (!(*service)->WaitForIdle(grace_end)) {
+    spdlog::warn("requests still in flight after --shutdown-grace-seconds; cancelling them");
+  }
   // Returns once every call is finished; calls still open at the deadline
-  // are cancelled, which the batchers answer without computing.
-  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(config.shutdown_grace_seconds)));
+  // (streams, late requests) are cancelled, which the batchers answer
+  // without computing.
+  server->Shutdown(absl::ToChronoTime(std::max(grace_end, absl::Now())));
   (*service)->Drain();
   server->Wait();
   spdlog::info("stopped");
