@@ -52,7 +52,6 @@ class ServerQueueTest : public ::testing::Test {
   }
   void TearDown() override {
     for (auto& call : background_) call.join();
-    stub_.reset();  // an open channel would hold up the server's shutdown for seconds
     if (server_) {
       EXPECT_EQ(server_->Stop(), 0) << server_->Log();
     }
