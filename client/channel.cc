@@ -73,6 +73,10 @@ absl::StatusOr<std::string> ServiceConfigJson(const RetryOptions& retry) {
     return absl::InvalidArgumentError(absl::StrCat(
         "backoff multiplier must be positive; was ", retry.backoff_multiplier));
   }
+  if (retry.max_retried_request_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max retried request bytes must be >= 0; was ", retry.max_retried_request_bytes));
+  }
   return absl::StrFormat(
       R"({%s, "methodConfig": [{"name": [{"service": "attention.v1.AttentionService"},)"
       R"( {"service": "grpc.health.v1.Health"}], "retryPolicy": {"maxAttempts": %d,)"
@@ -94,6 +98,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateChannel(const ClientOptions
   args.SetServiceConfigJSON(*service_config);
   // Attention weights grow as n_q * n_k: lift gRPC's 4 MB default on answers.
   args.SetMaxReceiveMessageSize(-1);
+  args.SetInt(GRPC_ARG_PER_RPC_RETRY_BUFFER_SIZE, options.retry.max_retried_request_bytes);
   const std::string& server_name =
       options.tls_server_name.empty() ? target->server_name : options.tls_server_name;
   if (!server_name.empty()) args.SetSslTargetNameOverride(server_name);

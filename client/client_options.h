@@ -17,6 +17,10 @@ struct RetryOptions {
   absl::Duration initial_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(1);
   double backoff_multiplier = 2.0;
+  // A request is kept for retrying only up to this size; a larger one is
+  // sent once. gRPC's own default is 256 KiB; this one matches the server's
+  // default message limit.
+  int max_retried_request_bytes = 64 << 20;
 };
 
 struct ClientOptions {

@@ -115,7 +115,9 @@ TEST(ServiceConfigTest, BadRetryOptionsAreNamed) {
                         Case{{.initial_backoff = absl::ZeroDuration()}, "0 < initial <= max"},
                         Case{{.initial_backoff = absl::Seconds(2), .max_backoff = absl::Seconds(1)},
                              "was initial 2s, max 1s"},
-                        Case{{.backoff_multiplier = 0}, "multiplier must be positive; was 0"}}) {
+                        Case{{.backoff_multiplier = 0}, "multiplier must be positive; was 0"},
+                        Case{{.max_retried_request_bytes = -1},
+                             "max retried request bytes must be >= 0; was -1"}}) {
     absl::StatusOr<std::string> text = ServiceConfigJson(c.retry);
     EXPECT_EQ(text.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
     EXPECT_THAT(text.status().message(), HasSubstr(c.message));

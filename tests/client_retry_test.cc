@@ -69,6 +69,7 @@ class ScriptedServer {
   explicit ScriptedServer(std::vector<grpc::StatusCode> codes) : service_(std::move(codes)) {
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.SetMaxReceiveMessageSize(-1);
     builder.RegisterService(&service_);
     server_ = builder.BuildAndStart();
   }
@@ -112,6 +113,18 @@ TEST(ClientRetryTest, RetriesUnavailableUntilAnAnswer) {
   ASSERT_TRUE(response.ok()) << response.status();
   EXPECT_EQ(response->request_id(), "r1");
   EXPECT_EQ(server.service().calls(), 3);
+}
+
+TEST(ClientRetryTest, RetriesLargeRequestsToo) {
+  // gRPC commits (stops retrying) a call whose request outgrows its retry
+  // buffer, 256 KiB by default; the client raises it.
+  ScriptedServer server({grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::OK});
+  auto client = ClientFor(server);
+  AttendRequest request = Request("large");
+  request.mutable_queries()->mutable_data()->Resize(4 << 20, 1.0f);  // 16 MiB
+  absl::StatusOr<AttendResponse> response = client->Attend(request);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(server.service().calls(), 2);
 }
 
 TEST(ClientRetryTest, GivesUpAfterMaxAttempts) {

@@ -67,6 +67,10 @@ class AttentionClient {
     this.stub = new AttentionService(channelTarget(target), credentials, {
       'grpc.service_config': serviceConfig(maxAttempts),
       'grpc.max_receive_message_length': -1,
+      // Requests up to 64 MiB stay retryable (gRPC's default: 256 KiB), with
+      // at most 256 MiB of them held for retrying at once.
+      'grpc.per_rpc_retry_buffer_size': 64 << 20,
+      'grpc.retry_buffer_size': 256 << 20,
     });
     this.timeoutMs = timeoutMs;
     this.metadata = new grpc.Metadata();

@@ -113,7 +113,9 @@ class AttentionClient:
                  root_certificates=None, certificate_chain=None, private_key=None,
                  max_attempts=4):
         options = [("grpc.service_config", _service_config(max_attempts)),
-                   ("grpc.max_receive_message_length", -1)]
+                   ("grpc.max_receive_message_length", -1),
+                   # Requests up to 64 MiB stay retryable (gRPC's default: 256 KiB).
+                   ("grpc.per_rpc_retry_buffer_size", 64 << 20)]
         if tls or root_certificates or certificate_chain:
             credentials = grpc.ssl_channel_credentials(root_certificates, private_key,
                                                        certificate_chain)
