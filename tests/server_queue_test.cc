@@ -1,6 +1,7 @@
 // server_queue_test.cc: what happens to requests that wait. A full queue
 // refuses at once; a request whose deadline passes in the queue, or whose
-// call is cancelled there, is answered without being computed.
+// call (unary or stream) is cancelled there, is answered without being
+// computed.
 //
 // The server runs one request per batch on one engine thread, and a few big
 // requests keep it busy while the test looks at the queue through /metrics.
@@ -166,6 +167,29 @@ TEST_F(ServerQueueTest, CancelledCallIsDroppedFromTheQueue) {
   EXPECT_EQ(MetricValue(metrics, "attention_batch_size_sum", {{"model", "dot_product"}}), 2)
       << "the cancelled request was computed";
   EXPECT_EQ(MetricValue(metrics, "attention_inflight_requests"), 0);
+}
+
+TEST_F(ServerQueueTest, CancelledStreamDropsItsQueuedRequestsAndTheServerGoesOn) {
+  Start(/*queue_capacity=*/"8");
+  {
+    grpc::ClientContext context;
+    auto stream = stub_->AttendStream(&context);
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_TRUE(stream->Write(SlowRequest()));
+    }
+    ASSERT_TRUE(WaitForInflight(3));  // one computing, two queued
+    context.TryCancel();
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  ASSERT_TRUE(WaitForInflight(0)) << server_->Log();
+  const std::string metrics = ScrapeMetrics(server_->metrics_address());
+  EXPECT_EQ(MetricValue(metrics, "attention_batch_size_sum", {{"model", "dot_product"}}), 1)
+      << "requests of a cancelled stream were computed";
+  EXPECT_EQ(MetricValue(metrics, "attention_requests_total", {{"code", "CANCELLED"}}), 2);
+
+  grpc::ClientContext context;
+  v1::AttendResponse response;
+  EXPECT_TRUE(stub_->Attend(&context, SmallRequest(), &response).ok());
 }
 
 }  // namespace
