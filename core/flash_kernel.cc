@@ -48,6 +48,16 @@ struct Scratch {
   std::vector<float> exact_row;    // n_k: one row's scores / weights on the exact path
   std::vector<float> value_mean;   // value_size: output of a row with no allowed key
 
+  void Reserve(const FlashProblem& p) {
+    Grow(scores, kFlashQueryTile * kKeyTile);
+    Grow(accumulator, kFlashQueryTile * p.value_size);
+    Grow(row_max, kFlashQueryTile);
+    Grow(row_sum, kFlashQueryTile);
+    Grow(exact_row, p.num_keys);
+    Grow(value_mean, p.value_size);
+    if (static_cast<int64_t>(bounds.size()) < kFlashQueryTile) bounds.resize(kFlashQueryTile);
+  }
+
   static void Grow(std::vector<float>& buffer, int64_t size) {
     if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
   }
@@ -94,10 +104,9 @@ void ScoreTile(const FlashProblem& p, int64_t row, int64_t rows, int64_t key, in
 
 // mean_j v_j over all n_k keys: the output of a row with no allowed key,
 // whose n_k scores are all -1e6 and so weigh 1/n_k each.
-void ValueMean(const FlashProblem& p, Scratch& scratch) {
-  Scratch::Grow(scratch.value_mean, p.value_size);
-  Eigen::Map<Eigen::RowVectorXf> mean(scratch.value_mean.data(), p.value_size);
-  mean = ValueRows(p, 0, p.num_keys).colwise().sum() / static_cast<float>(p.num_keys);
+void ValueMean(const FlashProblem& p, float* mean) {
+  Eigen::Map<Eigen::RowVectorXf>(mean, p.value_size) =
+      ValueRows(p, 0, p.num_keys).colwise().sum() / static_cast<float>(p.num_keys);
 }
 
 // Exact contract path for rows [row, row + rows):
@@ -106,25 +115,31 @@ void ValueMean(const FlashProblem& p, Scratch& scratch) {
 void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
                int64_t weights_stride) {
   const int64_t n_k = p.num_keys;
-  Tile w(weights, rows, n_k, Eigen::OuterStride<>(weights_stride));
   int64_t key_end = 0;
   for (int64_t r = 0; r < rows; ++r) key_end = std::max(key_end, AllowedKeys(p, row + r));
-  if (key_end > 0) ScoreTile(p, row, rows, 0, key_end, Tile(weights, rows, key_end, Eigen::OuterStride<>(weights_stride)));
-  // Columns of W that can be nonzero, for the final GEMM.
+  if (key_end > 0) {
+    ScoreTile(p, row, rows, 0, key_end, Tile(weights, rows, key_end, Eigen::OuterStride<>(weights_stride)));
+  }
+  // Columns of w that can be nonzero, for the final GEMM.
   int64_t weighted_keys = key_end;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t bound = AllowedKeys(p, row + r);
-    RowArray s(weights + r * weights_stride, n_k);
-    if (bound > 0 && p.query_bias != nullptr) s.head(bound) += p.query_bias[row + r];
-    s.tail(n_k - bound).setConstant(kMaskedScore);
+    RowArray allowed(weights + r * weights_stride, bound);
+    if (p.query_bias != nullptr) allowed += p.query_bias[row + r];
     // Subtracting the row max keeps exp in range for scores like +-100.
-    const float max = s.maxCoeff();
-    s = (s - max).exp();
-    s /= s.sum();
-    if (bound < n_k && s[n_k - 1] != 0.0f) weighted_keys = n_k;
+    float max = bound < n_k ? kMaskedScore : -std::numeric_limits<float>::infinity();
+    if (bound > 0) max = std::max(max, allowed.maxCoeff());
+    // std::exp, not Eigen's exp: it flushes to exactly 0 where the weight
+    // of a disallowed key vanishes.
+    const float masked = std::exp(kMaskedScore - max);
+    allowed = (allowed - max).exp();
+    const float sum = allowed.sum() + static_cast<float>(n_k - bound) * masked;
+    allowed /= sum;
+    RowArray(weights + r * weights_stride + bound, n_k - bound).setConstant(masked / sum);
+    if (bound < n_k && masked != 0.0f) weighted_keys = n_k;
   }
-  OutputRows(p, row, rows).noalias() =
-      w.leftCols(weighted_keys) * ValueRows(p, 0, weighted_keys);
+  Tile w(weights, rows, weighted_keys, Eigen::OuterStride<>(weights_stride));
+  OutputRows(p, row, rows).noalias() = w * ValueRows(p, 0, weighted_keys);
 }
 
 // Online softmax over one key tile for row r, scores s = S[r, :keys] of which
@@ -187,7 +202,7 @@ void FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
     // only when comparing the true max score with -1e6.
     const float true_max = row_max[r] + (p.query_bias != nullptr ? p.query_bias[row + r] : 0.0f);
     if (bounds[r] == 0) {
-      if (!have_mean) ValueMean(p, scratch);
+      if (!have_mean) ValueMean(p, scratch.value_mean.data());
       have_mean = true;
       out.row(r) = Eigen::Map<const Eigen::RowVectorXf>(scratch.value_mean.data(), dv);
     } else if (bounds[r] < p.num_keys && true_max < kMaskedScore + kMaskedWeightVanishes) {
@@ -215,14 +230,7 @@ void FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t qu
   // output (n_q x value_size); rows [query_begin, query_end) are computed.
   if (query_begin >= query_end) return;
   Scratch& scratch = ThreadScratch();
-  Scratch::Grow(scratch.scores, kFlashQueryTile * kKeyTile);
-  Scratch::Grow(scratch.accumulator, kFlashQueryTile * problem.value_size);
-  Scratch::Grow(scratch.row_max, kFlashQueryTile);
-  Scratch::Grow(scratch.row_sum, kFlashQueryTile);
-  Scratch::Grow(scratch.exact_row, problem.num_keys);
-  if (static_cast<int64_t>(scratch.bounds.size()) < kFlashQueryTile) {
-    scratch.bounds.resize(kFlashQueryTile);
-  }
+  scratch.Reserve(problem);
   for (int64_t row = query_begin; row < query_end; row += kFlashQueryTile) {
     FlashQueryTile(problem, row, std::min(kFlashQueryTile, query_end - row), scratch);
   }

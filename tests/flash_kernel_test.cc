@@ -102,6 +102,7 @@ Inputs RandomInputs(const Case& c, std::mt19937& rng) {
 // The contract, literally, in double: (n_q x n_k) weights and (n_q x d_v) output.
 struct Reference {
   std::vector<double> weights, output;
+  std::vector<bool> allowed;  // (n_q x n_k)
 };
 
 Reference NaiveAttention(const Inputs& in) {
@@ -109,6 +110,7 @@ Reference NaiveAttention(const Inputs& in) {
   Reference ref;
   ref.weights.assign(c.num_queries * c.num_keys, 0.0);
   ref.output.assign(c.num_queries * c.value_size, 0.0);
+  ref.allowed.assign(c.num_queries * c.num_keys, false);
   for (int64_t i = 0; i < c.num_queries; ++i) {
     double* w = &ref.weights[i * c.num_keys];
     for (int64_t j = 0; j < c.num_keys; ++j) {
@@ -116,6 +118,7 @@ Reference NaiveAttention(const Inputs& in) {
       if (c.mask == Mask::kPerExample) allowed = j < c.valid_len;
       if (c.mask == Mask::kPerQuery) allowed = j < in.valid_lens[i];
       if (c.causal && j > i) allowed = false;
+      ref.allowed[i * c.num_keys + j] = allowed;
       if (!allowed) {
         w[j] = -1e6;
         continue;
@@ -190,6 +193,12 @@ void CheckCase(const Inputs& in, int64_t split) {
   ExpectMatrix(weights, in.WeightsStride(), ref.weights, c.num_queries, c.num_keys, 0,
                c.num_queries, "AttentionWithWeights weights");
   for (int64_t i = 0; i < c.num_queries; ++i) {
+    for (int64_t j = 0; j < c.num_keys; ++j) {
+      // A disallowed key far below the row max weighs exactly 0.
+      if (!ref.allowed[i * c.num_keys + j] && ref.weights[i * c.num_keys + j] == 0.0) {
+        ASSERT_EQ(weights[i * in.WeightsStride() + j], 0.0f) << "weight (" << i << ", " << j << ")";
+      }
+    }
     for (int64_t t = 0; t < c.value_size; ++t) {
       const int64_t at = i * in.OutputStride() + t;
       ASSERT_NEAR(out[at], flash_out[at], kAbsTolerance) << "paths disagree at (" << i << ", " << t << ")";
