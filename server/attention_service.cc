@@ -209,6 +209,9 @@ void AttentionService::DropTask(ModelQueue& queue, std::unique_ptr<Task> task,
 
 void AttentionService::Answer(Task& task, const absl::Status& status,
                               const AttentionResult* result) {
+  // Before the count, so a scrape that sees the request counted also sees it
+  // no longer in flight.
+  metrics_->inflight().Decrement();
   const absl::Duration total = absl::Now() - task.arrived;
   const std::string_view model =
       task.queue != nullptr ? std::string_view(task.queue->model->name) : std::string_view();
@@ -231,7 +234,6 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
                   model, task.proto->request_id(), task.context->peer(), queued_us, computed_us,
                   Micros(total));
   }
-  metrics_->inflight().Decrement();
   task.done(status, result);
   absl::MutexLock lock(&in_flight_mu_);
   --in_flight_;

@@ -92,6 +92,21 @@ class ServerQueueTest : public ::testing::Test {
     for (auto& call : background_) call.join();
     background_.clear();
   }
+  // Two slow requests ran ahead of one small request that ended with `code`:
+  // the server answers it when it reaches it, without computing it.
+  void ExpectDroppedAfterTheSlowOnes(const std::string& code) {
+    JoinSlow();
+    EXPECT_THAT(slow_codes_, ::testing::Each(grpc::StatusCode::OK));
+    ASSERT_TRUE(WaitForMetrics([&code](const std::string& m) {
+      return MetricValue(m, "attention_requests_total", {{"code", code}}) == 1;
+    })) << server_->Log();
+    const std::string metrics = ScrapeMetrics(server_->metrics_address());
+    EXPECT_EQ(MetricValue(metrics, "attention_batch_size_sum", {{"model", "dot_product"}}), 2)
+        << "the " << code << " request was computed";
+    EXPECT_EQ(MetricValue(metrics, "attention_queue_depth", {{"model", "dot_product"}}), 0);
+    EXPECT_EQ(MetricValue(metrics, "attention_inflight_requests"), 0);
+    EXPECT_THAT(server_->Log(), ::testing::HasSubstr("code=" + code));
+  }
 
   std::unique_ptr<ServerProcess> server_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
@@ -129,17 +144,7 @@ TEST_F(ServerQueueTest, DeadlinePassedInTheQueueIsAnsweredAndNeverComputed) {
   EXPECT_EQ(stub_->Attend(&context, SmallRequest(), &response).error_code(),
             grpc::StatusCode::DEADLINE_EXCEEDED);
 
-  JoinSlow();
-  EXPECT_THAT(slow_codes_, ::testing::Each(grpc::StatusCode::OK));
-  // The server reaches the expired request after the slow ones and drops it.
-  ASSERT_TRUE(WaitForMetrics([](const std::string& m) {
-    return MetricValue(m, "attention_requests_total", {{"code", "DEADLINE_EXCEEDED"}}) == 1;
-  })) << server_->Log();
-  const std::string metrics = ScrapeMetrics(server_->metrics_address());
-  EXPECT_EQ(MetricValue(metrics, "attention_batch_size_sum", {{"model", "dot_product"}}), 2)
-      << "the expired request was computed";
-  EXPECT_EQ(MetricValue(metrics, "attention_queue_depth", {{"model", "dot_product"}}), 0);
-  EXPECT_THAT(server_->Log(), ::testing::HasSubstr("code=DEADLINE_EXCEEDED"));
+  ExpectDroppedAfterTheSlowOnes("DEADLINE_EXCEEDED");
 }
 
 TEST_F(ServerQueueTest, CancelledCallIsDroppedFromTheQueue) {
@@ -158,15 +163,7 @@ TEST_F(ServerQueueTest, CancelledCallIsDroppedFromTheQueue) {
   call.join();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
 
-  JoinSlow();
-  EXPECT_THAT(slow_codes_, ::testing::Each(grpc::StatusCode::OK));
-  ASSERT_TRUE(WaitForMetrics([](const std::string& m) {
-    return MetricValue(m, "attention_requests_total", {{"code", "CANCELLED"}}) == 1;
-  })) << server_->Log();
-  const std::string metrics = ScrapeMetrics(server_->metrics_address());
-  EXPECT_EQ(MetricValue(metrics, "attention_batch_size_sum", {{"model", "dot_product"}}), 2)
-      << "the cancelled request was computed";
-  EXPECT_EQ(MetricValue(metrics, "attention_inflight_requests"), 0);
+  ExpectDroppedAfterTheSlowOnes("CANCELLED");
 }
 
 TEST_F(ServerQueueTest, CancelledStreamDropsItsQueuedRequestsAndTheServerGoesOn) {
