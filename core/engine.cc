@@ -69,6 +69,46 @@ void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections
   });
 }
 
+// The rows of one tensor of every request, stacked into one (total x cols)
+// matrix, so a projection is one GEMM over all tokens of the batch. A lone
+// request is used in place.
+class StackedRows {
+ public:
+  template <typename TensorOf>
+  StackedRows(std::span<const ValidatedRequest> requests, TensorOf tensor_of) {
+    if (requests.size() == 1) {
+      data_ = tensor_of(requests[0]).data.data();
+      return;
+    }
+    size_t elements = 0;
+    for (const ValidatedRequest& v : requests) elements += tensor_of(v).data.size();
+    storage_.reserve(elements);
+    for (const ValidatedRequest& v : requests) {
+      const auto& data = tensor_of(v).data;
+      storage_.insert(storage_.end(), data.begin(), data.end());
+    }
+    data_ = storage_.data();
+  }
+
+  const float* data() const { return data_; }
+
+ private:
+  std::vector<float> storage_;
+  const float* data_ = nullptr;
+};
+
+// Token offset of each request in a stacking of its n_q (or n_k) rows.
+std::vector<int64_t> TokenOffsets(std::span<const ValidatedRequest> requests, bool keys) {
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (const ValidatedRequest& v : requests) {
+    offsets.push_back(total);
+    total += v.dims.batch * (keys ? v.dims.num_keys : v.dims.num_queries);
+  }
+  offsets.push_back(total);
+  return offsets;
+}
+
 // The length mask and causal flag of example b, in the kernel's terms.
 void SetMask(const ValidatedRequest& v, int64_t b, FlashProblem& problem) {
   const AttentionRequest& request = *v.request;
@@ -120,20 +160,19 @@ void RunDotProductFamily(ThreadPool& pool, const Model& model,
                          std::span<const ValidatedRequest> requests,
                          std::span<AttentionResult> results) {
   const size_t n = requests.size();
-  // bilinear: q' = q^T W_k, so q'.k = q.(W_k k).
-  std::vector<std::vector<float>> mapped_queries(n);
+  // bilinear: q' = q^T W_k, so q'.k = q.(W_k k); one GEMM over all queries.
+  const std::vector<int64_t> query_rows = TokenOffsets(requests, /*keys=*/false);
+  std::vector<float> mapped_queries;
+  if (model.kind == Kind::kBilinear) {
+    const StackedRows queries_in(requests, [](const ValidatedRequest& v) -> const TensorView& {
+      return v.request->queries;
+    });
+    mapped_queries.resize(query_rows.back() * model.w_k.cols());
+    RunProjections(pool, {{queries_in.data(), mapped_queries.data(), query_rows.back(),
+                           &model.w_k, nullptr, /*transposed=*/false}});
+  }
   // distance: -scale/2 |q - k|^2 = scale q.k - scale/2 |q|^2 - scale/2 |k|^2.
   std::vector<std::vector<float>> query_norms(n), key_norms(n);
-  if (model.kind == Kind::kBilinear) {
-    std::vector<Projection> projections;
-    for (size_t r = 0; r < n; ++r) {
-      const AttentionDims& d = requests[r].dims;
-      mapped_queries[r].resize(d.batch * d.num_queries * d.key_size);
-      projections.push_back({requests[r].request->queries.data.data(), mapped_queries[r].data(),
-                             d.batch * d.num_queries, &model.w_k, nullptr, false});
-    }
-    RunProjections(pool, projections);
-  }
   if (model.kind == Kind::kDistance) {
     for (size_t r = 0; r < n; ++r) {
       const AttentionDims& d = requests[r].dims;
@@ -159,8 +198,9 @@ void RunDotProductFamily(ThreadPool& pool, const Model& model,
   for (size_t r = 0; r < n; ++r) {
     const AttentionRequest& request = *requests[r].request;
     const AttentionDims& d = requests[r].dims;
-    const float* queries =
-        mapped_queries[r].empty() ? request.queries.data.data() : mapped_queries[r].data();
+    const float* queries = mapped_queries.empty()
+                               ? request.queries.data.data()
+                               : mapped_queries.data() + query_rows[r] * d.key_size;
     const int64_t head_size = d.key_size;
     for (int64_t b = 0; b < d.batch; ++b) {
       FlashProblem p;
@@ -195,18 +235,20 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
                  std::span<AttentionResult> results) {
   const size_t n = requests.size();
   const int64_t hidden = model.w_q.rows();
-  std::vector<std::vector<float>> projected_queries(n), projected_keys(n);
-  std::vector<Projection> projections;
-  for (size_t r = 0; r < n; ++r) {
-    const AttentionDims& d = requests[r].dims;
-    projected_queries[r].resize(d.batch * d.num_queries * hidden);
-    projected_keys[r].resize(d.batch * d.num_keys * hidden);
-    projections.push_back({requests[r].request->queries.data.data(), projected_queries[r].data(),
-                           d.batch * d.num_queries, &model.w_q, nullptr});
-    projections.push_back({ResolvedKeys(*requests[r].request).data.data(),
-                           projected_keys[r].data(), d.batch * d.num_keys, &model.w_k, nullptr});
-  }
-  RunProjections(pool, projections);
+  const std::vector<int64_t> query_rows = TokenOffsets(requests, /*keys=*/false);
+  const std::vector<int64_t> key_rows = TokenOffsets(requests, /*keys=*/true);
+  const StackedRows queries_in(requests, [](const ValidatedRequest& v) -> const TensorView& {
+    return v.request->queries;
+  });
+  const StackedRows keys_in(requests, [](const ValidatedRequest& v) -> const TensorView& {
+    return ResolvedKeys(*v.request);
+  });
+  // W_q q and W_k k of every token of the batch, (tokens x h) each.
+  std::vector<float> projected_queries(query_rows.back() * hidden);
+  std::vector<float> projected_keys(key_rows.back() * hidden);
+  RunProjections(pool,
+                 {{queries_in.data(), projected_queries.data(), query_rows.back(), &model.w_q, nullptr},
+                  {keys_in.data(), projected_keys.data(), key_rows.back(), &model.w_k, nullptr}});
 
   struct Block {
     size_t request;
@@ -228,10 +270,12 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
     const AttentionDims& d = v.dims;
     AttentionResult& result = results[block.request];
     const int64_t b = block.example;
-    ConstMatrixMap keys(projected_keys[block.request].data() + b * d.num_keys * hidden,
-                        d.num_keys, hidden);
-    ConstMatrixMap queries(projected_queries[block.request].data() + b * d.num_queries * hidden,
-                           d.num_queries, hidden);
+    ConstMatrixMap keys(
+        projected_keys.data() + (key_rows[block.request] + b * d.num_keys) * hidden, d.num_keys,
+        hidden);
+    ConstMatrixMap queries(
+        projected_queries.data() + (query_rows[block.request] + b * d.num_queries) * hidden,
+        d.num_queries, hidden);
     ConstMatrixMap values(ResolvedValues(*v.request).data.data() + b * d.num_keys * d.value_size,
                           d.num_keys, d.value_size);
     MatrixMap output(result.output.data.data() + b * d.num_queries * d.value_size,
@@ -260,30 +304,34 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
 }
 
 // multi_head: project, attend per head on column slices, project the concat.
+// Each of the four projections is one GEMM over the tokens of every request.
 void RunMultiHead(ThreadPool& pool, const Model& model,
                   std::span<const ValidatedRequest> requests, std::span<AttentionResult> results) {
   const size_t n = requests.size();
   const int64_t width = model.output_size;  // E
   const int64_t heads = model.num_heads;
   const int64_t head_size = width / heads;
-  std::vector<std::vector<float>> q(n), k(n), v(n), concat(n);
-  std::vector<Projection> projections;
-  for (size_t r = 0; r < n; ++r) {
-    const AttentionRequest& request = *requests[r].request;
-    const AttentionDims& d = requests[r].dims;
-    q[r].resize(d.batch * d.num_queries * width);
-    k[r].resize(d.batch * d.num_keys * width);
-    v[r].resize(d.batch * d.num_keys * width);
-    concat[r].resize(d.batch * d.num_queries * width);
-    projections.push_back({request.queries.data.data(), q[r].data(), d.batch * d.num_queries,
-                           &model.w_q, &model.b_q});
-    projections.push_back({ResolvedKeys(request).data.data(), k[r].data(), d.batch * d.num_keys,
-                           &model.w_k, &model.b_k});
-    projections.push_back({ResolvedValues(request).data.data(), v[r].data(),
-                           d.batch * d.num_keys, &model.w_v, &model.b_v});
-  }
-  RunProjections(pool, projections);
+  const std::vector<int64_t> query_rows = TokenOffsets(requests, /*keys=*/false);
+  const std::vector<int64_t> key_rows = TokenOffsets(requests, /*keys=*/true);
+  const int64_t total_queries = query_rows.back(), total_keys = key_rows.back();
 
+  const StackedRows queries_in(requests, [](const ValidatedRequest& v) -> const TensorView& {
+    return v.request->queries;
+  });
+  const StackedRows keys_in(requests, [](const ValidatedRequest& v) -> const TensorView& {
+    return ResolvedKeys(*v.request);
+  });
+  const StackedRows values_in(requests, [](const ValidatedRequest& v) -> const TensorView& {
+    return ResolvedValues(*v.request);
+  });
+  // (tokens x E) projections of every request, stacked like the inputs.
+  std::vector<float> q(total_queries * width), k(total_keys * width), v(total_keys * width);
+  std::vector<float> concat(total_queries * width);
+  RunProjections(pool, {{queries_in.data(), q.data(), total_queries, &model.w_q, &model.b_q},
+                        {keys_in.data(), k.data(), total_keys, &model.w_k, &model.b_k},
+                        {values_in.data(), v.data(), total_keys, &model.w_v, &model.b_v}});
+
+  // Tasks point into `problems`: reserve it whole so it never reallocates.
   std::vector<FlashProblem> problems;
   size_t num_problems = 0;
   for (size_t r = 0; r < n; ++r) num_problems += requests[r].dims.batch * heads;
@@ -292,13 +340,15 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
   for (size_t r = 0; r < n; ++r) {
     const AttentionDims& d = requests[r].dims;
     for (int64_t b = 0; b < d.batch; ++b) {
+      const int64_t query_row = query_rows[r] + b * d.num_queries;
+      const int64_t key_row = key_rows[r] + b * d.num_keys;
       for (int64_t h = 0; h < heads; ++h) {
         FlashProblem p;
         const int64_t column = h * head_size;
-        p.queries = q[r].data() + b * d.num_queries * width + column;
-        p.keys = k[r].data() + b * d.num_keys * width + column;
-        p.values = v[r].data() + b * d.num_keys * width + column;
-        p.output = concat[r].data() + b * d.num_queries * width + column;
+        p.queries = q.data() + query_row * width + column;
+        p.keys = k.data() + key_row * width + column;
+        p.values = v.data() + key_row * width + column;
+        p.output = concat.data() + query_row * width + column;
         p.query_stride = p.key_stride = p.value_stride = p.output_stride = width;
         p.num_queries = d.num_queries;
         p.num_keys = d.num_keys;
@@ -312,13 +362,17 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
   }
   RunAttention(pool, tasks);
 
-  projections.clear();
-  for (size_t r = 0; r < n; ++r) {
-    const AttentionDims& d = requests[r].dims;
-    projections.push_back({concat[r].data(), results[r].output.data.data(),
-                           d.batch * d.num_queries, &model.w_o, &model.b_o});
+  if (n == 1) {
+    RunProjections(pool, {{concat.data(), results[0].output.data.data(), total_queries,
+                           &model.w_o, &model.b_o}});
+    return;
   }
-  RunProjections(pool, projections);
+  std::vector<float> output(total_queries * width);
+  RunProjections(pool, {{concat.data(), output.data(), total_queries, &model.w_o, &model.b_o}});
+  for (size_t r = 0; r < n; ++r) {
+    std::copy_n(output.begin() + query_rows[r] * width, results[r].output.data.size(),
+                results[r].output.data.begin());
+  }
 }
 
 }  // namespace
