@@ -35,6 +35,11 @@ missing=()
 for p in "${wanted[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# The Node client's test needs node and npm; a machine that already has a
+# Node.js (e.g. NodeSource's, which bundles npm) keeps it.
+if [[ "${1:-}" != "--runtime" ]] && ! command -v npm >/dev/null; then
+  missing+=(nodejs npm)
+fi
 if ((${#missing[@]} == 0)); then
   echo "install-deps: all ${#wanted[@]} packages present"
   exit 0
