@@ -68,25 +68,22 @@ Scratch& ThreadScratch() {
   return scratch;
 }
 
-// Q rows [row, row + rows): (rows x head_size).
+// Rows [first, first + count) of a row-major matrix of `width` columns.
+ConstTile Rows(const float* data, int64_t stride, int64_t first, int64_t count, int64_t width) {
+  return ConstTile(data + first * stride, count, width, Eigen::OuterStride<>(stride));
+}
+
+// Q (rows x head_size), K (keys x head_size), V (keys x value_size) and the
+// output (rows x value_size), from a given row.
 ConstTile QueryRows(const FlashProblem& p, int64_t row, int64_t rows) {
-  return ConstTile(p.queries + row * p.query_stride, rows, p.head_size,
-                   Eigen::OuterStride<>(p.query_stride));
+  return Rows(p.queries, p.query_stride, row, rows, p.head_size);
 }
-
-// K rows [key, key + keys): (keys x head_size).
 ConstTile KeyRows(const FlashProblem& p, int64_t key, int64_t keys) {
-  return ConstTile(p.keys + key * p.key_stride, keys, p.head_size,
-                   Eigen::OuterStride<>(p.key_stride));
+  return Rows(p.keys, p.key_stride, key, keys, p.head_size);
 }
-
-// V rows [key, key + keys): (keys x value_size).
 ConstTile ValueRows(const FlashProblem& p, int64_t key, int64_t keys) {
-  return ConstTile(p.values + key * p.value_stride, keys, p.value_size,
-                   Eigen::OuterStride<>(p.value_stride));
+  return Rows(p.values, p.value_stride, key, keys, p.value_size);
 }
-
-// Output rows [row, row + rows): (rows x value_size).
 Tile OutputRows(const FlashProblem& p, int64_t row, int64_t rows) {
   return Tile(p.output + row * p.output_stride, rows, p.value_size,
               Eigen::OuterStride<>(p.output_stride));

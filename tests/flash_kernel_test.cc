@@ -99,6 +99,14 @@ Inputs RandomInputs(const Case& c, std::mt19937& rng) {
   return in;
 }
 
+// Replaces queries and keys by integers in [-max_abs, max_abs]: with scale 1
+// and integer biases every score is then exact in float.
+void IntegerQueriesAndKeys(Inputs& in, int max_abs, std::mt19937& rng) {
+  std::uniform_int_distribution<int> digit(-max_abs, max_abs);
+  for (float& x : in.queries) x = static_cast<float>(digit(rng));
+  for (float& x : in.keys) x = static_cast<float>(digit(rng));
+}
+
 // The contract, literally, in double: (n_q x n_k) weights and (n_q x d_v) output.
 struct Reference {
   std::vector<double> weights, output;
@@ -264,17 +272,9 @@ TEST(FlashKernelTest, MatchesReferenceOverManyTiles) {
   std::mt19937 rng(7);
   for (bool causal : {false, true}) {
     for (Mask mask : {Mask::kNone, Mask::kPerExample, Mask::kPerQuery}) {
-      Case c;
-      c.num_queries = 300;
-      c.num_keys = 777;
-      c.head_size = 64;
-      c.value_size = 33;
-      c.mask = mask;
-      c.valid_len = 600;
-      c.causal = causal;
-      c.key_bias = true;
-      c.pad = 5;
-      c.scale = 0.125f;
+      const Case c{.num_queries = 300, .num_keys = 777, .head_size = 64, .value_size = 33,
+                   .mask = mask, .valid_len = 600, .causal = causal, .key_bias = true, .pad = 5,
+                   .scale = 0.125f};
       CheckCase(RandomInputs(c, rng), 131);
       if (HasFatalFailure()) return;
     }
@@ -285,13 +285,8 @@ TEST(FlashKernelTest, MatchesReferenceOverManyTiles) {
 TEST(FlashKernelTest, CausalWithUnequalQueryAndKeyCounts) {
   std::mt19937 rng(11);
   for (auto [n_q, n_k] : {std::pair<int64_t, int64_t>{130, 17}, {17, 130}, {1, 300}, {300, 1}}) {
-    Case c;
-    c.num_queries = n_q;
-    c.num_keys = n_k;
-    c.head_size = 8;
-    c.value_size = 5;
-    c.causal = true;
-    c.scale = 0.5f;
+    const Case c{.num_queries = n_q, .num_keys = n_k, .head_size = 8, .value_size = 5,
+                 .causal = true, .scale = 0.5f};
     CheckCase(RandomInputs(c, rng), n_q / 2);
     if (HasFatalFailure()) return;
   }
@@ -301,16 +296,10 @@ TEST(FlashKernelTest, CausalWithUnequalQueryAndKeyCounts) {
 // which overflow exp() unless the row max is subtracted.
 TEST(FlashKernelTest, LargeScoresDoNotOverflow) {
   std::mt19937 rng(3);
-  std::uniform_int_distribution<int> digit(-3, 3);
-  Case c;
-  c.num_queries = 70;
-  c.num_keys = 300;
-  c.head_size = 17;
-  c.value_size = 9;
-  c.mask = Mask::kPerQuery;
+  const Case c{.num_queries = 70, .num_keys = 300, .head_size = 17, .value_size = 9,
+               .mask = Mask::kPerQuery};
   Inputs in = RandomInputs(c, rng);
-  for (float& x : in.queries) x = static_cast<float>(digit(rng));
-  for (float& x : in.keys) x = static_cast<float>(digit(rng));
+  IntegerQueriesAndKeys(in, 3, rng);
   const Reference ref = NaiveAttention(in);
   EXPECT_GT(*std::max_element(ref.weights.begin(), ref.weights.end()), 0.99)
       << "the case should have dominant scores";
@@ -322,21 +311,13 @@ TEST(FlashKernelTest, LargeScoresDoNotOverflow) {
 // key bias plus small integers.
 TEST(FlashKernelTest, AllowedScoresNearMaskedScoreKeepMaskedWeight) {
   std::mt19937 rng(5);
-  std::uniform_int_distribution<int> digit(-2, 2);
   for (float offset : {-1e6f, -1e6f - 4.0f, -1e6f + 40.0f, -1e6f + 200.0f, -3e6f}) {
     for (bool on_query : {true, false}) {
-      Case c;
-      c.num_queries = 67;
-      c.num_keys = 290;
-      c.head_size = 3;
-      c.value_size = 4;
-      c.mask = Mask::kPerQuery;
-      c.causal = true;
-      c.query_bias = on_query;
-      c.key_bias = !on_query;
+      const Case c{.num_queries = 67, .num_keys = 290, .head_size = 3, .value_size = 4,
+                   .mask = Mask::kPerQuery, .causal = true, .query_bias = on_query,
+                   .key_bias = !on_query};
       Inputs in = RandomInputs(c, rng);
-      for (float& x : in.queries) x = static_cast<float>(digit(rng));
-      for (float& x : in.keys) x = static_cast<float>(digit(rng));
+      IntegerQueriesAndKeys(in, 2, rng);
       std::fill(in.query_bias.begin(), in.query_bias.end(), offset);
       std::fill(in.key_bias.begin(), in.key_bias.end(), offset);
       SCOPED_TRACE("offset=" + std::to_string(offset));
@@ -351,13 +332,8 @@ TEST(FlashKernelTest, AllowedScoresNearMaskedScoreKeepMaskedWeight) {
 TEST(FlashKernelTest, DotProductNearMaskedScore) {
   std::mt19937 rng(9);
   std::uniform_int_distribution<int> digit(-3, 3);
-  Case c;
-  c.num_queries = 5;
-  c.num_keys = 40;
-  c.head_size = 2;
-  c.value_size = 3;
-  c.mask = Mask::kPerExample;
-  c.valid_len = 20;
+  const Case c{.num_queries = 5, .num_keys = 40, .head_size = 2, .value_size = 3,
+               .mask = Mask::kPerExample, .valid_len = 20};
   Inputs in = RandomInputs(c, rng);
   for (int64_t i = 0; i < c.num_queries; ++i) {
     in.queries[i * 2] = 1000.0f;
@@ -375,13 +351,8 @@ TEST(FlashKernelTest, DotProductNearMaskedScore) {
 // A row with no allowed key is the mean of all values, for every cause.
 TEST(FlashKernelTest, RowWithoutAllowedKeysIsValueMean) {
   std::mt19937 rng(13);
-  Case c;
-  c.num_queries = 4;
-  c.num_keys = 300;
-  c.head_size = 6;
-  c.value_size = 7;
-  c.mask = Mask::kPerExample;
-  c.valid_len = 0;
+  const Case c{.num_queries = 4, .num_keys = 300, .head_size = 6, .value_size = 7,
+               .mask = Mask::kPerExample, .valid_len = 0};
   const Inputs in = RandomInputs(c, rng);
   std::vector<float> out(c.num_queries * c.value_size, kUntouched);
   FlashAttention(in.Problem(out.data()), 0, c.num_queries);
@@ -399,9 +370,7 @@ TEST(FlashKernelTest, RowWithoutAllowedKeysIsValueMean) {
 // An empty range writes nothing.
 TEST(FlashKernelTest, EmptyRangeWritesNothing) {
   std::mt19937 rng(17);
-  Case c;
-  c.num_queries = 3;
-  c.num_keys = 3;
+  const Case c{.num_queries = 3, .num_keys = 3};
   const Inputs in = RandomInputs(c, rng);
   std::vector<float> out(3, kUntouched), weights(9, kUntouched);
   FlashAttention(in.Problem(out.data()), 2, 2);
