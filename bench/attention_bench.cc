@@ -16,7 +16,8 @@
 //   projections 8 B n E^2             (multi_head only: Q, K, V and output)
 // so a masked run has the same GFLOPS as an unmasked one when it skips the
 // masked work perfectly, and its Time shows the speedup. `allowed` is the
-// fraction of score entries that are allowed.
+// fraction of score entries that are allowed. GFLOPS_per_core divides by the
+// CPU time of all threads instead of wall-clock time (see Stopwatch).
 #include <benchmark/benchmark.h>
 
 #include <Eigen/Core>
@@ -25,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <ctime>
 #include <random>
 #include <string>
 #include <vector>
@@ -95,6 +97,34 @@ std::vector<int32_t> ValidLengths(int64_t batch, int64_t length) {
   return lens;
 }
 
+// Wall-clock and process CPU time (all threads) over a benchmark loop.
+class Stopwatch {
+ public:
+  Stopwatch() : wall_start_(std::chrono::steady_clock::now()), cpu_start_(ProcessCpuSeconds()) {}
+
+  // GFLOPS: `flops` per iteration over wall-clock time. GFLOPS_per_core: over
+  // the CPU time all threads used, which other load on the machine disturbs
+  // far less; unloaded, it is GFLOPS / threads.
+  void Report(benchmark::State& state, double flops) const {
+    const double wall =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start_).count();
+    const double cpu = ProcessCpuSeconds() - cpu_start_;
+    const double total = flops * static_cast<double>(state.iterations()) * 1e-9;
+    state.counters["GFLOPS"] = total / wall;
+    state.counters["GFLOPS_per_core"] = total / cpu;
+  }
+
+ private:
+  static double ProcessCpuSeconds() {
+    timespec t;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+  }
+
+  std::chrono::steady_clock::time_point wall_start_;
+  double cpu_start_;
+};
+
 // Runs `model` on self-attention queries (examples, n, size) with per-example
 // valid lengths `lens` (empty: none) and reports GFLOPS for `flops` per call.
 void RunEngine(benchmark::State& state, const Model& model, int64_t examples, int64_t length,
@@ -105,7 +135,7 @@ void RunEngine(benchmark::State& state, const Model& model, int64_t examples, in
   AttentionRequest request;
   request.queries = {{examples, length, size}, queries};
   request.valid_lens = lens;
-  const auto start = std::chrono::steady_clock::now();
+  const Stopwatch stopwatch;
   for (auto _ : state) {
     absl::StatusOr<AttentionResult> result = SharedEngine().Attend(model, request);
     if (!result.ok()) {
@@ -114,9 +144,7 @@ void RunEngine(benchmark::State& state, const Model& model, int64_t examples, in
     }
     benchmark::DoNotOptimize(result->output.data.data());
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  state.counters["GFLOPS"] = flops * static_cast<double>(state.iterations()) / seconds * 1e-9;
+  stopwatch.Report(state, flops);
   state.counters["allowed"] = allowed_fraction;
 }
 
@@ -159,7 +187,7 @@ void Gemm(benchmark::State& state, int threads) {
   const Eigen::MatrixXf b = Eigen::MatrixXf::Random(kGemmSize, kGemmSize);
   Eigen::MatrixXf c(kGemmSize, kGemmSize);
   ThreadPool pool(threads);
-  const auto start = std::chrono::steady_clock::now();
+  const Stopwatch stopwatch;
   for (auto _ : state) {
     pool.ParallelFor(kGemmSize / kColumnBlock, [&](int64_t block) {
       c.middleCols(block * kColumnBlock, kColumnBlock).noalias() =
@@ -167,10 +195,7 @@ void Gemm(benchmark::State& state, int threads) {
     });
     benchmark::DoNotOptimize(c.data());
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  state.counters["GFLOPS"] = 2.0 * kGemmSize * kGemmSize * static_cast<double>(kGemmSize) *
-                             static_cast<double>(state.iterations()) / seconds * 1e-9;
+  stopwatch.Report(state, 2.0 * kGemmSize * kGemmSize * static_cast<double>(kGemmSize));
 }
 
 std::string ShapeName(const char* kind, const Shape& s, bool masked) {
