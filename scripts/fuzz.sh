@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# fuzz.sh: builds the libFuzzer targets of tests/fuzz (clang, ASan+UBSan) and
+# runs each one for a while on a corpus seeded from tests/conformance.
+#
+#   scripts/fuzz.sh                 every target, 60 s each (the CI smoke run)
+#   scripts/fuzz.sh -t 3600 model_file   one target for an hour
+#
+# Options: -t SECONDS per target (default 60), -j JOBS build jobs (default 2).
+# Environment: ATTENTION_FUZZ_BUILD_DIR (default build-fuzz),
+# ATTENTION_FUZZ_WORK_DIR (corpus and crash artifacts; default
+# $ATTENTION_FUZZ_BUILD_DIR/fuzz-work). The corpus grows across runs in the
+# work dir. Exits non-zero if a target finds a crash or a broken property; the
+# input is left in the work dir as crash-* and must become a file in
+# tests/fuzz/regressions/<target>/ once fixed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+seconds=60
+jobs=2
+while getopts "t:j:" opt; do
+  case $opt in
+    t) seconds=$OPTARG ;;
+    j) jobs=$OPTARG ;;
+    *) sed -n '2,16p' "$0"; exit 2 ;;
+  esac
+done
+shift $((OPTIND - 1))
+targets=("$@")
+((${#targets[@]})) || targets=(model_file request_proto request_json)
+
+build_dir=${ATTENTION_FUZZ_BUILD_DIR:-build-fuzz}
+work_dir=${ATTENTION_FUZZ_WORK_DIR:-$build_dir/fuzz-work}
+
+# clang, and libFuzzer's runtime (libclang-rt-14-dev on Debian 12).
+need=()
+command -v clang++ >/dev/null || need+=(clang)
+ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 ||
+  need+=(libclang-rt-14-dev)
+if ((${#need[@]})); then
+  apt-get -o DPkg::Lock::Timeout=600 update
+  apt-get install -o DPkg::Lock::Timeout=600 -y --no-install-recommends "${need[@]}"
+fi
+
+CC=clang CXX=clang++ cmake -S . -B "$build_dir" -G Ninja \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined" \
+  -DATTENTION_FUZZ=ON -DATTENTION_BUILD_TESTS=OFF -DATTENTION_BUILD_BENCHMARKS=OFF >/dev/null
+nice cmake --build "$build_dir" -j "$jobs" --target write_seed_corpus \
+  "${targets[@]/%/_fuzzer}"
+
+mkdir -p "$work_dir"
+"$build_dir"/tests/fuzz/write_seed_corpus "$work_dir/seeds"
+
+status=0
+for target in "${targets[@]}"; do
+  corpus=$work_dir/corpus/$target
+  artifacts=$work_dir/artifacts/$target/
+  mkdir -p "$corpus" "$artifacts"
+  dict=()
+  [[ -f tests/fuzz/$target.dict ]] && dict=(-dict="tests/fuzz/$target.dict")
+  echo "== $target: ${seconds}s"
+  # New inputs go to the first directory; the seeds and the regressions are read.
+  if ! ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1 \
+      "$build_dir/tests/fuzz/${target}_fuzzer" "$corpus" "$work_dir/seeds/$target" \
+      "tests/fuzz/regressions/$target" "${dict[@]}" \
+      -max_total_time="$seconds" -max_len=65536 -rss_limit_mb=2048 -timeout=10 \
+      -print_final_stats=1 -artifact_prefix="$artifacts" 2>"$work_dir/$target.log"; then
+    status=1
+    echo "!! $target failed; see $work_dir/$target.log and $artifacts"
+    grep -E "FUZZ_CHECK|ERROR:|SUMMARY:" "$work_dir/$target.log" | head -n 20 || true
+  fi
+  grep -E "^stat::(number_of_executed_units|peak_rss_mb)" "$work_dir/$target.log" || true
+  echo "corpus: $(find "$corpus" -type f | wc -l) files"
+done
+exit $status

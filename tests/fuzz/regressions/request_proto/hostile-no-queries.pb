@@ -1,0 +1,2 @@
+
+dot_product
