@@ -7,6 +7,7 @@
 #
 #   deploy/test-image.sh           seed (once), build, run, check, clean up
 #   deploy/test-image.sh --seed    only seed the base images
+#   deploy/test-image.sh --run-only   skip the build: check an image kept by KEEP_IMAGE=1
 #   KEEP_IMAGE=1 deploy/test-image.sh   keep the built image afterwards
 #   BUILD_CONTEXT=DIR deploy/test-image.sh   build another tree (e.g. a
 #     `git archive HEAD` export) instead of this working tree
@@ -30,6 +31,7 @@ ensure_tools() {
   command -v buildah >/dev/null || missing+=(buildah)
   command -v debootstrap >/dev/null || missing+=(debootstrap)
   command -v curl >/dev/null || missing+=(curl)
+  command -v objdump >/dev/null || missing+=(binutils)
   if ((${#missing[@]})); then
     log "installing ${missing[*]}"
     apt-get -o DPkg::Lock::Timeout=600 update
@@ -121,9 +123,26 @@ free_port() {
   /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
 }
 
-# Reads one field of the image's (Docker-format) config as JSON.
+# Prints one field of the image's (Docker-format) config as JSON.
 image_config() {
-  buildah "${buildah_opts[@]}" inspect --type image --format "{{json .Docker.Config.$1}}" "$image"
+  buildah "${buildah_opts[@]}" inspect --type image "$image" |
+    /usr/bin/python3 -c 'import json, sys; print(json.dumps(json.load(sys.stdin)["Docker"]["config"].get(sys.argv[1])))' "$1"
+}
+
+# Prints the pid of the server below a process: the first descendant whose
+# executable is one of the image's attention-server-* builds.
+find_server_process() {
+  local pid child exe
+  for child in $(ps -o pid= --ppid "$1"); do
+    exe=$(readlink "/proc/$child/exe" || true)
+    if [[ $exe == */attention-server-avx* ]]; then
+      echo "$child"
+      return
+    fi
+    pid=$(find_server_process "$child")
+    [[ -n $pid ]] && { echo "$pid"; return; }
+  done
+  true
 }
 
 ctr=""
@@ -149,6 +168,19 @@ run_and_check() {
   [[ $(image_config User) == '"10001"' ]] || die "image does not run as user 10001"
   image_config ExposedPorts | grep -q '"50051/tcp"' || die "50051 not exposed"
   image_config ExposedPorts | grep -q '"9464/tcp"' || die "9464 not exposed"
+  # Both builds are in the image, and only the x86-64-v4 one uses the 512-bit
+  # registers (this check needs no AVX-512 CPU).
+  local root
+  root=$(buildah "${buildah_opts[@]}" mount "$ctr")
+  [[ $(objdump -d --no-show-raw-insn "$root/usr/local/bin/attention-server-avx2" | grep -c zmm) == 0 ]] ||
+    die "attention-server-avx2 uses AVX-512 registers"
+  (($(objdump -d --no-show-raw-insn "$root/usr/local/bin/attention-server-avx512" | grep -c zmm) > 0)) ||
+    die "attention-server-avx512 has no AVX-512 instruction"
+  buildah "${buildah_opts[@]}" umount "$ctr" >/dev/null
+  log "attention-server-avx512 uses zmm registers, attention-server-avx2 does not"
+  local uid
+  uid=$(buildah "${buildah_opts[@]}" run --isolation chroot "$ctr" -- id -u)
+  [[ $uid == 10001 ]] || die "processes in the container run as uid $uid, not 10001"
 
   # chroot isolation shares the host's network, so the ports are picked free
   # on the host and handed over through the contract's ATTENTION_* variables.
@@ -177,8 +209,13 @@ run_and_check() {
   log "HEALTHCHECK passed"
 
   buildah "${buildah_opts[@]}" run --isolation chroot "$ctr" -- \
-    attention-client models --target "127.0.0.1:$grpc_port" >"$workdir/models.json"
-  log "models served: $(tr -d '\n' <"$workdir/models.json" | head -c 400)"
+    attention-client models --target "127.0.0.1:$grpc_port" >"$workdir/models.txt"
+  local model
+  for model in "$context"/models/*.safetensors; do
+    model=$(basename "$model" .safetensors)
+    grep -q "^$model " "$workdir/models.txt" || die "example model $model is not served from /models"
+  done
+  log "serves the built-ins and the example models: $(cut -d' ' -f1 "$workdir/models.txt" | tail -n +2 | paste -sd ' ')"
 
   cat >"$workdir/request.json" <<'JSON'
 {"model": "dot_product",
@@ -205,7 +242,14 @@ PY
     { grep '^attention_' "$workdir/metrics.txt" >&2 || true; die "/metrics does not count the Attend call"; }
   log "/metrics counts the Attend call"
 
-  kill -TERM "$server_pid"
+  # buildah run kills its container on SIGTERM instead of passing it on, so the
+  # signal goes to the server process itself, as a container runtime's would.
+  local server_process build
+  server_process=$(find_server_process "$server_pid")
+  [[ -n $server_process ]] || die "no attention-server process under buildah run ($server_pid)"
+  build=$(basename "$(readlink "/proc/$server_process/exe")")
+  log "the dispatcher started $build on this CPU"
+  kill -TERM "$server_process"
   local rc=0
   wait "$server_pid" || rc=$?
   server_pid=""
@@ -219,6 +263,10 @@ ensure_tools
 seed_base_images
 [[ ${1:-} == --seed ]] && exit 0
 trap cleanup EXIT
-build_image
+if [[ ${1:-} == --run-only ]]; then
+  have_image "$image" || die "no $image to check: build it first (KEEP_IMAGE=1 $0)"
+else
+  build_image
+fi
 run_and_check
 log "PASS"
