@@ -198,7 +198,9 @@ TEST_P(ConformanceError, IsRefusedWithItsCode) {
     if (!dims.ok()) message = std::string(dims.status().message());
   }
   EXPECT_EQ(code, e.value("expected_code", "")) << message;
-  if (model != nullptr) EXPECT_FALSE(message.empty());
+  if (model != nullptr) {
+    EXPECT_FALSE(message.empty());
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Conformance, ConformanceError, ::testing::ValuesIn(ErrorCases()),
