@@ -103,10 +103,31 @@ class Server:
         self.metrics_url = f"http://{addresses['metrics']}/metrics"
 
     def cpu_seconds(self):
-        with open(f"/proc/{self._process.pid}/stat") as f:
-            # Fields after the parenthesised name; utime and stime are 14 and 15.
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """CPU time so far: of the whole process, and of its gRPC threads.
+
+        The threads named after the binary (the main thread, the batchers,
+        which compute and answer, and the engine's pool) live as long as the
+        server; the rest are gRPC's, which come and go, so their time is the
+        process's (which keeps the time of ended threads) less the former.
+        """
+        def seconds(stat_path):
+            with open(stat_path) as f:
+                # After the parenthesised name, utime and stime are fields 14 and 15.
+                name, fields = f.read().split("(", 1)[1].rsplit(")", 1)
+            fields = fields.split()
+            return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        _, total = seconds(f"/proc/{self._process.pid}/stat")
+        ours = 0.0
+        tasks = f"/proc/{self._process.pid}/task"
+        for tid in os.listdir(tasks):
+            try:
+                name, thread = seconds(f"{tasks}/{tid}/stat")
+            except FileNotFoundError:  # a gRPC thread that just ended
+                continue
+            if name.startswith("attention-serv"):
+                ours += thread
+        return total, total - ours
 
     def metrics(self):
         """Sums and counts of the histograms, and the answered requests, per metric name."""
@@ -150,7 +171,7 @@ def bench(client, server, workload, duration, warmup, concurrency=None, rate=Non
     if result.returncode != 0:
         raise RuntimeError(f"{shlex.join(command)} exited with {result.returncode}: {result.stderr}")
     point = json.loads(result.stdout)
-    server_cpu = server.cpu_seconds() - server_cpu
+    server_cpu, grpc_cpu = (after - before for after, before in zip(server.cpu_seconds(), server_cpu))
     client_cpu = client_cpu_seconds() - client_cpu
     after = server.metrics()
 
@@ -170,6 +191,7 @@ def bench(client, server, workload, duration, warmup, concurrency=None, rate=Non
         "mean_queue_ms": 1e3 * delta("attention_queue_duration_seconds_sum") / answered if answered else None,
         "mean_compute_ms": 1e3 * delta("attention_compute_duration_seconds_sum") / answered if answered else None,
         "server_cpu_us_per_request": 1e6 * server_cpu / answered if answered else None,
+        "server_grpc_threads_cpu_us_per_request": 1e6 * grpc_cpu / answered if answered else None,
         "client_cpu_us_per_request": 1e6 * client_cpu / answered if answered else None,
     })
     return point
@@ -183,6 +205,7 @@ def describe(point):
             f"p50 {point['latency_ms']['p50']:8.3f} ms  p99 {point['latency_ms']['p99']:8.3f} ms  "
             f"batch {batch if batch is None else round(batch, 1)}  "
             f"cpu/req server {point['server_cpu_us_per_request'] or 0:.0f} us "
+            f"(gRPC threads {point['server_grpc_threads_cpu_us_per_request'] or 0:.0f} us) "
             f"client {point['client_cpu_us_per_request'] or 0:.0f} us  "
             f"errors {point['errors']}  load {point['loadavg_before'][0]}")
 
