@@ -17,14 +17,19 @@
 #include "core/masked_softmax.h"
 #include "core/thread_pool.h"
 
+// OpenBLAS's own threads would fight the pool: every BLAS call runs on the
+// thread that makes it.
+extern "C" void openblas_set_num_threads(int num_threads);
+
 namespace attention {
 namespace {
 
-// Query rows per attention task: enough to amortise a key tile's reuse,
-// small enough that a long sequence spreads over every thread.
-constexpr int64_t kQueryBlock = 64;
+// Query rows per attention task: the kernel's query tile.
+constexpr int64_t kQueryBlock = kFlashQueryTile;
 // Rows per projection task: a GEMM this tall runs near peak.
 constexpr int64_t kProjectionRows = 256;
+// Largest multi-head workspace a thread keeps between calls (64 MiB).
+constexpr size_t kKeptWorkspaceFloats = size_t{16} << 20;
 
 using ConstMatrixMap = Eigen::Map<const RowMatrix>;
 using MatrixMap = Eigen::Map<RowMatrix>;
@@ -324,12 +329,23 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
   const StackedRows values_in(requests, [](const ValidatedRequest& v) -> const TensorView& {
     return ResolvedValues(*v.request);
   });
-  // (tokens x E) projections of every request, stacked like the inputs.
-  std::vector<float> q(total_queries * width), k(total_keys * width), v(total_keys * width);
-  std::vector<float> concat(total_queries * width);
-  RunProjections(pool, {{queries_in.data(), q.data(), total_queries, &model.w_q, &model.b_q},
-                        {keys_in.data(), k.data(), total_keys, &model.w_k, &model.b_k},
-                        {values_in.data(), v.data(), total_keys, &model.w_v, &model.b_v}});
+  // (tokens x E) projections of every request, stacked like the inputs, and
+  // the concatenated heads, in a per-thread buffer kept across calls: fresh
+  // vectors would be zero-filled and page-faulted in on every call. Every
+  // element is written before it is read. A rare huge request gets its own
+  // buffer, so no thread keeps gigabytes for the rest of its life.
+  const size_t needed = 2 * (total_queries + total_keys) * width;
+  thread_local std::vector<float> kept;
+  std::vector<float> once;
+  std::vector<float>& workspace = needed <= kKeptWorkspaceFloats ? kept : once;
+  if (workspace.size() < needed) workspace.resize(needed);
+  float* const q = workspace.data();
+  float* const k = q + total_queries * width;
+  float* const v = k + total_keys * width;
+  float* const concat = v + total_keys * width;
+  RunProjections(pool, {{queries_in.data(), q, total_queries, &model.w_q, &model.b_q},
+                        {keys_in.data(), k, total_keys, &model.w_k, &model.b_k},
+                        {values_in.data(), v, total_keys, &model.w_v, &model.b_v}});
 
   // Tasks point into `problems`: reserve it whole so it never reallocates.
   std::vector<FlashProblem> problems;
@@ -345,10 +361,10 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
       for (int64_t h = 0; h < heads; ++h) {
         FlashProblem p;
         const int64_t column = h * head_size;
-        p.queries = q.data() + query_row * width + column;
-        p.keys = k.data() + key_row * width + column;
-        p.values = v.data() + key_row * width + column;
-        p.output = concat.data() + query_row * width + column;
+        p.queries = q + query_row * width + column;
+        p.keys = k + key_row * width + column;
+        p.values = v + key_row * width + column;
+        p.output = concat + query_row * width + column;
         p.query_stride = p.key_stride = p.value_stride = p.output_stride = width;
         p.num_queries = d.num_queries;
         p.num_keys = d.num_keys;
@@ -363,12 +379,12 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
   RunAttention(pool, tasks);
 
   if (n == 1) {
-    RunProjections(pool, {{concat.data(), results[0].output.data.data(), total_queries,
+    RunProjections(pool, {{concat, results[0].output.data.data(), total_queries,
                            &model.w_o, &model.b_o}});
     return;
   }
   std::vector<float> output(total_queries * width);
-  RunProjections(pool, {{concat.data(), output.data(), total_queries, &model.w_o, &model.b_o}});
+  RunProjections(pool, {{concat, output.data(), total_queries, &model.w_o, &model.b_o}});
   for (size_t r = 0; r < n; ++r) {
     std::copy_n(output.begin() + query_rows[r] * width, results[r].output.data.size(),
                 results[r].output.data.begin());
@@ -378,7 +394,9 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
 }  // namespace
 
 Engine::Engine(EngineOptions options)
-    : pool_(std::make_unique<ThreadPool>(options.num_threads)) {}
+    : pool_(std::make_unique<ThreadPool>(options.num_threads)) {
+  openblas_set_num_threads(1);
+}
 
 Engine::~Engine() = default;
 
