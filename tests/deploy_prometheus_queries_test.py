@@ -99,7 +99,12 @@ def prometheus_query(port, expr):
         with urllib.request.urlopen(url, timeout=10) as response:
             body = json.load(response)
     except urllib.error.HTTPError as err:
-        body = json.load(err)
+        # A starting Prometheus answers 503 with a plain-text body.
+        text = err.read().decode(errors="replace")
+        try:
+            body = json.loads(text)
+        except ValueError:
+            raise Failure(f"HTTP {err.code}: {text.strip()[:200]}") from None
     if body.get("status") != "success":
         raise Failure(f"{body.get('errorType')}: {body.get('error')}")
     return body["data"]
