@@ -1,6 +1,7 @@
 // request.cc: Validate(), the one place untrusted requests are checked.
 #include "core/request.h"
 
+#include <Eigen/Core>
 #include <cmath>
 #include <string>
 
@@ -64,6 +65,11 @@ absl::Status CheckShape(absl::string_view field, const TensorView& tensor,
 }
 
 absl::Status CheckFinite(absl::string_view field, const TensorView& tensor) {
+  // x * 0 is 0 for finite x and NaN for NaN and +-Inf: one vectorised pass
+  // clears almost every request; the scalar loop only finds the index.
+  const Eigen::Map<const Eigen::ArrayXf> values(tensor.data.data(),
+                                                static_cast<Eigen::Index>(tensor.data.size()));
+  if (!std::isnan((values * 0.0f).sum())) return absl::OkStatus();
   for (size_t i = 0; i < tensor.data.size(); ++i) {
     if (!std::isfinite(tensor.data[i])) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".data[", i,
