@@ -37,4 +37,9 @@ case "$isa" in
   avx2 | avx512) ;;
   *) echo "attention-server: ATTENTION_ISA must be avx2 or avx512, got '$isa'" >&2; exit 1 ;;
 esac
+# OpenBLAS (behind the engine's GEMMs) picks its kernels by CPU model and does
+# not use AVX-512 on every AVX-512 CPU unless told; an explicit setting wins.
+if [ "$isa" = avx512 ] && [ -z "${OPENBLAS_CORETYPE:-}" ]; then
+  export OPENBLAS_CORETYPE=SKYLAKEX
+fi
 exec "$dir/attention-server-$isa" "$@"
