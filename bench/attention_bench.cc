@@ -6,8 +6,15 @@
 //       of size E/H, output projection.
 //   dot_product/B:8/n:128/E:256/H:8/masked:0  the attention core of the same
 //       problem: B*H slices of head size d = E/H through the dot_product model.
-//   gemm/M:2048/N:2048/K:2048/threads:T       Eigen SGEMM C = A B, split by
-//       column blocks over T threads: the peak the kernels are built from.
+//   gemm/M:2048/N:2048/K:2048/threads:T       Eigen SGEMM C = A B (through
+//       OpenBLAS, one thread per call, as the engine runs it), split by column
+//       blocks over T threads: the peak the kernels are built from.
+//   scaling/<kind>/vary:<x>/B:../n_q:../n_k:../d:../valid:..  cost against one
+//       of d (E for multi_head), n_q, n_k, valid length, the others at a base
+//       point; keys and values are a tensor of their own (cross-attention).
+//       Driven by bench/cost_scaling.py.
+//   memory/dot_product/B:8/n:16384/d:64  one call, no weights: peak resident
+//       memory over the size of inputs + output (see MemoryPeak).
 //
 // masked:1 gives every example a valid length drawn uniformly from [n/4, n]
 // (fixed seed). GFLOPS counts useful work per wall-clock second:
@@ -27,6 +34,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <ctime>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -125,15 +133,19 @@ class Stopwatch {
   double cpu_start_;
 };
 
-// Runs `model` on self-attention queries (examples, n, size) with per-example
-// valid lengths `lens` (empty: none) and reports GFLOPS for `flops` per call.
+// Runs `model` on queries (examples, n_q, size) against `num_keys` keys
+// (0: self-attention, keys = queries; otherwise a tensor of their own that
+// also serves as values) with per-example valid lengths `lens` (empty: none)
+// and reports GFLOPS for `flops` per call.
 void RunEngine(benchmark::State& state, const Model& model, int64_t examples, int64_t length,
                int64_t size, const std::vector<int32_t>& lens, double flops,
-               double allowed_fraction) {
+               double allowed_fraction, int64_t num_keys = 0) {
   std::mt19937 rng(kSeed);
   const std::vector<float> queries = RandomData(examples * length * size, rng);
+  const std::vector<float> keys = RandomData(examples * num_keys * size, rng);
   AttentionRequest request;
   request.queries = {{examples, length, size}, queries};
+  if (num_keys > 0) request.keys = TensorView{{examples, num_keys, size}, keys};
   request.valid_lens = lens;
   const Stopwatch stopwatch;
   for (auto _ : state) {
@@ -186,6 +198,7 @@ void Gemm(benchmark::State& state, int threads) {
   const Eigen::MatrixXf a = Eigen::MatrixXf::Random(kGemmSize, kGemmSize);
   const Eigen::MatrixXf b = Eigen::MatrixXf::Random(kGemmSize, kGemmSize);
   Eigen::MatrixXf c(kGemmSize, kGemmSize);
+  SharedEngine();  // its constructor keeps OpenBLAS to one thread per call
   ThreadPool pool(threads);
   const Stopwatch stopwatch;
   for (auto _ : state) {
@@ -196,6 +209,104 @@ void Gemm(benchmark::State& state, int threads) {
     benchmark::DoNotOptimize(c.data());
   }
   stopwatch.Report(state, 2.0 * kGemmSize * kGemmSize * static_cast<double>(kGemmSize));
+}
+
+// One point of a cost-scaling sweep: B examples, n_q queries, n_k keys (and
+// values), size d (E for multi_head), every example valid up to `valid` keys.
+struct ScalingPoint {
+  int64_t batch, num_queries, num_keys, size, valid;
+};
+
+// The base points; each sweep changes one coordinate of its kind's base.
+constexpr ScalingPoint kDotProductBase = {16, 512, 512, 64, 512};
+constexpr ScalingPoint kMultiHeadBase = {4, 512, 512, 512, 512};
+constexpr int64_t kScalingHeads = 8;
+constexpr int64_t kScalingLengths[] = {128, 256, 512, 1024, 2048};
+constexpr int64_t kScalingValid[] = {64, 128, 256, 384, 512};
+
+// Useful FLOPs: attention B n_q L 4d over the valid keys L, plus, for
+// multi_head, the projections of queries and output (4 B n_q E^2) and of keys
+// and values (4 B n_k E^2).
+void Scaling(benchmark::State& state, ScalingPoint p, bool multi_head) {
+  const std::vector<int32_t> lens =
+      p.valid < p.num_keys ? std::vector<int32_t>(p.batch, static_cast<int32_t>(p.valid))
+                           : std::vector<int32_t>{};
+  const double batch = static_cast<double>(p.batch);
+  const double attention =
+      batch * p.num_queries * static_cast<double>(std::min(p.valid, p.num_keys)) * 4.0 * p.size;
+  const double allowed = static_cast<double>(std::min(p.valid, p.num_keys)) / p.num_keys;
+  if (!multi_head) {
+    RunEngine(state, DotProductModel(), p.batch, p.num_queries, p.size, lens, attention, allowed,
+              p.num_keys);
+    return;
+  }
+  std::mt19937 rng(kSeed);
+  const Model model = MultiHeadModel(p.size, kScalingHeads, rng);
+  const double square = static_cast<double>(p.size) * p.size;
+  const double projections = 4.0 * batch * (p.num_queries + p.num_keys) * square;
+  RunEngine(state, model, p.batch, p.num_queries, p.size, lens, attention + projections, allowed,
+            p.num_keys);
+}
+
+std::string ScalingName(const char* kind, const char* varied, const ScalingPoint& p) {
+  return std::string("scaling/") + kind + "/vary:" + varied + "/B:" + std::to_string(p.batch) +
+         "/n_q:" + std::to_string(p.num_queries) + "/n_k:" + std::to_string(p.num_keys) +
+         "/d:" + std::to_string(p.size) + "/valid:" + std::to_string(p.valid);
+}
+
+// Whole-process memory in KiB from /proc/self/status ("VmRSS", "VmHWM").
+int64_t StatusKib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::strtoll(line.c_str() + field.size() + 1, nullptr, 10);
+  }
+  return -1;
+}
+
+// Peak resident memory of one dot-product call without weights. Method: the
+// resident set (VmRSS) is read before the inputs exist; after they are filled,
+// writing 5 to /proc/self/clear_refs resets the peak (VmHWM) to the current
+// resident set, the call runs, and VmHWM is its peak. `ratio` = (peak -
+// resident set before the inputs) / (bytes of queries, keys, values and
+// output): inputs, output and every scratch buffer of the call together.
+// An n x n score matrix would be n / (4 d) = 64 times the inputs + output.
+// Run it alone (--benchmark_filter=memory/) so that no memory freed by an
+// earlier benchmark is reused unseen.
+void MemoryPeak(benchmark::State& state, int64_t batch, int64_t length, int64_t size) {
+  const int64_t before_inputs = StatusKib("VmRSS");
+  Engine engine;
+  std::mt19937 rng(kSeed);
+  const int64_t elements = batch * length * size;
+  const std::vector<float> queries = RandomData(elements, rng);
+  const std::vector<float> keys = RandomData(elements, rng);
+  const std::vector<float> values = RandomData(elements, rng);
+  AttentionRequest request;
+  request.queries = {{batch, length, size}, queries};
+  request.keys = TensorView{{batch, length, size}, keys};
+  request.values = TensorView{{batch, length, size}, values};
+  int64_t before_call = 0, peak = 0;
+  for (auto _ : state) {
+    std::ofstream("/proc/self/clear_refs") << "5";
+    before_call = StatusKib("VmRSS");
+    absl::StatusOr<AttentionResult> result = engine.Attend(DotProductModel(), request);
+    peak = StatusKib("VmHWM");
+    if (!result.ok()) {
+      state.SkipWithError(std::string(result.status().message()).c_str());
+      return;
+    }
+    benchmark::DoNotOptimize(result->output.data.data());
+  }
+  if (before_inputs < 0 || peak < before_call) {
+    state.SkipWithError("no VmRSS/VmHWM in /proc/self/status, or clear_refs did not reset VmHWM");
+    return;
+  }
+  const double mib = 1.0 / 1024.0;  // KiB to MiB
+  const double io_mib = 4.0 * elements * 4.0 / (1024.0 * 1024.0);
+  state.counters["io_MiB"] = io_mib;
+  state.counters["peak_MiB"] = (peak - before_inputs) * mib;
+  state.counters["call_growth_MiB"] = (peak - before_call) * mib;
+  state.counters["ratio"] = (peak - before_inputs) * mib / io_mib;
 }
 
 std::string ShapeName(const char* kind, const Shape& s, bool masked) {
@@ -227,6 +338,42 @@ void RegisterAll() {
   const std::string gemm = "gemm/M:" + std::to_string(kGemmSize) + "/N:" + std::to_string(kGemmSize) +
                            "/K:" + std::to_string(kGemmSize) + "/threads:";
   for (int threads : {1, 2}) Register(gemm + std::to_string(threads), Gemm, threads);
+
+  for (bool multi_head : {false, true}) {
+    const char* kind = multi_head ? "multi_head" : "dot_product";
+    const ScalingPoint base = multi_head ? kMultiHeadBase : kDotProductBase;
+    const std::vector<int64_t> sizes =
+        multi_head ? std::vector<int64_t>{128, 256, 512, 1024} : std::vector<int64_t>{16, 32, 64, 128, 256};
+    for (int64_t d : sizes) {
+      ScalingPoint p = base;
+      p.size = d;
+      Register(ScalingName(kind, "d", p), Scaling, p, multi_head);
+    }
+    for (int64_t n : kScalingLengths) {
+      ScalingPoint p = base;
+      p.num_queries = n;
+      Register(ScalingName(kind, "n_q", p), Scaling, p, multi_head);
+    }
+    for (int64_t n : kScalingLengths) {
+      ScalingPoint p = base;
+      p.num_keys = p.valid = n;
+      Register(ScalingName(kind, "n_k", p), Scaling, p, multi_head);
+    }
+    for (int64_t valid : kScalingValid) {
+      ScalingPoint p = base;
+      p.valid = valid;
+      Register(ScalingName(kind, "valid", p), Scaling, p, multi_head);
+    }
+  }
+
+  constexpr int64_t kMemoryBatch = 8, kMemoryLength = 16384, kMemorySize = 64;
+  benchmark::RegisterBenchmark(("memory/dot_product/B:" + std::to_string(kMemoryBatch) +
+                                "/n:" + std::to_string(kMemoryLength) + "/d:" + std::to_string(kMemorySize))
+                                   .c_str(),
+                               MemoryPeak, kMemoryBatch, kMemoryLength, kMemorySize)
+      ->Unit(benchmark::kMillisecond)
+      ->Iterations(1)
+      ->Repetitions(1);
 }
 
 }  // namespace
