@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# sanitize.sh: the tests under sanitizers, built with gcc (the compiler of the
+# shipped build) in their own dirs.
+#
+#   asan  every ctest test but the "deploy" label, with everything (core,
+#         server, client, attention-server itself) built with ASan+UBSan
+#         (build-asan). Leaks are errors.
+#   tsan  the batcher, server and reliability tests, with attention-server
+#         built with TSan (build-tsan). Debian's Abseil and gRPC are not
+#         instrumented: tests/tsan/absl_sync_annotations.cc (LD_PRELOADed)
+#         makes absl::Mutex visible to TSan, and tests/tsan.supp silences
+#         reports inside gRPC only. Nothing of ours is suppressed.
+#
+#   scripts/sanitize.sh            both
+#   scripts/sanitize.sh tsan       one
+# Options: -j JOBS (default 2). Environment: ATTENTION_ASAN_BUILD_DIR,
+# ATTENTION_TSAN_BUILD_DIR. Every sanitizer report, of a test or of a server
+# it started, is written under <build dir>/sanitizer-reports/ and fails the
+# run, even when the process that hit it exited 0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+
+jobs=2
+while getopts "j:" opt; do
+  case $opt in
+    j) jobs=$OPTARG ;;
+    *) sed -n '2,21p' "$0"; exit 2 ;;
+  esac
+done
+shift $((OPTIND - 1))
+modes=("$@")
+((${#modes[@]})) || modes=(asan tsan)
+
+configure() {  # build_dir, sanitizer flags
+  CC=gcc CXX=g++ cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS="$2 -fno-omit-frame-pointer" -DATTENTION_BUILD_BENCHMARKS=OFF >/dev/null
+}
+
+# Fails if any process left a report in $1.
+check_reports() {
+  local reports=("$1"/*)
+  [[ -e ${reports[0]} ]] || return 0
+  echo "!! sanitizer reports in $1:"
+  for report in "${reports[@]}"; do
+    echo "== $report"
+    head -n 60 "$report"
+  done
+  return 1
+}
+
+run_asan() {
+  local build=${ATTENTION_ASAN_BUILD_DIR:-build-asan}
+  configure "$build" "-fsanitize=address,undefined -fno-sanitize-recover=undefined"
+  nice cmake --build "$build" -j "$jobs"
+  local reports=$root/$build/sanitizer-reports
+  rm -rf "$reports" && mkdir -p "$reports"
+  ASAN_OPTIONS="detect_leaks=1:detect_stack_use_after_return=1:strict_string_checks=1:log_path=$reports/asan" \
+  UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan" \
+  LSAN_OPTIONS="suppressions=$root/tests/lsan.supp" \
+    ctest --test-dir "$build" -LE deploy --output-on-failure -j "$jobs" --timeout 1200
+  check_reports "$reports"
+}
+
+run_tsan() {
+  local build=${ATTENTION_TSAN_BUILD_DIR:-build-tsan}
+  configure "$build" "-fsanitize=thread"
+  local pattern='^(batcher_test|server_[a-z_]+_test|overload_[a-z_]+_test|fault_[a-z_]+_test|security_[a-z_]+_test|attention-server)$'
+  mapfile -t targets < <(ninja -C "$build" -t targets all | sed -n 's/: phony$//p' | grep -E "$pattern")
+  nice cmake --build "$build" -j "$jobs" --target "${targets[@]}"
+  g++ -std=c++20 -shared -fPIC -O1 -g tests/tsan/absl_sync_annotations.cc \
+    -o "$build/libabsl_sync_annotations.so" -labsl_synchronization -ldl
+  local reports=$root/$build/sanitizer-reports
+  rm -rf "$reports" && mkdir -p "$reports"
+  local tests=() status=0
+  for target in "${targets[@]}"; do
+    [[ $target == attention-server ]] || tests+=("$build/tests/$target")
+  done
+  # The server tests start their own servers; two at a time share 2 cores.
+  export LD_PRELOAD=$root/$build/libabsl_sync_annotations.so
+  export TSAN_OPTIONS="suppressions=$root/tests/tsan.supp:history_size=4:second_deadlock_stack=1:log_path=$reports/tsan"
+  printf '%s\n' "${tests[@]}" | xargs -P "$jobs" -I{} sh -c \
+    '{} --gtest_brief=1 >"{}.tsan.log" 2>&1 && echo "ok   {}" || { echo "FAIL {}"; tail -n 40 "{}.tsan.log"; exit 1; }' ||
+    status=1
+  unset LD_PRELOAD TSAN_OPTIONS
+  check_reports "$reports" || status=1
+  return $status
+}
+
+status=0
+for mode in "${modes[@]}"; do
+  start=$SECONDS
+  case $mode in
+    asan) run_asan || status=1 ;;
+    tsan) run_tsan || status=1 ;;
+    *) echo "unknown mode '$mode' (asan or tsan)"; exit 2 ;;
+  esac
+  echo "== $mode: $((SECONDS - start)) s"
+done
+exit $status

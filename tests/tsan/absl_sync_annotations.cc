@@ -1,0 +1,244 @@
+// absl_sync_annotations.cc: tells ThreadSanitizer about Debian's absl::Mutex,
+// absl::CondVar and absl::Notification.
+//
+// Debian ships Abseil (and gRPC, which locks with absl::Mutex) built without
+// -fsanitize=thread. TSan then sees our accesses under an absl::MutexLock but
+// not the lock's acquire and release (they happen in uninstrumented code), so
+// every mutex-guarded field of the batcher and the service would be reported
+// as a race. Suppressing those reports would hide our real races too, so
+// instead this library, LD_PRELOADed by scripts/sanitize.sh, interposes the
+// public entry points of those classes: each calls the real one (found with
+// dlsym(RTLD_NEXT)) and adds the happens-before edge it implies with
+// __tsan_acquire / __tsan_release on the object's address, as Abseil's own
+// TSan annotations would. Reader locks are treated as exclusive, which can
+// only hide a race between two readers.
+//
+// The __tsan_* functions are weak: in a process without TSan (a shell or
+// Python test run under the same LD_PRELOAD) every wrapper is a plain call.
+#include <dlfcn.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+
+extern "C" {
+void __tsan_acquire(void* addr) __attribute__((weak));
+void __tsan_release(void* addr) __attribute__((weak));
+}
+
+namespace {
+
+void Acquire(const void* addr) {
+  if (__tsan_acquire != nullptr) __tsan_acquire(const_cast<void*>(addr));
+}
+void Release(const void* addr) {
+  if (__tsan_release != nullptr) __tsan_release(const_cast<void*>(addr));
+}
+
+// The address of a non-virtual member function (Itanium ABI: the first word
+// of the pointer to member), to look up its mangled name with dladdr.
+template <typename MemberFunction>
+void* AddressOf(MemberFunction function) {
+  void* address;
+  static_assert(sizeof(function) >= sizeof(address));
+  std::memcpy(&address, &function, sizeof(address));
+  return address;
+}
+
+// The next definition of the symbol that `ours` (a wrapper below) defines:
+// the real one in libabsl_synchronization.so.
+template <typename Real, typename MemberFunction>
+Real Next(MemberFunction ours) {
+  Dl_info info;
+  if (dladdr(AddressOf(ours), &info) == 0 || info.dli_sname == nullptr) {
+    std::fprintf(stderr, "absl_sync_annotations: cannot name a wrapper\n");
+    std::abort();
+  }
+  void* next = dlsym(RTLD_NEXT, info.dli_sname);
+  if (next == nullptr) {
+    std::fprintf(stderr, "absl_sync_annotations: %s not found after this library\n",
+                 info.dli_sname);
+    std::abort();
+  }
+  return reinterpret_cast<Real>(next);
+}
+
+// absl::Notification's layout (absl/synchronization/notification.h): the
+// inline HasBeenNotified() reads notified_yet_ with an acquire load, so
+// Notify() must release that address too.
+struct NotificationLayout {
+  absl::Mutex mutex;
+  std::atomic<bool> notified_yet;
+};
+static_assert(sizeof(NotificationLayout) == sizeof(absl::Notification));
+
+}  // namespace
+
+#define ABSL_SYNC_REAL(Return, Class, name, ...)                              \
+  static const auto real = Next<Return (*)(__VA_ARGS__)>(&Class::name)
+
+namespace absl {
+ABSL_NAMESPACE_BEGIN
+
+void Mutex::Lock() {
+  ABSL_SYNC_REAL(void, Mutex, Lock, Mutex*);
+  real(this);
+  Acquire(this);
+}
+
+void Mutex::ReaderLock() {
+  ABSL_SYNC_REAL(void, Mutex, ReaderLock, Mutex*);
+  real(this);
+  Acquire(this);
+}
+
+bool Mutex::TryLock() {
+  ABSL_SYNC_REAL(bool, Mutex, TryLock, Mutex*);
+  const bool locked = real(this);
+  if (locked) Acquire(this);
+  return locked;
+}
+
+bool Mutex::ReaderTryLock() {
+  ABSL_SYNC_REAL(bool, Mutex, ReaderTryLock, Mutex*);
+  const bool locked = real(this);
+  if (locked) Acquire(this);
+  return locked;
+}
+
+void Mutex::Unlock() {
+  ABSL_SYNC_REAL(void, Mutex, Unlock, Mutex*);
+  Release(this);
+  real(this);
+}
+
+void Mutex::ReaderUnlock() {
+  ABSL_SYNC_REAL(void, Mutex, ReaderUnlock, Mutex*);
+  Release(this);
+  real(this);
+}
+
+void Mutex::LockWhen(const Condition& condition) {
+  ABSL_SYNC_REAL(void, Mutex, LockWhen, Mutex*, const Condition&);
+  real(this, condition);
+  Acquire(this);
+}
+
+void Mutex::ReaderLockWhen(const Condition& condition) {
+  ABSL_SYNC_REAL(void, Mutex, ReaderLockWhen, Mutex*, const Condition&);
+  real(this, condition);
+  Acquire(this);
+}
+
+bool Mutex::LockWhenWithTimeout(const Condition& condition, absl::Duration timeout) {
+  ABSL_SYNC_REAL(bool, Mutex, LockWhenWithTimeout, Mutex*, const Condition&, absl::Duration);
+  const bool result = real(this, condition, timeout);
+  Acquire(this);  // held on return either way
+  return result;
+}
+
+bool Mutex::LockWhenWithDeadline(const Condition& condition, absl::Time deadline) {
+  ABSL_SYNC_REAL(bool, Mutex, LockWhenWithDeadline, Mutex*, const Condition&, absl::Time);
+  const bool result = real(this, condition, deadline);
+  Acquire(this);
+  return result;
+}
+
+bool Mutex::ReaderLockWhenWithTimeout(const Condition& condition, absl::Duration timeout) {
+  ABSL_SYNC_REAL(bool, Mutex, ReaderLockWhenWithTimeout, Mutex*, const Condition&,
+                 absl::Duration);
+  const bool result = real(this, condition, timeout);
+  Acquire(this);
+  return result;
+}
+
+bool Mutex::ReaderLockWhenWithDeadline(const Condition& condition, absl::Time deadline) {
+  ABSL_SYNC_REAL(bool, Mutex, ReaderLockWhenWithDeadline, Mutex*, const Condition&, absl::Time);
+  const bool result = real(this, condition, deadline);
+  Acquire(this);
+  return result;
+}
+
+// Await* release the mutex while they wait and hold it again on return.
+void Mutex::Await(const Condition& condition) {
+  ABSL_SYNC_REAL(void, Mutex, Await, Mutex*, const Condition&);
+  Release(this);
+  real(this, condition);
+  Acquire(this);
+}
+
+bool Mutex::AwaitWithTimeout(const Condition& condition, absl::Duration timeout) {
+  ABSL_SYNC_REAL(bool, Mutex, AwaitWithTimeout, Mutex*, const Condition&, absl::Duration);
+  Release(this);
+  const bool result = real(this, condition, timeout);
+  Acquire(this);
+  return result;
+}
+
+bool Mutex::AwaitWithDeadline(const Condition& condition, absl::Time deadline) {
+  ABSL_SYNC_REAL(bool, Mutex, AwaitWithDeadline, Mutex*, const Condition&, absl::Time);
+  Release(this);
+  const bool result = real(this, condition, deadline);
+  Acquire(this);
+  return result;
+}
+
+// CondVar waits release `mutex` and hold it again on return.
+void CondVar::Wait(Mutex* mutex) {
+  ABSL_SYNC_REAL(void, CondVar, Wait, CondVar*, Mutex*);
+  Release(mutex);
+  real(this, mutex);
+  Acquire(mutex);
+}
+
+bool CondVar::WaitWithTimeout(Mutex* mutex, absl::Duration timeout) {
+  ABSL_SYNC_REAL(bool, CondVar, WaitWithTimeout, CondVar*, Mutex*, absl::Duration);
+  Release(mutex);
+  const bool result = real(this, mutex, timeout);
+  Acquire(mutex);
+  return result;
+}
+
+bool CondVar::WaitWithDeadline(Mutex* mutex, absl::Time deadline) {
+  ABSL_SYNC_REAL(bool, CondVar, WaitWithDeadline, CondVar*, Mutex*, absl::Time);
+  Release(mutex);
+  const bool result = real(this, mutex, deadline);
+  Acquire(mutex);
+  return result;
+}
+
+void Notification::Notify() {
+  ABSL_SYNC_REAL(void, Notification, Notify, Notification*);
+  Release(this);
+  Release(&reinterpret_cast<NotificationLayout*>(this)->notified_yet);
+  real(this);
+}
+
+void Notification::WaitForNotification() const {
+  ABSL_SYNC_REAL(void, Notification, WaitForNotification, const Notification*);
+  real(this);
+  Acquire(this);
+}
+
+bool Notification::WaitForNotificationWithTimeout(absl::Duration timeout) const {
+  ABSL_SYNC_REAL(bool, Notification, WaitForNotificationWithTimeout, const Notification*,
+                 absl::Duration);
+  const bool notified = real(this, timeout);
+  if (notified) Acquire(this);
+  return notified;
+}
+
+bool Notification::WaitForNotificationWithDeadline(absl::Time deadline) const {
+  ABSL_SYNC_REAL(bool, Notification, WaitForNotificationWithDeadline, const Notification*,
+                 absl::Time);
+  const bool notified = real(this, deadline);
+  if (notified) Acquire(this);
+  return notified;
+}
+
+ABSL_NAMESPACE_END
+}  // namespace absl
