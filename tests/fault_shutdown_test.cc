@@ -1,0 +1,143 @@
+// fault_shutdown_test.cc: SIGTERM while streams are busy.
+//
+// Streams keep writing requests while the server is told to stop. The
+// contract: every accepted request is answered. Here that means each stream
+// gets exactly one answer per request it wrote, in order: a correct output,
+// or (once the server drains) an UNAVAILABLE error, never a gap; every
+// request the server logged as computed reached its client; and the server
+// exits 0. (Unary calls under SIGTERM: server_lifecycle_test.)
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <signal.h>
+
+#include <atomic>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "tests/fault_util.h"
+#include "tests/server_test_util.h"
+
+namespace attention::testing {
+namespace {
+
+constexpr int kStreams = 6;
+constexpr int kMaxRequestsPerStream = 2000;
+constexpr int kAnswersBeforeSigterm = 60;
+constexpr int kUnavailable = static_cast<int>(grpc::StatusCode::UNAVAILABLE);
+
+struct StreamLog {
+  std::mutex mu;  // the writer appends to `written` while the reader reads it
+  std::vector<v1::AttendRequest> written;
+  std::vector<std::string> problems;
+  std::set<std::string> answered_ok;  // request ids with a correct output
+  int answers = 0;
+  int refused = 0;  // UNAVAILABLE answers
+  grpc::Status status;
+};
+
+TEST(FaultShutdownTest, SigtermAnswersEveryRequestOfEveryStream) {
+  auto server = ServerProcess::Start({"--max-batch-size", "4", "--shutdown-grace-seconds", "60",
+                                      "--log-level", "debug"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = (*server)->Stub();
+
+  std::atomic<int> answers{0};
+  std::vector<StreamLog> logs(kStreams);  // each touched by its stream's threads until joined
+  std::vector<std::thread> threads;
+  for (int s = 0; s < kStreams; ++s) {
+    threads.emplace_back([&, s] {
+      StreamLog& log = logs[s];
+      grpc::ClientContext context;
+      auto stream = stub->AttendStream(&context);
+      std::atomic<bool> refused{false};
+      // The reader runs beside the writer; the writer stops once the server
+      // has refused a request (it is draining) and then half-closes.
+      std::thread reader([&] {
+        v1::AttendResponse response;
+        while (stream->Read(&response)) {
+          const int index = log.answers++;
+          v1::AttendRequest request;
+          {
+            std::lock_guard<std::mutex> lock(log.mu);
+            if (index < static_cast<int>(log.written.size())) request = log.written[index];
+          }
+          if (request.request_id().empty()) {
+            log.problems.push_back("an answer beyond the requests written");
+            continue;
+          }
+          if (response.request_id() != request.request_id()) {
+            log.problems.push_back("answer " + std::to_string(index) + " is for '" +
+                                   response.request_id() + "', expected '" +
+                                   request.request_id() + "'");
+          } else if (response.has_error()) {
+            if (response.error().code() != kUnavailable) {
+              log.problems.push_back(request.request_id() + ": error " +
+                                     std::to_string(response.error().code()) + " " +
+                                     response.error().message());
+            }
+            ++log.refused;
+            refused = true;
+          } else if (const std::string wrong = CheckAnswer(request, response); !wrong.empty()) {
+            log.problems.push_back(request.request_id() + ": " + wrong);
+          } else {
+            log.answered_ok.insert(request.request_id());
+            ++answers;
+          }
+        }
+      });
+      for (int r = 0; r < kMaxRequestsPerStream && !refused; ++r) {
+        const v1::AttendRequest request =
+            DotProductRequest(1, 32, 16, s * kMaxRequestsPerStream + r);
+        {
+          // Recorded before it is written: its answer may come back at once.
+          std::lock_guard<std::mutex> lock(log.mu);
+          log.written.push_back(request);
+        }
+        if (!stream->Write(request)) {
+          std::lock_guard<std::mutex> lock(log.mu);
+          log.written.pop_back();
+          break;
+        }
+      }
+      stream->WritesDone();
+      reader.join();
+      log.status = stream->Finish();
+    });
+  }
+  while (answers.load() < kAnswersBeforeSigterm) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  (*server)->Signal(SIGTERM);
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ((*server)->Wait(), 0) << (*server)->Log();
+
+  std::set<std::string> answered_ok;
+  for (int s = 0; s < kStreams; ++s) {
+    const StreamLog& log = logs[s];
+    EXPECT_THAT(log.problems, ::testing::IsEmpty()) << "stream " << s;
+    EXPECT_TRUE(log.status.ok()) << "stream " << s << ": " << log.status.error_message();
+    EXPECT_EQ(log.answers, static_cast<int>(log.written.size()))
+        << "stream " << s << ": requests written but never answered";
+    EXPECT_GE(log.refused, 1) << "stream " << s << " never saw the server drain";
+    answered_ok.insert(log.answered_ok.begin(), log.answered_ok.end());
+  }
+  // Every request the server computed reached its client.
+  int computed = 0;
+  for (absl::string_view line : absl::StrSplit((*server)->Log(), '\n')) {
+    if (line.find("request done") == absl::string_view::npos) continue;
+    const size_t at = line.find("request_id='");
+    ASSERT_NE(at, absl::string_view::npos) << line;
+    absl::string_view id = line.substr(at + 12);
+    id = id.substr(0, id.find('\''));
+    ++computed;
+    EXPECT_TRUE(answered_ok.contains(std::string(id))) << "request " << id << " computed, answer lost";
+  }
+  EXPECT_EQ(computed, static_cast<int>(answered_ok.size()));
+  EXPECT_GE(computed, kAnswersBeforeSigterm);
+}
+
+}  // namespace
+}  // namespace attention::testing
