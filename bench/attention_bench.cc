@@ -24,7 +24,8 @@
 // so a masked run has the same GFLOPS as an unmasked one when it skips the
 // masked work perfectly, and its Time shows the speedup. `allowed` is the
 // fraction of score entries that are allowed. GFLOPS_per_core divides by the
-// CPU time of all threads instead of wall-clock time (see Stopwatch).
+// CPU time of all threads instead of wall-clock time (see Stopwatch);
+// GFLOP_per_call is the useful work of one call.
 #include <benchmark/benchmark.h>
 
 #include <Eigen/Core>
@@ -120,6 +121,7 @@ class Stopwatch {
     const double total = flops * static_cast<double>(state.iterations()) * 1e-9;
     state.counters["GFLOPS"] = total / wall;
     state.counters["GFLOPS_per_core"] = total / cpu;
+    state.counters["GFLOP_per_call"] = flops * 1e-9;
   }
 
  private:
