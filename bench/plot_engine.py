@@ -35,6 +35,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+from matplotlib.ticker import NullFormatter  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "bench", "results")
@@ -226,7 +227,8 @@ def plot_masked(result, path):
                             for r in rows], fontsize=7)
         ax.set_ylabel("speedup of masked over unmasked")
         ax.set_title(f"{kind}: valid lengths uniform in [n/4, n]")
-        ax.legend(fontsize=7, loc="upper right")
+        ax.set_ylim(0, max(2.0, ax.get_ylim()[1] * 1.25))
+        ax.legend(fontsize=7, loc="upper left", ncol=2)
     figure.suptitle("Masked vs unmasked calls of the engine (attention-bench masked:1 vs masked:0)")
     footer(figure, [f"{result['machine']}. {load_text(result['load_averages'])}; {result['date_utc']} UTC.",
                     "Measured by: " + result["commands"][0],
@@ -258,6 +260,9 @@ def plot_scaling(scaling, path):
             ax.set_title(f"{kind}: vs {varied}; slope CPU {slope['cpu_time']:.2f}, "
                          f"FLOPs {slope['useful_flops']:.2f}", fontsize=9)
             base = sweep[0]
+            ax.set_xticks(xs)
+            ax.set_xticklabels([str(x) for x in xs], fontsize=7)
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel(labels[varied], fontsize=8)
             ax.set_ylabel("ms", fontsize=8)
             fixed = ", ".join(f"{k}={base[k]}" for k in ("B", "n_q", "n_k", "d", "valid") if k != varied
