@@ -32,9 +32,12 @@ shift $((OPTIND - 1))
 modes=("$@")
 ((${#modes[@]})) || modes=(asan tsan)
 
+# Build type "Sanitize" has no flags of its own: -O1 -g1 compiles in about
+# half the time of -O2 -g and still gives file:line stacks; assertions stay on.
 configure() {  # build_dir, sanitizer flags
-  CC=gcc CXX=g++ cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DCMAKE_CXX_FLAGS="$2 -fno-omit-frame-pointer" -DATTENTION_BUILD_BENCHMARKS=OFF >/dev/null
+  CC=gcc CXX=g++ cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Sanitize \
+    -DCMAKE_CXX_FLAGS="$2 -O1 -g1 -fno-omit-frame-pointer" -DATTENTION_BUILD_BENCHMARKS=OFF \
+    >/dev/null
 }
 
 # Fails if any process left a report in $1.

@@ -49,12 +49,7 @@ class FaultCancelTest : public ::testing::Test {
     return MetricValue(text, name, labels);
   }
   bool WaitForMetrics(const std::function<bool(const std::string&)>& done) {
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-    while (std::chrono::steady_clock::now() < give_up) {
-      if (done(Metrics())) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return false;
+    return attention::testing::WaitForMetrics(server_->metrics_address(), done);
   }
   // Batches started so far (each is observed before it computes).
   double Batches(const std::string& text) {

@@ -44,13 +44,8 @@ TEST(FaultDeadlineTest, ShortDeadlinesEndInTheQueueAndTheEngineSkipsThem) {
   const auto metric = [&](const std::string& name, const std::map<std::string, std::string>& l) {
     return MetricValue(ScrapeMetrics((*server)->metrics_address()), name, l);
   };
-  const auto wait_for = [](const std::function<bool()>& done) {
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-    while (!done()) {
-      if (std::chrono::steady_clock::now() > give_up) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return true;
+  const auto wait_for = [&](const std::function<bool(const std::string&)>& done) {
+    return WaitForMetrics((*server)->metrics_address(), done);
   };
   const std::map<std::string, std::string> model = {{"model", "dot_product"}};
 
@@ -75,9 +70,9 @@ TEST(FaultDeadlineTest, ShortDeadlinesEndInTheQueueAndTheEngineSkipsThem) {
       slow_status[i] = stub->Attend(&context, slow_request, &response);
     });
   }
-  ASSERT_TRUE(wait_for([&] {
-    return metric("attention_batch_size_count", model) == 2 &&
-           metric("attention_queue_depth", model) == num_slow - 1;
+  ASSERT_TRUE(wait_for([&](const std::string& m) {
+    return MetricValue(m, "attention_batch_size_count", model) == 2 &&
+           MetricValue(m, "attention_queue_depth", model) == num_slow - 1;
   }));
 
   std::vector<grpc::Status> short_status(kShortCalls), long_status(kLongCalls);
@@ -124,7 +119,8 @@ TEST(FaultDeadlineTest, ShortDeadlinesEndInTheQueueAndTheEngineSkipsThem) {
   }
   EXPECT_EQ(stream_status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
 
-  ASSERT_TRUE(wait_for([&] { return metric("attention_inflight_requests", {}) == 0; }));
+  ASSERT_TRUE(wait_for(
+      [](const std::string& m) { return MetricValue(m, "attention_inflight_requests") == 0; }));
   EXPECT_EQ(metric("attention_batch_size_sum", model), 1 + num_slow + kLongCalls)
       << "requests whose deadline had passed were computed";
   EXPECT_EQ(metric("attention_requests_total", {{"code", "DEADLINE_EXCEEDED"}}),

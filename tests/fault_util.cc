@@ -9,10 +9,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -104,6 +106,18 @@ int64_t ResidentBytes(pid_t pid) {
     if (fields.size() >= 2 && absl::SimpleAtoi(fields[1], &kib)) return kib * 1024;
   }
   return 0;
+}
+
+bool WaitForMetrics(const std::string& metrics_address,
+                    const std::function<bool(const std::string&)>& done) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (true) {
+    // A failed scrape reads as every metric 0; it must not pass for "idle".
+    const std::string text = ScrapeMetrics(metrics_address);
+    if (!text.empty() && done(text)) return true;
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
 }
 
 std::string HealthStatus(const std::shared_ptr<grpc::Channel>& channel) {

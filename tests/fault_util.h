@@ -11,6 +11,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,6 +26,11 @@ std::optional<pid_t> ListeningProcess(const std::string& address);
 
 // VmRSS of `pid` in bytes (0 when it cannot be read).
 int64_t ResidentBytes(pid_t pid);
+
+// Scrapes the metrics at `metrics_address` until `done` holds for the text
+// of a successful scrape: true then, false after 120 s.
+bool WaitForMetrics(const std::string& metrics_address,
+                    const std::function<bool(const std::string&)>& done);
 
 // The server's own answer to grpc.health.v1.Health/Check for "" ("SERVING",
 // "NOT_SERVING"...), or the failed call's code name.

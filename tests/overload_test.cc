@@ -122,12 +122,7 @@ class OverloadTest : public ::testing::Test {
   }
 
   bool WaitForMetrics(const std::function<bool(const std::string&)>& done) {
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-    while (std::chrono::steady_clock::now() < give_up) {
-      if (done(ScrapeMetrics(server_->metrics_address()))) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return false;
+    return attention::testing::WaitForMetrics(server_->metrics_address(), done);
   }
 
   std::unique_ptr<ServerProcess> server_;
