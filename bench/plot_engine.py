@@ -187,8 +187,8 @@ def plot_gflops(result, path):
         ax.set_ylabel("GFLOPS_per_core")
         ax.set_title("dot_product core (B*H slices of d = E/H), GFLOP/s per core", fontsize=10)
     for ax in axes:
-        ax.set_ylim(0, ax.get_ylim()[1] * 1.35)
-        ax.legend(fontsize=7, loc="upper left", ncol=2)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.4)
+        ax.legend(fontsize=6, loc="upper left", ncol=2)
     figure.suptitle("Engine (attention-bench) vs PyTorch 1.13 vs GEMM peak, best of all "
                     "repetitions of one interleaved run")
     footer(figure, [f"{result['machine']}. {load_text(result['load_averages'])}; "
