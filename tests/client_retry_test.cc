@@ -165,7 +165,10 @@ TEST(ClientRetryTest, DeadlineEndsACallThatGetsNoAnswer) {
   EXPECT_EQ(client->Attend(Request("r"), absl::Milliseconds(10)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
   release.Notify();
-  EXPECT_EQ(server.service().calls(), 2);
+  // The first call reached the server and was held there; the 10 ms one may
+  // expire before it is even sent on a loaded machine, so it need not arrive.
+  EXPECT_GE(server.service().calls(), 1);
+  EXPECT_LE(server.service().calls(), 2);
 }
 
 TEST(ClientRetryTest, TokenIsSentAsBearerAuthorization) {
