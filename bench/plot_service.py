@@ -12,9 +12,11 @@ Reads what bench/service_sweep.py wrote and draws, with matplotlib:
       percentiles in open loop at 50% of each mode's peak.
 
 Each figure names the machine, the load average during the run and the
-command that measured it.
+command that measured it. --markdown prints the tables of BENCHMARKS.md's
+"Service" section from the same JSON instead.
 
   /usr/bin/python3 bench/plot_service.py
+  /usr/bin/python3 bench/plot_service.py --markdown
 """
 import argparse
 import json
@@ -133,19 +135,86 @@ def plot_batching(report, path):
     plt.close(figure)
 
 
+def us(value):
+    return "" if value is None else f"{value:.0f}"
+
+
+def sweep_tables(report):
+    """Per request: both modes side by side at each concurrency."""
+    lines = []
+    for workload in TITLES:
+        points = [p for p in report["points"] if p["workload"] == workload]
+        if not points:
+            continue
+        lines += [f"{TITLES[workload]}:", "",
+                  "| concurrency | off: answers/s | p50 ms | p99 ms | on: answers/s | p50 ms | p99 ms "
+                  "| mean batch | on/off | server CPU us/answer off / on | client CPU us/answer off / on |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for concurrency in sorted({p["concurrency"] for p in points}):
+            off, on = (next(p for p in points if p["concurrency"] == concurrency
+                            and mode_of(p, report) == mode) for mode in ("off", "on"))
+            lines.append(
+                f"| {concurrency} | {off['throughput_rps']:.0f} | {off['latency_ms']['p50']:.2f} | "
+                f"{off['latency_ms']['p99']:.2f} | {on['throughput_rps']:.0f} | "
+                f"{on['latency_ms']['p50']:.2f} | {on['latency_ms']['p99']:.2f} | "
+                f"{on['mean_batch_size']:.1f} | {on['throughput_rps'] / off['throughput_rps']:.2f}x | "
+                f"{us(off['server_cpu_us_per_request'])} / {us(on['server_cpu_us_per_request'])} | "
+                f"{us(off['client_cpu_us_per_request'])} / {us(on['client_cpu_us_per_request'])} |")
+        lines.append("")
+    return lines
+
+
+def batching_tables(report):
+    lines = [f"Closed loop, concurrency {report['peak_concurrency']}, small request:", "",
+             "| server flags | answers/s per round | best | vs off | mean batch | server CPU us/answer "
+             "(of it gRPC threads) | client CPU us/answer |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    off = report["peak_rps"][" ".join(report["closed_loop"][0]["server_args"])]
+    for name, peak in report["peak_rps"].items():
+        runs = [p for p in report["closed_loop"] if " ".join(p["server_args"]) == name]
+
+        def mean(key):
+            return sum(p[key] for p in runs) / len(runs)
+
+        rounds = ", ".join(f"{p['throughput_rps']:.0f}" for p in runs)
+        lines.append(
+            f"| `{name}` | {rounds} | {peak:.0f} | "
+            f"{peak / off:.2f}x | {mean('mean_batch_size'):.1f} | "
+            f"{mean('server_cpu_us_per_request'):.0f} ({mean('server_grpc_threads_cpu_us_per_request'):.0f}) | "
+            f"{mean('client_cpu_us_per_request'):.0f} |")
+    lines += ["", "Open loop at 50% of each mode's peak:", "",
+              "| server flags | rate/s | answers/s | p50 ms | p90 ms | p99 ms | max ms | p99/p50 | mean batch |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in report["open_loop_half_peak"]:
+        l = p["latency_ms"]
+        lines.append(f"| `{' '.join(p['server_args'])}` | {p['rate_rps']:.0f} | {p['throughput_rps']:.0f} | "
+                     f"{l['p50']:.2f} | {l['p90']:.2f} | {l['p99']:.2f} | {l['max']:.2f} | "
+                     f"{l['p99'] / l['p50']:.1f} | {p['mean_batch_size']:.1f} |")
+    return lines + [""]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", default=RESULTS, help="directory of service_*.json")
     parser.add_argument("--figures", default=FIGURES, help="directory the PNGs are written to")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the tables for BENCHMARKS.md instead of drawing")
     args = parser.parse_args()
     os.makedirs(args.figures, exist_ok=True)
-    for name, plot in (("service_sweep", plot_sweep), ("service_batching", plot_batching)):
+    for name, plot, tables in (("service_sweep", plot_sweep, sweep_tables),
+                               ("service_batching", plot_batching, batching_tables)):
         source = os.path.join(args.results, f"{name}.json")
         if not os.path.exists(source):
             print(f"{source} missing: run bench/service_sweep.py first; skipped")
             continue
         with open(source) as f:
             report = json.load(f)
+        if args.markdown:
+            loads = [p["loadavg_before"][0] for p in report.get("points", report.get("closed_loop"))]
+            print(f"`{report['command']}` ({report['date']}, commit {report['commit']}, "
+                  f"1-min load average {min(loads):.1f}-{max(loads):.1f})\n")
+            print("\n".join(tables(report)))
+            continue
         target = os.path.join(args.figures, f"{name}.png")
         plot(report, target)
         print(f"wrote {target}")
