@@ -101,18 +101,30 @@ absl::StatusOr<AttendResponse> AttentionClient::Attend(const AttendRequest& requ
   return response;
 }
 
+AttentionClient::~AttentionClient() {
+  absl::MutexLock lock(&async_mu_);
+  async_mu_.Await(absl::Condition(
+      +[](int* calls) { return *calls == 0; }, &async_calls_));
+}
+
 void AttentionClient::AttendAsync(const AttendRequest* request, AttendCallback done) {
+  {
+    absl::MutexLock lock(&async_mu_);
+    ++async_calls_;
+  }
   auto* call = new AsyncAttendCall;
   call->done = std::move(done);
   Prepare(call->context, options_.timeout);
   stub_->async()->Attend(&call->context, request, &call->response,
-                         [call](grpc::Status status) {
+                         [this, call](grpc::Status status) {
                            if (status.ok()) {
                              call->done(std::move(call->response));
                            } else {
                              call->done(ToAbslStatus(status));
                            }
                            delete call;
+                           absl::MutexLock lock(&async_mu_);
+                           --async_calls_;
                          });
 }
 

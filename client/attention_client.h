@@ -26,7 +26,9 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attention.grpc.pb.h"
 #include "client/client_options.h"
@@ -41,6 +43,9 @@ class AttentionClient {
   // TLS file is NOT_FOUND with its path.
   static absl::StatusOr<std::unique_ptr<AttentionClient>> Create(ClientOptions options);
 
+  // Waits for every AttendAsync call to end: a gRPC thread still inside a
+  // callback must not outlive the stub and channel it uses.
+  ~AttentionClient();
   AttentionClient(const AttentionClient&) = delete;
   AttentionClient& operator=(const AttentionClient&) = delete;
 
@@ -76,6 +81,9 @@ class AttentionClient {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<attention::v1::AttentionService::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+
+  absl::Mutex async_mu_;
+  int async_calls_ ABSL_GUARDED_BY(async_mu_) = 0;  // AttendAsync calls not yet ended
 };
 
 // gRPC's status as an absl::Status: the codes are the same numbers.
