@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -176,6 +177,7 @@ TEST_F(OverloadTest, ExcessIsRefusedAtOnceAcceptedAreCorrectAndHealthStaysServin
         if (call->finished_as > slow_call.finished_as) ++refused_after_slow;
       }
     }
+    std::printf("wave %d: %d accepted, %d refused\n", wave, accepted, refused);
     EXPECT_EQ(accepted + refused, kCalls);
     // A refusal does not wait for the computation ahead of it.
     EXPECT_EQ(refused_after_slow, 0) << "refusals waited for the slow request";

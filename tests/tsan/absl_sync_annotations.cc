@@ -13,6 +13,13 @@
 // TSan annotations would. Reader locks are treated as exclusive, which can
 // only hide a race between two readers.
 //
+// absl::Condition functions run inside the library, at moments no wrapper
+// sees: the waiting thread evaluates its own after waking, and an unlocking
+// thread evaluates the waiters' before it hands the mutex on. Condition::Eval
+// is interposed too: while a wrapper of mutex M runs on a thread, each
+// evaluation there is bracketed by acquire(M) and release(M), which is what
+// holding M at that moment means.
+//
 // The __tsan_* functions are weak: in a process without TSan (a shell or
 // Python test run under the same LD_PRELOAD) every wrapper is a plain call.
 #include <dlfcn.h>
@@ -76,6 +83,21 @@ struct NotificationLayout {
 };
 static_assert(sizeof(NotificationLayout) == sizeof(absl::Notification));
 
+// The mutex whose wrapper is running on this thread (null outside them).
+thread_local const void* current_mutex = nullptr;
+
+// Sets current_mutex for the lifetime of a wrapper.
+class CurrentMutex {
+ public:
+  explicit CurrentMutex(const void* mutex) : previous_(current_mutex) { current_mutex = mutex; }
+  ~CurrentMutex() { current_mutex = previous_; }
+  CurrentMutex(const CurrentMutex&) = delete;
+  CurrentMutex& operator=(const CurrentMutex&) = delete;
+
+ private:
+  const void* previous_;
+};
+
 }  // namespace
 
 #define ABSL_SYNC_REAL(Return, Class, name, ...)                              \
@@ -112,30 +134,35 @@ bool Mutex::ReaderTryLock() {
 
 void Mutex::Unlock() {
   ABSL_SYNC_REAL(void, Mutex, Unlock, Mutex*);
+  CurrentMutex current(this);
   Release(this);
   real(this);
 }
 
 void Mutex::ReaderUnlock() {
   ABSL_SYNC_REAL(void, Mutex, ReaderUnlock, Mutex*);
+  CurrentMutex current(this);
   Release(this);
   real(this);
 }
 
 void Mutex::LockWhen(const Condition& condition) {
   ABSL_SYNC_REAL(void, Mutex, LockWhen, Mutex*, const Condition&);
+  CurrentMutex current(this);
   real(this, condition);
   Acquire(this);
 }
 
 void Mutex::ReaderLockWhen(const Condition& condition) {
   ABSL_SYNC_REAL(void, Mutex, ReaderLockWhen, Mutex*, const Condition&);
+  CurrentMutex current(this);
   real(this, condition);
   Acquire(this);
 }
 
 bool Mutex::LockWhenWithTimeout(const Condition& condition, absl::Duration timeout) {
   ABSL_SYNC_REAL(bool, Mutex, LockWhenWithTimeout, Mutex*, const Condition&, absl::Duration);
+  CurrentMutex current(this);
   const bool result = real(this, condition, timeout);
   Acquire(this);  // held on return either way
   return result;
@@ -143,6 +170,7 @@ bool Mutex::LockWhenWithTimeout(const Condition& condition, absl::Duration timeo
 
 bool Mutex::LockWhenWithDeadline(const Condition& condition, absl::Time deadline) {
   ABSL_SYNC_REAL(bool, Mutex, LockWhenWithDeadline, Mutex*, const Condition&, absl::Time);
+  CurrentMutex current(this);
   const bool result = real(this, condition, deadline);
   Acquire(this);
   return result;
@@ -151,6 +179,7 @@ bool Mutex::LockWhenWithDeadline(const Condition& condition, absl::Time deadline
 bool Mutex::ReaderLockWhenWithTimeout(const Condition& condition, absl::Duration timeout) {
   ABSL_SYNC_REAL(bool, Mutex, ReaderLockWhenWithTimeout, Mutex*, const Condition&,
                  absl::Duration);
+  CurrentMutex current(this);
   const bool result = real(this, condition, timeout);
   Acquire(this);
   return result;
@@ -158,6 +187,7 @@ bool Mutex::ReaderLockWhenWithTimeout(const Condition& condition, absl::Duration
 
 bool Mutex::ReaderLockWhenWithDeadline(const Condition& condition, absl::Time deadline) {
   ABSL_SYNC_REAL(bool, Mutex, ReaderLockWhenWithDeadline, Mutex*, const Condition&, absl::Time);
+  CurrentMutex current(this);
   const bool result = real(this, condition, deadline);
   Acquire(this);
   return result;
@@ -166,6 +196,7 @@ bool Mutex::ReaderLockWhenWithDeadline(const Condition& condition, absl::Time de
 // Await* release the mutex while they wait and hold it again on return.
 void Mutex::Await(const Condition& condition) {
   ABSL_SYNC_REAL(void, Mutex, Await, Mutex*, const Condition&);
+  CurrentMutex current(this);
   Release(this);
   real(this, condition);
   Acquire(this);
@@ -173,6 +204,7 @@ void Mutex::Await(const Condition& condition) {
 
 bool Mutex::AwaitWithTimeout(const Condition& condition, absl::Duration timeout) {
   ABSL_SYNC_REAL(bool, Mutex, AwaitWithTimeout, Mutex*, const Condition&, absl::Duration);
+  CurrentMutex current(this);
   Release(this);
   const bool result = real(this, condition, timeout);
   Acquire(this);
@@ -181,6 +213,7 @@ bool Mutex::AwaitWithTimeout(const Condition& condition, absl::Duration timeout)
 
 bool Mutex::AwaitWithDeadline(const Condition& condition, absl::Time deadline) {
   ABSL_SYNC_REAL(bool, Mutex, AwaitWithDeadline, Mutex*, const Condition&, absl::Time);
+  CurrentMutex current(this);
   Release(this);
   const bool result = real(this, condition, deadline);
   Acquire(this);
@@ -190,6 +223,7 @@ bool Mutex::AwaitWithDeadline(const Condition& condition, absl::Time deadline) {
 // CondVar waits release `mutex` and hold it again on return.
 void CondVar::Wait(Mutex* mutex) {
   ABSL_SYNC_REAL(void, CondVar, Wait, CondVar*, Mutex*);
+  CurrentMutex current(mutex);
   Release(mutex);
   real(this, mutex);
   Acquire(mutex);
@@ -197,6 +231,7 @@ void CondVar::Wait(Mutex* mutex) {
 
 bool CondVar::WaitWithTimeout(Mutex* mutex, absl::Duration timeout) {
   ABSL_SYNC_REAL(bool, CondVar, WaitWithTimeout, CondVar*, Mutex*, absl::Duration);
+  CurrentMutex current(mutex);
   Release(mutex);
   const bool result = real(this, mutex, timeout);
   Acquire(mutex);
@@ -205,10 +240,20 @@ bool CondVar::WaitWithTimeout(Mutex* mutex, absl::Duration timeout) {
 
 bool CondVar::WaitWithDeadline(Mutex* mutex, absl::Time deadline) {
   ABSL_SYNC_REAL(bool, CondVar, WaitWithDeadline, CondVar*, Mutex*, absl::Time);
+  CurrentMutex current(mutex);
   Release(mutex);
   const bool result = real(this, mutex, deadline);
   Acquire(mutex);
   return result;
+}
+
+bool Condition::Eval() const {
+  ABSL_SYNC_REAL(bool, Condition, Eval, const Condition*);
+  const void* mutex = current_mutex;
+  if (mutex != nullptr) Acquire(mutex);
+  const bool holds = real(this);
+  if (mutex != nullptr) Release(mutex);
+  return holds;
 }
 
 void Notification::Notify() {
