@@ -3,10 +3,12 @@
 
 Reads what bench/service_sweep.py wrote and draws, with matplotlib:
 
-  bench/figures/service_sweep.png     throughput and p50/p99 latency against
-      concurrency, batching off and on, one row per request (small, large,
-      trivial); the trivial request's best throughput is drawn on every
-      throughput panel as the transport ceiling.
+  bench/figures/service_sweep.png     throughput, p50/p99 latency and the CPU
+      time per answer (server and client) against concurrency, batching off
+      and on, one row per request (small, large, trivial); the trivial
+      request's best throughput is drawn on every throughput panel as the
+      transport ceiling. CPU per answer barely depends on the machine's other
+      load, so it shows the cost of each mode even where throughput is noisy.
   bench/figures/service_batching.png  issue 3: peak throughput of batching off
       and of each batched setting at the same concurrency, and the latency
       percentiles in open loop at 50% of each mode's peak.
@@ -60,10 +62,10 @@ def plot_sweep(report, path):
                   default=None)
     labels = {"off": "batching off (" + " ".join(report["batching_off_args"]) + ")",
               "on": "batching on (" + " ".join(report["batching_on_args"]) + ")"}
-    figure, axes = plt.subplots(len(workloads), 2, figsize=(12, 3.6 * len(workloads) + 0.8),
+    figure, axes = plt.subplots(len(workloads), 3, figsize=(17, 3.6 * len(workloads) + 0.8),
                                 squeeze=False)
     for row, workload in enumerate(workloads):
-        throughput_axes, latency_axes = axes[row]
+        throughput_axes, latency_axes, cpu_axes = axes[row]
         for mode in ("off", "on"):
             points = sorted((p for p in report["points"]
                              if p["workload"] == workload and mode_of(p, report) == mode),
@@ -75,6 +77,10 @@ def plot_sweep(report, path):
                               color=COLORS[mode], label=f"p50, {mode}")
             latency_axes.plot(x, [p["latency_ms"]["p99"] for p in points], "s--",
                               color=COLORS[mode], label=f"p99, {mode}")
+            cpu_axes.plot(x, [p["server_cpu_us_per_request"] for p in points], "o-",
+                          color=COLORS[mode], label=f"server, {mode}")
+            cpu_axes.plot(x, [p["client_cpu_us_per_request"] for p in points], "^:",
+                          color=COLORS[mode], label=f"client, {mode}")
         if ceiling and workload != "trivial":
             throughput_axes.axhline(ceiling, color="gray", linestyle=":",
                                     label=f"transport ceiling ({ceiling:.0f}/s, trivial request)")
@@ -84,12 +90,15 @@ def plot_sweep(report, path):
         latency_axes.set_title(f"{TITLES[workload]}: latency", fontsize=10)
         latency_axes.set_ylabel("ms")
         latency_axes.set_yscale("log")
-        for a in (throughput_axes, latency_axes):
+        cpu_axes.set_title(f"{TITLES[workload]}: CPU per answer", fontsize=10)
+        cpu_axes.set_ylabel("CPU us per answer (all threads)")
+        cpu_axes.set_yscale("log")
+        for a in (throughput_axes, latency_axes, cpu_axes):
             a.set_xscale("log", base=2)
             a.set_xlabel("concurrency (calls in flight, closed loop)")
             a.grid(True, which="both", alpha=0.3)
             a.legend(fontsize=7)
-    figure.suptitle("attention-server: throughput and latency against concurrency")
+    figure.suptitle("attention-server: throughput, latency and CPU per answer against concurrency")
     figure.tight_layout(rect=(0, 0.05, 1, 0.97))
     footer(figure, report)
     figure.savefig(path, dpi=110)
