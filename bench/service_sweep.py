@@ -33,7 +33,6 @@ import platform
 import re
 import resource
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -168,20 +167,10 @@ def bench(client, server, workload, duration, warmup, concurrency=None, rate=Non
                *load, "--duration", str(duration), "--warmup", str(warmup), "--json"]
     before, server_cpu, client_cpu = server.metrics(), server.cpu_seconds(), client_cpu_seconds()
     load_before = loadavg()
-    # The client sometimes dies of SIGSEGV as it exits (a gRPC callback still
-    # running when main returns); such a run is measured again, and counted.
-    crashes = 0
-    while True:
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != -signal.SIGSEGV or crashes == 2:
-            break
-        crashes += 1
-        print(f"attention-client crashed (SIGSEGV); measuring again: {shlex.join(command)}",
-              flush=True)
+    result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{shlex.join(command)} exited with {result.returncode}: {result.stderr}")
     point = json.loads(result.stdout)
-    point["client_crashes_before"] = crashes
     server_cpu, grpc_cpu = (after - before for after, before in zip(server.cpu_seconds(), server_cpu))
     client_cpu = client_cpu_seconds() - client_cpu
     after = server.metrics()
