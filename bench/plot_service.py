@@ -52,6 +52,15 @@ def footer(figure, report):
     figure.text(0.01, 0.005, "\n".join(lines), fontsize=7, va="bottom", family="monospace")
 
 
+def save(figure, report, title, path, bottom):
+    """Title, footer (`bottom`: the figure's fraction kept for it), PNG."""
+    figure.suptitle(title)
+    figure.tight_layout(rect=(0, bottom, 1, 0.96))
+    footer(figure, report)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def mode_of(point, report):
     return "off" if point["server_args"] == report["batching_off_args"] else "on"
 
@@ -98,11 +107,8 @@ def plot_sweep(report, path):
             a.set_xlabel("concurrency (calls in flight, closed loop)")
             a.grid(True, which="both", alpha=0.3)
             a.legend(fontsize=7)
-    figure.suptitle("attention-server: throughput, latency and CPU per answer against concurrency")
-    figure.tight_layout(rect=(0, 0.05, 1, 0.97))
-    footer(figure, report)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save(figure, report, "attention-server: throughput, latency and CPU per answer against concurrency",
+         path, bottom=0.05)
 
 
 def plot_batching(report, path):
@@ -137,11 +143,8 @@ def plot_batching(report, path):
     latency_axes.set_title("open loop at 50% of each mode's peak: latency", fontsize=10)
     latency_axes.grid(True, which="both", alpha=0.3)
     latency_axes.legend(fontsize=7)
-    figure.suptitle("attention-server: dynamic batching of small multi-head requests (issue 3)")
-    figure.tight_layout(rect=(0, 0.08, 1, 0.96))
-    footer(figure, report)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save(figure, report, "attention-server: dynamic batching of small multi-head requests (issue 3)",
+         path, bottom=0.08)
 
 
 def us(value):
