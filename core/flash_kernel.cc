@@ -128,7 +128,9 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
     if (bound > 0) max = std::max(max, allowed.maxCoeff());
     // std::exp, not Eigen's exp: it flushes to exactly 0 where the weight
     // of a disallowed key vanishes.
-    const float masked = std::exp(kMaskedScore - max);
+    // No masked key, no masked weight: exp(-1e6 - max) overflows to inf when
+    // every allowed score is below -1e6 - 88, and 0 * inf would be NaN.
+    const float masked = bound < n_k ? std::exp(kMaskedScore - max) : 0.0f;
     allowed = (allowed - max).exp();
     const float sum = allowed.sum() + static_cast<float>(n_k - bound) * masked;
     allowed /= sum;
