@@ -127,7 +127,7 @@ def plot_batching(report, path):
     peak_axes.set_xticklabels([n.replace("--max-batch-size ", "size ").replace(
         " --max-queue-delay-us ", "\ndelay ") + ("" if n != off else "\n(off)") for n in names],
         fontsize=7)
-    peak_axes.set_ylabel("answers / s (best round)")
+    peak_axes.set_ylabel("answers / s (median round)")
     peak_axes.set_title(f"small request, closed loop at concurrency {report['peak_concurrency']}: "
                         "peak throughput", fontsize=10)
     peak_axes.legend(fontsize=7)
@@ -178,7 +178,7 @@ def sweep_tables(report):
 
 def batching_tables(report):
     lines = [f"Closed loop, concurrency {report['peak_concurrency']}, small request:", "",
-             "| server flags | answers/s per round | best | vs off | mean batch | server CPU us/answer "
+             "| server flags | answers/s per round | median | vs off | mean batch | server CPU us/answer "
              "(of it gRPC threads) | client CPU us/answer |",
              "|---|---|---:|---:|---:|---:|---:|"]
     off = report["peak_rps"][" ".join(report["closed_loop"][0]["server_args"])]

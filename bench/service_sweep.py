@@ -16,7 +16,8 @@ Two parts:
             transport ceiling).
   batching  the small request at concurrency 64: batching off against a few
             batched settings (--max-batch-size, --max-queue-delay-us), in
-            rounds; then each mode in open loop at 50% of its own peak.
+            rounds; a setting's peak is its median round. Then batching off
+            and the best batched setting in open loop at 50% of their peaks.
 
 Next to the client's throughput and latency, each point records, from the
 server's /metrics and the kernel: the mean batch size, the mean time a request
@@ -33,6 +34,7 @@ import platform
 import re
 import resource
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -239,8 +241,11 @@ def run_batching(args, client, server_binary):
                 print(describe(point), flush=True)
                 closed.append(point)
 
+        # The median round: the best one can be a moment when the machine's
+        # other load paused, and half of it then overloads the server.
         def peak(server):
-            return max(p["throughput_rps"] for p in closed if p["server_args"] == server.args)
+            return statistics.median(p["throughput_rps"] for p in closed
+                                     if p["server_args"] == server.args)
 
         best = max(servers[1:], key=peak)
         open_loop = []
