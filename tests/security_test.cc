@@ -205,16 +205,11 @@ TEST_F(SecurityTest, MetricsPortServesOnlyMetricsAndNoSecrets) {
   EXPECT_EQ((*server)->Stop(), 0);
 }
 
-// DISABLED: fails today, and takes the server down. Any request that the
-// metrics endpoint answers with an HTTP error (GET /, GET /favicon.ico,
-// HEAD /metrics, POST /metrics, OPTIONS, DELETE) kills attention-server with
-// SIGSEGV inside civetweb (mg_send_http_error -> mg_response_header_send ->
-// mg_printf, Debian libcivetweb1 1.15 under prometheus-cpp 1.0.1's Exposer,
-// server/run_server.cc:206). A minimal program with the same Exposer does not
-// crash, so something in attention-server's process matters. Anyone who can
-// reach the metrics port (a scanner, a HEAD health probe) can stop the
-// service. Enable once server/ answers these requests without crashing.
-TEST_F(SecurityTest, DISABLED_MetricsPortSurvivesRequestsForAnythingElse) {
+// A request the metrics endpoint answers with an HTTP error once overflowed
+// civetweb's worker stack and killed attention-server (see
+// server/thread_stack_floor.cc): a scanner or a HEAD probe could stop the
+// service.
+TEST_F(SecurityTest, MetricsPortSurvivesRequestsForAnythingElse) {
   auto server = ServerProcess::Start({});
   ASSERT_TRUE(server.ok()) << server.status();
   for (const auto& [method, path] : std::vector<std::pair<std::string, std::string>>{
