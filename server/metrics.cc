@@ -25,7 +25,8 @@ prometheus::Histogram::BucketBoundaries BatchSizeBuckets(int max_batch_size) {
 
 }  // namespace
 
-ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_batch_size)
+ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_batch_size,
+                             int queue_capacity)
     : registry_(std::make_shared<prometheus::Registry>()) {
   requests_ = &prometheus::BuildCounter()
                    .Name("attention_requests_total")
@@ -51,6 +52,10 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
                           .Name("attention_queue_depth")
                           .Help("Requests waiting in a model's batching queue")
                           .Register(*registry_);
+  auto& queue_capacity_gauge = prometheus::BuildGauge()
+                                   .Name("attention_queue_capacity")
+                                   .Help("Requests a model's batching queue holds at most")
+                                   .Register(*registry_);
   inflight_ = &prometheus::BuildGauge()
                    .Name("attention_inflight_requests")
                    .Help("Requests accepted and not yet answered")
@@ -64,6 +69,7 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
                                  &compute_duration.Add(labels, DurationBuckets()),
                                  &batch_size.Add(labels, BatchSizeBuckets(max_batch_size)),
                                  &queue_depth.Add(labels)});
+    queue_capacity_gauge.Add(labels).Set(queue_capacity);
   }
 }
 

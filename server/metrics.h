@@ -7,6 +7,9 @@
 //   attention_compute_duration_seconds{model}  the execution that computed it
 //   attention_batch_size{model}                requests per engine execution
 //   attention_queue_depth{model}               requests waiting now
+//   attention_queue_capacity{model}            requests the queue holds at most
+//                                               (an extension of the contract,
+//                                               so alerts need not hard-code it)
 //   attention_inflight_requests                requests accepted, not answered
 //
 // `model` is a served model's name, or empty for a request naming no served
@@ -42,7 +45,7 @@ struct ModelMetrics {
 class ServerMetrics {
  public:
   // Series for every name in `models`; batch sizes bucketed up to max_batch_size.
-  ServerMetrics(const std::vector<std::string>& models, int max_batch_size);
+  ServerMetrics(const std::vector<std::string>& models, int max_batch_size, int queue_capacity);
 
   // nullptr for a name not given to the constructor.
   ModelMetrics* ForModel(std::string_view model);

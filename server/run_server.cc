@@ -174,7 +174,7 @@ int RunServer(const ServerConfig& config) {
 
   std::vector<std::string> model_names;
   for (const auto& model : repository->models()) model_names.push_back(model->name);
-  ServerMetrics metrics(model_names, config.max_batch_size);
+  ServerMetrics metrics(model_names, config.max_batch_size, config.queue_capacity);
   Engine engine(EngineOptions{.num_threads = config.threads});
   absl::StatusOr<std::unique_ptr<AttentionService>> service =
       AttentionService::Create(&*repository, &engine, &metrics, service_options);

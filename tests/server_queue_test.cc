@@ -116,6 +116,9 @@ class ServerQueueTest : public ::testing::Test {
 
 TEST_F(ServerQueueTest, FullQueueAnswersResourceExhaustedAtOnce) {
   Start(/*queue_capacity=*/"2");
+  EXPECT_EQ(MetricValue(ScrapeMetrics(server_->metrics_address()), "attention_queue_capacity",
+                        {{"model", "dot_product"}}),
+            2);
   SendSlow(3);  // one computing, two filling the queue
   ASSERT_TRUE(WaitForMetrics([](const std::string& m) {
     return MetricValue(m, "attention_queue_depth", {{"model", "dot_product"}}) == 2;
