@@ -15,6 +15,10 @@
 //       Driven by bench/cost_scaling.py.
 //   memory/dot_product/B:8/n:16384/d:64  one call, no weights: peak resident
 //       memory over the size of inputs + output (see MemoryPeak).
+//   batch/multi_head/B:8/n:128/E:256/H:8/masked:0/requests:k  k copies of one request
+//       (keys and values given, as attention-client bench sends them) through
+//       one Engine::Run, as the server's batcher runs them: time and CPU per
+//       request against requests:1, and the memory the calls add.
 //
 // masked:1 gives every example a valid length drawn uniformly from [n/4, n]
 // (fixed seed). GFLOPS counts useful work per wall-clock second:
@@ -115,16 +119,27 @@ class Stopwatch {
   // the CPU time all threads used, which other load on the machine disturbs
   // far less; unloaded, it is GFLOPS / threads.
   void Report(benchmark::State& state, double flops) const {
-    const double wall =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start_).count();
-    const double cpu = ProcessCpuSeconds() - cpu_start_;
     const double total = flops * static_cast<double>(state.iterations()) * 1e-9;
-    state.counters["GFLOPS"] = total / wall;
-    state.counters["GFLOPS_per_core"] = total / cpu;
+    state.counters["GFLOPS"] = total / WallSeconds();
+    state.counters["GFLOPS_per_core"] = total / CpuSeconds();
     state.counters["GFLOP_per_call"] = flops * 1e-9;
   }
 
+  // Report() for calls that each answer `requests` requests, plus the
+  // wall-clock and CPU milliseconds per request.
+  void ReportPerRequest(benchmark::State& state, double flops, int64_t requests) const {
+    Report(state, flops);
+    const double answered = static_cast<double>(state.iterations() * requests);
+    state.counters["ms_per_request"] = 1e3 * WallSeconds() / answered;
+    state.counters["cpu_ms_per_request"] = 1e3 * CpuSeconds() / answered;
+  }
+
  private:
+  double WallSeconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start_).count();
+  }
+  double CpuSeconds() const { return ProcessCpuSeconds() - cpu_start_; }
+
   static double ProcessCpuSeconds() {
     timespec t;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
@@ -311,6 +326,48 @@ void MemoryPeak(benchmark::State& state, int64_t batch, int64_t length, int64_t 
   state.counters["ratio"] = (peak - before_inputs) * mib / io_mib;
 }
 
+// `requests` copies of one multi_head request of shape s (keys and values
+// given) through one Engine::Run per iteration, the way the server's batcher
+// runs a batch: each copy in memory of its own, results fresh every call.
+// call_growth_MiB is the resident memory the calls add over the inputs (VmHWM
+// after clear_refs, as in MemoryPeak); run each alone to read it.
+void Batch(benchmark::State& state, Shape s, int64_t requests) {
+  std::mt19937 rng(kSeed);
+  const Model model = MultiHeadModel(s.width, s.heads, rng);
+  const int64_t elements = s.batch * s.length * s.width;
+  const std::vector<float> queries = RandomData(elements, rng);
+  const std::vector<float> keys = RandomData(elements, rng);
+  const std::vector<float> values = RandomData(elements, rng);
+  std::vector<std::vector<float>> copies;
+  copies.reserve(3 * requests);  // the requests view these buffers
+  std::vector<AttentionRequest> batch_requests(requests);
+  std::vector<ValidatedRequest> batch;
+  const std::vector<int64_t> shape = {s.batch, s.length, s.width};
+  for (AttentionRequest& request : batch_requests) {
+    request.queries = {shape, copies.emplace_back(queries)};
+    request.keys = TensorView{shape, copies.emplace_back(keys)};
+    request.values = TensorView{shape, copies.emplace_back(values)};
+    absl::StatusOr<AttentionDims> dims = Validate(model, request);
+    if (!dims.ok()) {
+      state.SkipWithError(std::string(dims.status().message()).c_str());
+      return;
+    }
+    batch.push_back({&request, *dims});
+  }
+  std::ofstream("/proc/self/clear_refs") << "5";
+  const int64_t before_calls = StatusKib("VmRSS");
+  const Stopwatch stopwatch;
+  for (auto _ : state) {
+    std::vector<AttentionResult> results(requests);
+    SharedEngine().Run(model, batch, results);
+    benchmark::DoNotOptimize(results.back().output.data.data());
+  }
+  const double projections = 8.0 * s.batch * s.length * static_cast<double>(s.width) * s.width;
+  stopwatch.ReportPerRequest(state, static_cast<double>(requests) * (AttentionFlops(s, {}) + projections),
+                             requests);
+  state.counters["call_growth_MiB"] = static_cast<double>(StatusKib("VmHWM") - before_calls) / 1024.0;
+}
+
 std::string ShapeName(const char* kind, const Shape& s, bool masked) {
   return std::string(kind) + "/B:" + std::to_string(s.batch) + "/n:" + std::to_string(s.length) +
          "/E:" + std::to_string(s.width) + "/H:" + std::to_string(s.heads) +
@@ -365,6 +422,13 @@ void RegisterAll() {
       ScalingPoint p = base;
       p.valid = valid;
       Register(ScalingName(kind, "valid", p), Scaling, p, multi_head);
+    }
+  }
+
+  for (const Shape& s : {Shape{1, 32, 256, 8}, Shape{8, 128, 256, 8}}) {
+    for (int64_t requests : {1, 8, 32, 64}) {
+      Register("batch/" + ShapeName("multi_head", s, false) + "/requests:" + std::to_string(requests),
+               Batch, s, requests);
     }
   }
 
