@@ -1,10 +1,12 @@
 // attention_client.cc: AttentionClient (see attention_client.h). Blocking
 // calls use the callback API and wait on it: the Await() bridge of gRPC's
-// callback examples.
+// callback examples; AttendStream has its own reactor.
 #include "client/attention_client.h"
 
 #include <condition_variable>
+#include <functional>
 #include <mutex>
+#include <span>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -43,6 +45,83 @@ class CallAwaiter {
   std::condition_variable cv_;
   bool done_ = false;
   grpc::Status status_;
+};
+
+// One stream's answer as a result: the response, or its AttendError as a
+// status. A code that is not an error code (0, or beyond the known ones)
+// still comes back as an error, UNKNOWN, naming the code the server sent.
+absl::StatusOr<AttendResponse> StreamAnswer(AttendResponse response) {
+  if (!response.has_error()) return response;
+  const int code = response.error().code();
+  if (code <= 0 || code > static_cast<int>(absl::StatusCode::kUnauthenticated)) {
+    return absl::UnknownError(absl::StrCat("the server answered with error code ", code,
+                                           ": ", response.error().message()));
+  }
+  return absl::Status(static_cast<absl::StatusCode>(code), response.error().message());
+}
+
+// One AttendStream call over a non-empty span of requests. Writes chain
+// through OnWriteDone and reads through OnReadDone, one of each in flight,
+// so writing never waits for reading. Lives on the caller's stack: Await()
+// returns only after OnDone, the reactor's last callback.
+class StreamCall final : public grpc::ClientBidiReactor<AttendRequest, AttendResponse> {
+ public:
+  StreamCall(attention::v1::AttentionService::Stub* stub, grpc::ClientContext* context,
+             std::span<const AttendRequest> requests)
+      : requests_(requests) {
+    results_.reserve(requests_.size());
+    stub->async()->AttendStream(context, this);
+    WriteNext();
+    StartRead(&response_);
+    StartCall();
+  }
+
+  // The call's status, or every answer in request order.
+  absl::StatusOr<AttentionClient::StreamResults> Await() {
+    if (grpc::Status status = awaiter_.Await(); !status.ok()) return ToAbslStatus(status);
+    if (results_.size() != requests_.size() || extra_answers_ > 0) {
+      return absl::InternalError(absl::StrCat("AttendStream: the server answered ",
+                                              results_.size() + extra_answers_, " of ",
+                                              requests_.size(), " requests"));
+    }
+    return std::move(results_);
+  }
+
+  // `ok` false: the call is over; OnDone reports why.
+  void OnWriteDone(bool ok) override {
+    if (ok && next_write_ < requests_.size()) WriteNext();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    if (results_.size() < requests_.size()) {
+      results_.push_back(StreamAnswer(std::move(response_)));
+    } else {
+      ++extra_answers_;
+    }
+    StartRead(&response_);
+  }
+
+  void OnDone(const grpc::Status& status) override { done_(status); }
+
+ private:
+  // The last request also half-closes the stream, in the same operation.
+  void WriteNext() {
+    const AttendRequest& request = requests_[next_write_++];
+    if (next_write_ == requests_.size()) {
+      StartWriteLast(&request, grpc::WriteOptions());
+    } else {
+      StartWrite(&request);
+    }
+  }
+
+  const std::span<const AttendRequest> requests_;  // owned by the caller of AttendStream
+  size_t next_write_ = 0;                          // touched by writes only
+  AttendResponse response_;                        // target of the read in flight
+  AttentionClient::StreamResults results_;         // touched by reads only, then Await()
+  size_t extra_answers_ = 0;                       // answers beyond one per request
+  CallAwaiter awaiter_;
+  const std::function<void(grpc::Status)> done_ = awaiter_.Done();
 };
 
 // What an AttendAsync call keeps alive until it ends; deletes itself then.
@@ -126,6 +205,20 @@ void AttentionClient::AttendAsync(const AttendRequest* request, AttendCallback d
                            absl::MutexLock lock(&async_mu_);
                            --async_calls_;
                          });
+}
+
+absl::StatusOr<AttentionClient::StreamResults> AttentionClient::AttendStream(
+    std::span<const AttendRequest> requests) {
+  return AttendStream(requests, options_.timeout);
+}
+
+absl::StatusOr<AttentionClient::StreamResults> AttentionClient::AttendStream(
+    std::span<const AttendRequest> requests, absl::Duration timeout) {
+  if (requests.empty()) return StreamResults();
+  grpc::ClientContext context;
+  Prepare(context, timeout);
+  StreamCall call(stub_.get(), &context, requests);
+  return call.Await();
 }
 
 absl::StatusOr<ListModelsResponse> AttentionClient::ListModels() {

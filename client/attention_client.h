@@ -11,8 +11,9 @@
 //     call did not run (no server, or the server went away), so repeating it
 //     is safe; every other code is the server's answer and is returned as is.
 //
-// Use it when you want one answer per call with errors as values. Calls are
-// thread-safe; one client (one channel) is meant to be shared.
+// Use it when you want one answer per call with errors as values, or
+// AttendStream() for many requests over one call. Calls are thread-safe; one
+// client (one channel) is meant to be shared.
 //
 //   absl::StatusOr<std::unique_ptr<AttentionClient>> client =
 //       AttentionClient::Create({.target = "127.0.0.1:50051,127.0.0.1:50052"});
@@ -22,7 +23,9 @@
 
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
@@ -61,6 +64,30 @@ class AttentionClient {
   // it alive until `done` has run. `done` may start further calls.
   using AttendCallback = std::function<void(absl::StatusOr<attention::v1::AttendResponse>)>;
   void AttendAsync(const attention::v1::AttendRequest* request, AttendCallback done);
+
+  // One AttendStream call carrying every request of `requests`, in order;
+  // blocks until the call ends. Requests are written while answers are read,
+  // so a stream of any length keeps moving (the server stops reading when
+  // too many answers are unread). `timeout` (default: the client's) is the
+  // deadline of the whole stream, not of each request.
+  //
+  // Returns one result per request, in order: its AttendResponse, or the
+  // error the server answered it with (its AttendError code and message, e.g.
+  // INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED) while the others are
+  // answered. The outer status is the call's own: UNAUTHENTICATED,
+  // DEADLINE_EXCEEDED, UNAVAILABLE...; answers received before such a failure
+  // are dropped. An empty `requests` makes no call and returns no results.
+  //
+  // Retries: a stream is not retried once the server has answered any of its
+  // requests; a server lost then fails the call with UNAVAILABLE. Before the
+  // first answer, gRPC's retry policy (UNAVAILABLE only) may replay the
+  // requests written so far, as it does for Attend: nothing has been
+  // delivered yet and attention has no side effects.
+  using StreamResults = std::vector<absl::StatusOr<attention::v1::AttendResponse>>;
+  absl::StatusOr<StreamResults> AttendStream(
+      std::span<const attention::v1::AttendRequest> requests);
+  absl::StatusOr<StreamResults> AttendStream(
+      std::span<const attention::v1::AttendRequest> requests, absl::Duration timeout);
 
   absl::StatusOr<attention::v1::ListModelsResponse> ListModels();
 
