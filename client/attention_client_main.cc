@@ -5,6 +5,7 @@
 //   attention-client --target 127.0.0.1:50051 health
 //   attention-client models
 //   attention-client attend request.json
+//   attention-client attend --stream requests.jsonl
 //   attention-client bench --concurrency 8 --duration 10 --model dot_product --n 256
 #include <fstream>
 #include <iostream>
@@ -90,10 +91,15 @@ int main(int argc, char** argv) {
   CLI::App* attend = app.add_subcommand(
       "attend", "Send one AttendRequest (proto JSON) and print the response as proto JSON");
   std::string attend_input = "-";
-  bool attend_pretty = false;
-  attend->add_option("request", attend_input, "Request file; - reads stdin")
+  bool attend_pretty = false, attend_stream = false;
+  attend->add_option("request", attend_input,
+                     "Request file (with --stream: one request per line); - reads stdin")
       ->capture_default_str();
-  attend->add_flag("--pretty", attend_pretty, "Print the response on several lines");
+  auto* stream = attend->add_flag(
+      "--stream", attend_stream,
+      "Send every request over one AttendStream call; print one response per line");
+  attend->add_flag("--pretty", attend_pretty, "Print the response on several lines")
+      ->excludes(stream);
 
   CLI::App* bench = app.add_subcommand(
       "bench", "Load the server (closed loop at --concurrency, or open loop at --rate) and "
@@ -151,6 +157,7 @@ int main(int argc, char** argv) {
   if (models->parsed()) return attention::client::RunModels(**client, models_json);
   if (health->parsed()) return attention::client::RunHealth(**client, health_service);
   if (attend->parsed()) {
+    if (attend_stream) return attention::client::RunAttendStream(**client, attend_input);
     return attention::client::RunAttend(**client, attend_input, attend_pretty);
   }
   bench_command.target = options.target;

@@ -1,13 +1,17 @@
-// commands.cc: models, health, attend and bench (see commands.h).
+// commands.cc: models, health, attend (one request or a stream) and bench
+// (see commands.h).
 #include "client/commands.h"
 
 #include <unistd.h>
 
 #include <cstdio>
 #include <iostream>
+#include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "client/bench_report.h"
 #include "client/proto_json.h"
 
@@ -29,6 +33,28 @@ absl::StatusOr<attention::v1::AttendRequest> RequestFromFile(const std::string& 
   absl::StatusOr<std::string> json = ReadInput(path);
   if (!json.ok()) return json.status();
   return ParseAttendRequest(*json);
+}
+
+// The requests of a JSON-lines text, one per non-blank line.
+absl::StatusOr<std::vector<attention::v1::AttendRequest>> ParseAttendRequestLines(
+    const std::string& text) {
+  std::vector<attention::v1::AttendRequest> requests;
+  int line_number = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_number;
+    if (absl::StripAsciiWhitespace(line).empty()) continue;
+    absl::StatusOr<attention::v1::AttendRequest> request =
+        ParseAttendRequest(std::string(line));
+    if (!request.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("line %d: %s", line_number, request.status().message()));
+    }
+    requests.push_back(*std::move(request));
+  }
+  if (requests.empty()) {
+    return absl::InvalidArgumentError("no request: expected one AttendRequest per line");
+  }
+  return requests;
 }
 
 // A request shaped for the model as the server describes it.
@@ -81,6 +107,34 @@ int RunAttend(AttentionClient& client, const std::string& input, bool pretty) {
   if (!response.ok()) return Fail(response.status());
   std::cout << ToJson(*response, pretty) << "\n";
   return kExitOk;
+}
+
+int RunAttendStream(AttentionClient& client, const std::string& input) {
+  absl::StatusOr<std::string> text = ReadInput(input);
+  if (!text.ok()) return BadInput(text.status());
+  absl::StatusOr<std::vector<attention::v1::AttendRequest>> requests =
+      ParseAttendRequestLines(*text);
+  if (!requests.ok()) return BadInput(requests.status());
+  absl::StatusOr<AttentionClient::StreamResults> results = client.AttendStream(*requests);
+  if (!results.ok()) return Fail(results.status());
+  size_t failed = 0;
+  for (size_t i = 0; i < results->size(); ++i) {
+    const absl::StatusOr<attention::v1::AttendResponse>& result = (*results)[i];
+    if (result.ok()) {
+      std::cout << ToJson(*result, /*pretty=*/false) << "\n";
+      continue;
+    }
+    ++failed;
+    attention::v1::AttendResponse answer;
+    answer.set_request_id((*requests)[i].request_id());
+    answer.set_model((*requests)[i].model());
+    answer.mutable_error()->set_code(static_cast<int32_t>(result.status().code()));
+    answer.mutable_error()->set_message(std::string(result.status().message()));
+    std::cout << ToJson(answer, /*pretty=*/false) << "\n";
+  }
+  if (failed == 0) return kExitOk;
+  std::cerr << "error: " << failed << " of " << results->size() << " requests failed\n";
+  return kExitFailed;
 }
 
 int RunBench(AttentionClient& client, const BenchCommand& command) {

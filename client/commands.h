@@ -25,6 +25,14 @@ int RunHealth(AttentionClient& client, const std::string& service);
 // prints the AttendResponse as proto JSON.
 int RunAttend(AttentionClient& client, const std::string& input, bool pretty);
 
+// Sends the AttendRequests read from `input` ("-" = stdin), one per line in
+// proto JSON (JSON lines; blank lines skipped), over one AttendStream call.
+// Prints one AttendResponse per line, in request order; a request that failed
+// gets one with only `error`, `request_id` and `model`, as the stream carries
+// it. 1 when the call or any request failed; 2 names the line that is not a
+// request.
+int RunAttendStream(AttentionClient& client, const std::string& input);
+
 struct BenchCommand {
   std::string target;  // for the report
   LoadOptions load;

@@ -1,7 +1,8 @@
 // client_stream_test.cc: AttentionClient::AttendStream. Against the real
 // attention-server: answers equal unary Attend's, a bad request is answered
 // with its error in place, a long stream keeps moving, the token and the
-// deadline apply to the whole call. Against a scripted service in this
+// deadline apply to the whole call; `attention-client attend --stream`
+// (RunAttendStream). Against a scripted service in this
 // process (the real server cannot fail a stream on demand): what is retried,
 // and answers that do not match the requests.
 #include <algorithm>
@@ -9,7 +10,10 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iostream>
 #include <span>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +27,8 @@
 #include "absl/strings/str_cat.h"
 #include "attention.grpc.pb.h"
 #include "client/attention_client.h"
+#include "client/commands.h"
+#include "client/proto_json.h"
 #include "tests/server_test_util.h"
 
 namespace attention::client {
@@ -193,6 +199,86 @@ TEST_F(ClientStreamTest, PassedDeadlineFailsTheCall) {
   const std::vector<AttendRequest> requests = {DotProductRequest(2, 3, 4, 0)};
   EXPECT_EQ(client_->AttendStream(requests, absl::Nanoseconds(1)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
+}
+
+// What a CLI command printed and returned.
+struct CommandRun {
+  int exit_code = -1;
+  std::vector<std::string> lines;  // stdout
+  std::string errors;              // stderr
+};
+
+CommandRun RunCommand(const std::function<int()>& command) {
+  std::ostringstream out, err;
+  std::streambuf* const cout_buffer = std::cout.rdbuf(out.rdbuf());
+  std::streambuf* const cerr_buffer = std::cerr.rdbuf(err.rdbuf());
+  CommandRun run;
+  run.exit_code = command();
+  std::cout.rdbuf(cout_buffer);
+  std::cerr.rdbuf(cerr_buffer);
+  std::istringstream printed(out.str());
+  for (std::string line; std::getline(printed, line);) run.lines.push_back(line);
+  run.errors = err.str();
+  return run;
+}
+
+AttendResponse ParseResponse(const std::string& json) {
+  AttendResponse response;
+  EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(json, &response).ok()) << json;
+  return response;
+}
+
+TEST_F(ClientStreamTest, CliSendsJsonLinesAndPrintsOneAnswerPerLine) {
+  std::vector<AttendRequest> requests;
+  for (int i = 0; i < 3; ++i) {
+    requests.push_back(DotProductRequest(2, 3, 4, i));
+    requests.back().set_request_id(absl::StrCat("r", i));
+  }
+  requests[1].set_model("no_such_model");
+  TempDir dir;
+  const std::string path = (dir.path() / "requests.jsonl").string();
+  {
+    std::ofstream file(path);
+    for (const AttendRequest& request : requests) file << ToJson(request, false) << "\n\n";
+  }
+
+  CommandRun run = RunCommand([&] { return RunAttendStream(*client_, path); });
+  EXPECT_EQ(run.exit_code, kExitFailed);
+  EXPECT_THAT(run.errors, HasSubstr("1 of 3 requests failed"));
+  ASSERT_EQ(run.lines.size(), 3u);
+  for (int i : {0, 2}) {
+    ExpectSameAnswer(ParseResponse(run.lines[i]), client_->Attend(requests[i]),
+                     absl::StrCat("line ", i));
+  }
+  const AttendResponse failed = ParseResponse(run.lines[1]);
+  EXPECT_EQ(failed.error().code(), static_cast<int>(absl::StatusCode::kNotFound));
+  EXPECT_THAT(failed.error().message(), HasSubstr("no_such_model"));
+  EXPECT_EQ(failed.request_id(), "r1");
+  EXPECT_EQ(failed.model(), "no_such_model");
+  EXPECT_EQ(failed.output().data_size(), 0);
+
+  requests.erase(requests.begin() + 1);
+  {
+    std::ofstream file(path);
+    for (const AttendRequest& request : requests) file << ToJson(request, false) << "\n";
+  }
+  run = RunCommand([&] { return RunAttendStream(*client_, path); });
+  EXPECT_EQ(run.exit_code, kExitOk) << run.errors;
+  EXPECT_EQ(run.lines.size(), 2u);
+}
+
+TEST_F(ClientStreamTest, CliNamesTheLineThatIsNotARequest) {
+  TempDir dir;
+  const std::string path = (dir.path() / "requests.jsonl").string();
+  std::ofstream(path) << ToJson(DotProductRequest(2, 3, 4, 0), false) << "\n{\"model\": 7}\n";
+  const CommandRun run = RunCommand([&] { return RunAttendStream(*client_, path); });
+  EXPECT_EQ(run.exit_code, kExitBadInput);
+  EXPECT_THAT(run.errors, HasSubstr("line 2"));
+  EXPECT_TRUE(run.lines.empty());
+
+  std::ofstream(path) << "\n  \n";
+  EXPECT_EQ(RunCommand([&] { return RunAttendStream(*client_, path); }).exit_code,
+            kExitBadInput);
 }
 
 TEST(ClientStreamTokenTest, MissingOrWrongTokenFailsTheWholeCall) {
