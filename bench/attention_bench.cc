@@ -41,6 +41,7 @@
 #include <ctime>
 #include <fstream>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -326,11 +327,17 @@ void MemoryPeak(benchmark::State& state, int64_t batch, int64_t length, int64_t 
   state.counters["ratio"] = (peak - before_inputs) * mib / io_mib;
 }
 
+// Distinct requests a batch/ benchmark cycles through, the most it batches.
+constexpr int64_t kBatchCopies = 64;
+
 // `requests` copies of one multi_head request of shape s (keys and values
 // given) through one Engine::Run per iteration, the way the server's batcher
-// runs a batch: each copy in memory of its own, results fresh every call.
-// call_growth_MiB is the resident memory the calls add over the inputs (VmHWM
-// after clear_refs, as in MemoryPeak); run each alone to read it.
+// runs a batch: results fresh every call, and each copy in memory of its own.
+// Every k cycles through the same kBatchCopies copies, so requests:1 reads
+// inputs as cold as requests:64 does (192 MiB of large ones) rather than one
+// request's 3 MiB left in cache by the last iteration. call_growth_MiB is the
+// resident memory the calls add over the inputs (VmHWM after clear_refs, as
+// in MemoryPeak); run each alone to read it.
 void Batch(benchmark::State& state, Shape s, int64_t requests) {
   std::mt19937 rng(kSeed);
   const Model model = MultiHeadModel(s.width, s.heads, rng);
@@ -339,8 +346,8 @@ void Batch(benchmark::State& state, Shape s, int64_t requests) {
   const std::vector<float> keys = RandomData(elements, rng);
   const std::vector<float> values = RandomData(elements, rng);
   std::vector<std::vector<float>> copies;
-  copies.reserve(3 * requests);  // the requests view these buffers
-  std::vector<AttentionRequest> batch_requests(requests);
+  copies.reserve(3 * kBatchCopies);  // the requests view these buffers
+  std::vector<AttentionRequest> batch_requests(kBatchCopies);
   std::vector<ValidatedRequest> batch;
   const std::vector<int64_t> shape = {s.batch, s.length, s.width};
   for (AttentionRequest& request : batch_requests) {
@@ -357,10 +364,12 @@ void Batch(benchmark::State& state, Shape s, int64_t requests) {
   std::ofstream("/proc/self/clear_refs") << "5";
   const int64_t before_calls = StatusKib("VmRSS");
   const Stopwatch stopwatch;
+  int64_t first = 0;
   for (auto _ : state) {
     std::vector<AttentionResult> results(requests);
-    SharedEngine().Run(model, batch, results);
+    SharedEngine().Run(model, std::span(batch).subspan(first, requests), results);
     benchmark::DoNotOptimize(results.back().output.data.data());
+    first = (first + requests) % kBatchCopies;
   }
   const double projections = 8.0 * s.batch * s.length * static_cast<double>(s.width) * s.width;
   stopwatch.ReportPerRequest(state, static_cast<double>(requests) * (AttentionFlops(s, {}) + projections),

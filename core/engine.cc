@@ -1,6 +1,7 @@
 // engine.cc: turns a ragged batch of requests into parallel tasks.
 //
-// Every kind runs in at most three parallel phases over the whole batch:
+// A batch runs as consecutive groups of requests (see kGroupFloats); every
+// kind runs a group in at most three parallel phases over all its requests:
 //   1. projections: row blocks of x W^T (+ b) for every request at once
 //      (multi_head, additive, bilinear); no padding, rows are all real tokens;
 //   2. attention: one task per (request, example, head, query block), each
@@ -10,6 +11,7 @@
 #include "core/engine.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -28,8 +30,21 @@ namespace {
 constexpr int64_t kQueryBlock = kFlashQueryTile;
 // Rows per projection task: a GEMM this tall runs near peak.
 constexpr int64_t kProjectionRows = 256;
-// Largest multi-head workspace a thread keeps between calls (64 MiB).
-constexpr size_t kKeptWorkspaceFloats = size_t{16} << 20;
+// Largest scratch a thread keeps between calls (64 MiB; see GroupScratch).
+constexpr int64_t kKeptScratchFloats = int64_t{16} << 20;
+// Most floats of token rows one group holds (GroupFloats: query + key rows
+// times the widest row): 2 MiB, 2,048 token rows of multi_head E=256, i.e. 32
+// small (B=1 n=32) or one large (B=8 n=128) request. Scratch then stays a few
+// MiB whatever the batch (about four buffers of this size: stacked inputs,
+// projections, concatenated heads, stacked output), in cache between phases
+// and reused run after run. One execution over the whole batch grew every
+// buffer with it: 64 large requests took 576 MiB more memory and 1.6-1.8x
+// the CPU per request of one alone (attention-bench batch/, BENCHMARKS.md).
+// Bounds of 2^18 to 2^21 measured alike within the noise (64 large: 14.6-15.5
+// ms CPU per request; 64 small: 0.33-0.37 ms). This one keeps a large
+// request whole, whose 1,024 query rows already fill 256-row GEMM blocks, so
+// merging more only adds copies, and 32 small ones fill four such blocks.
+constexpr int64_t kGroupFloats = int64_t{1} << 19;
 
 using ConstMatrixMap = Eigen::Map<const RowMatrix>;
 using MatrixMap = Eigen::Map<RowMatrix>;
@@ -74,33 +89,58 @@ void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections
   });
 }
 
-// The rows of one tensor of every request, stacked into one (total x cols)
-// matrix, so a projection is one GEMM over all tokens of the batch. A lone
-// request is used in place.
-class StackedRows {
- public:
-  template <typename TensorOf>
-  StackedRows(std::span<const ValidatedRequest> requests, TensorOf tensor_of) {
-    if (requests.size() == 1) {
-      data_ = tensor_of(requests[0]).data.data();
-      return;
-    }
-    size_t elements = 0;
-    for (const ValidatedRequest& v : requests) elements += tensor_of(v).data.size();
-    storage_.reserve(elements);
-    for (const ValidatedRequest& v : requests) {
-      const auto& data = tensor_of(v).data;
-      storage_.insert(storage_.end(), data.begin(), data.end());
-    }
-    data_ = storage_.data();
+std::vector<float>& KeptScratch() {
+  thread_local std::vector<float> kept;
+  return kept;
+}
+
+// Consecutive buffers of the given sizes (floats) for one group. Fresh
+// vectors would be zero-filled, and page-faulted in again on every run once
+// glibc hands their memory back to the kernel (mmap'd, or trimmed off the top
+// of the heap), so the calling thread keeps its scratch across runs; groups
+// are bounded (kGroupFloats), so it stays a few MiB. A rare huge request gets
+// `once` instead, so no thread keeps gigabytes for the rest of its life.
+// Contents are left over: every element is written before it is read.
+template <size_t N>
+std::array<float*, N> GroupScratch(const std::array<int64_t, N>& sizes, std::vector<float>& once) {
+  int64_t total = 0;
+  for (int64_t size : sizes) total += size;
+  std::vector<float>& memory = total <= kKeptScratchFloats ? KeptScratch() : once;
+  if (memory.size() < static_cast<size_t>(total)) memory.resize(total);
+  std::array<float*, N> buffers;
+  float* next = memory.data();
+  for (size_t i = 0; i < N; ++i) {
+    buffers[i] = next;
+    next += sizes[i];
   }
+  return buffers;
+}
 
-  const float* data() const { return data_; }
+using TensorOf = const TensorView& (*)(const ValidatedRequest&);
+const TensorView& QueriesOf(const ValidatedRequest& v) { return v.request->queries; }
+const TensorView& KeysOf(const ValidatedRequest& v) { return ResolvedKeys(*v.request); }
+const TensorView& ValuesOf(const ValidatedRequest& v) { return ResolvedValues(*v.request); }
 
- private:
-  std::vector<float> storage_;
-  const float* data_ = nullptr;
-};
+// Floats StackRows() needs: none for a lone request, used in place.
+int64_t StackedFloats(std::span<const ValidatedRequest> requests, TensorOf tensor_of) {
+  if (requests.size() == 1) return 0;
+  int64_t floats = 0;
+  for (const ValidatedRequest& v : requests) floats += static_cast<int64_t>(tensor_of(v).data.size());
+  return floats;
+}
+
+// The rows of one tensor of every request, stacked into `destination` as one
+// (tokens x cols) matrix, so a projection is one GEMM over all tokens of the
+// group. A lone request is used in place.
+const float* StackRows(std::span<const ValidatedRequest> requests, TensorOf tensor_of,
+                       float* destination) {
+  if (requests.size() == 1) return tensor_of(requests[0]).data.data();
+  float* next = destination;
+  for (const ValidatedRequest& v : requests) {
+    next = std::copy(tensor_of(v).data.begin(), tensor_of(v).data.end(), next);
+  }
+  return destination;
+}
 
 // Token offset of each request in a stacking of its n_q (or n_k) rows.
 std::vector<int64_t> TokenOffsets(std::span<const ValidatedRequest> requests, bool keys) {
@@ -167,14 +207,14 @@ void RunDotProductFamily(ThreadPool& pool, const Model& model,
   const size_t n = requests.size();
   // bilinear: q' = q^T W_k, so q'.k = q.(W_k k); one GEMM over all queries.
   const std::vector<int64_t> query_rows = TokenOffsets(requests, /*keys=*/false);
-  std::vector<float> mapped_queries;
+  std::vector<float> once;
+  float* mapped_queries = nullptr;
   if (model.kind == Kind::kBilinear) {
-    const StackedRows queries_in(requests, [](const ValidatedRequest& v) -> const TensorView& {
-      return v.request->queries;
-    });
-    mapped_queries.resize(query_rows.back() * model.w_k.cols());
-    RunProjections(pool, {{queries_in.data(), mapped_queries.data(), query_rows.back(),
-                           &model.w_k, nullptr, /*transposed=*/false}});
+    const auto [stacked_queries, mapped] = GroupScratch<2>(
+        {StackedFloats(requests, QueriesOf), query_rows.back() * model.w_k.cols()}, once);
+    RunProjections(pool, {{StackRows(requests, QueriesOf, stacked_queries), mapped,
+                           query_rows.back(), &model.w_k, nullptr, /*transposed=*/false}});
+    mapped_queries = mapped;
   }
   // distance: -scale/2 |q - k|^2 = scale q.k - scale/2 |q|^2 - scale/2 |k|^2.
   std::vector<std::vector<float>> query_norms(n), key_norms(n);
@@ -203,9 +243,8 @@ void RunDotProductFamily(ThreadPool& pool, const Model& model,
   for (size_t r = 0; r < n; ++r) {
     const AttentionRequest& request = *requests[r].request;
     const AttentionDims& d = requests[r].dims;
-    const float* queries = mapped_queries.empty()
-                               ? request.queries.data.data()
-                               : mapped_queries.data() + query_rows[r] * d.key_size;
+    const float* queries = mapped_queries ? mapped_queries + query_rows[r] * d.key_size
+                                          : request.queries.data.data();
     const int64_t head_size = d.key_size;
     for (int64_t b = 0; b < d.batch; ++b) {
       FlashProblem p;
@@ -242,18 +281,19 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
   const int64_t hidden = model.w_q.rows();
   const std::vector<int64_t> query_rows = TokenOffsets(requests, /*keys=*/false);
   const std::vector<int64_t> key_rows = TokenOffsets(requests, /*keys=*/true);
-  const StackedRows queries_in(requests, [](const ValidatedRequest& v) -> const TensorView& {
-    return v.request->queries;
-  });
-  const StackedRows keys_in(requests, [](const ValidatedRequest& v) -> const TensorView& {
-    return ResolvedKeys(*v.request);
-  });
-  // W_q q and W_k k of every token of the batch, (tokens x h) each.
-  std::vector<float> projected_queries(query_rows.back() * hidden);
-  std::vector<float> projected_keys(key_rows.back() * hidden);
-  RunProjections(pool,
-                 {{queries_in.data(), projected_queries.data(), query_rows.back(), &model.w_q, nullptr},
-                  {keys_in.data(), projected_keys.data(), key_rows.back(), &model.w_k, nullptr}});
+  // W_q q and W_k k of every token of the group, (tokens x h) each.
+  // Named pointers rather than a structured binding: the tasks capture them.
+  std::vector<float> once;
+  const std::array<float*, 4> scratch = GroupScratch<4>(
+      {query_rows.back() * hidden, key_rows.back() * hidden, StackedFloats(requests, QueriesOf),
+       StackedFloats(requests, KeysOf)},
+      once);
+  const float* const projected_queries = scratch[0];
+  const float* const projected_keys = scratch[1];
+  RunProjections(pool, {{StackRows(requests, QueriesOf, scratch[2]), scratch[0],
+                         query_rows.back(), &model.w_q, nullptr},
+                        {StackRows(requests, KeysOf, scratch[3]), scratch[1], key_rows.back(),
+                         &model.w_k, nullptr}});
 
   struct Block {
     size_t request;
@@ -276,10 +316,10 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
     AttentionResult& result = results[block.request];
     const int64_t b = block.example;
     ConstMatrixMap keys(
-        projected_keys.data() + (key_rows[block.request] + b * d.num_keys) * hidden, d.num_keys,
+        projected_keys + (key_rows[block.request] + b * d.num_keys) * hidden, d.num_keys,
         hidden);
     ConstMatrixMap queries(
-        projected_queries.data() + (query_rows[block.request] + b * d.num_queries) * hidden,
+        projected_queries + (query_rows[block.request] + b * d.num_queries) * hidden,
         d.num_queries, hidden);
     ConstMatrixMap values(ResolvedValues(*v.request).data.data() + b * d.num_keys * d.value_size,
                           d.num_keys, d.value_size);
@@ -320,32 +360,21 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
   const std::vector<int64_t> key_rows = TokenOffsets(requests, /*keys=*/true);
   const int64_t total_queries = query_rows.back(), total_keys = key_rows.back();
 
-  const StackedRows queries_in(requests, [](const ValidatedRequest& v) -> const TensorView& {
-    return v.request->queries;
-  });
-  const StackedRows keys_in(requests, [](const ValidatedRequest& v) -> const TensorView& {
-    return ResolvedKeys(*v.request);
-  });
-  const StackedRows values_in(requests, [](const ValidatedRequest& v) -> const TensorView& {
-    return ResolvedValues(*v.request);
-  });
-  // (tokens x E) projections of every request, stacked like the inputs, and
-  // the concatenated heads, in a per-thread buffer kept across calls: fresh
-  // vectors would be zero-filled and page-faulted in on every call. Every
-  // element is written before it is read. A rare huge request gets its own
-  // buffer, so no thread keeps gigabytes for the rest of its life.
-  const size_t needed = 2 * (total_queries + total_keys) * width;
-  thread_local std::vector<float> kept;
+  // (tokens x E) projections of every request, stacked like the inputs, the
+  // concatenated heads and, for more than one request, their stacked output.
   std::vector<float> once;
-  std::vector<float>& workspace = needed <= kKeptWorkspaceFloats ? kept : once;
-  if (workspace.size() < needed) workspace.resize(needed);
-  float* const q = workspace.data();
-  float* const k = q + total_queries * width;
-  float* const v = k + total_keys * width;
-  float* const concat = v + total_keys * width;
-  RunProjections(pool, {{queries_in.data(), q, total_queries, &model.w_q, &model.b_q},
-                        {keys_in.data(), k, total_keys, &model.w_k, &model.b_k},
-                        {values_in.data(), v, total_keys, &model.w_v, &model.b_v}});
+  const auto [q, k, v, concat, stacked_output, stacked_queries, stacked_keys, stacked_values] =
+      GroupScratch<8>({total_queries * width, total_keys * width, total_keys * width,
+                       total_queries * width, n == 1 ? 0 : total_queries * width,
+                       StackedFloats(requests, QueriesOf), StackedFloats(requests, KeysOf),
+                       StackedFloats(requests, ValuesOf)},
+                      once);
+  RunProjections(pool, {{StackRows(requests, QueriesOf, stacked_queries), q, total_queries,
+                         &model.w_q, &model.b_q},
+                        {StackRows(requests, KeysOf, stacked_keys), k, total_keys, &model.w_k,
+                         &model.b_k},
+                        {StackRows(requests, ValuesOf, stacked_values), v, total_keys,
+                         &model.w_v, &model.b_v}});
 
   // Tasks point into `problems`: reserve it whole so it never reallocates.
   std::vector<FlashProblem> problems;
@@ -383,18 +412,44 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
                            &model.w_o, &model.b_o}});
     return;
   }
-  std::vector<float> output(total_queries * width);
-  RunProjections(pool, {{concat, output.data(), total_queries, &model.w_o, &model.b_o}});
+  RunProjections(pool, {{concat, stacked_output, total_queries, &model.w_o, &model.b_o}});
   for (size_t r = 0; r < n; ++r) {
-    std::copy_n(output.begin() + query_rows[r] * width, results[r].output.data.size(),
+    std::copy_n(stacked_output + query_rows[r] * width, results[r].output.data.size(),
                 results[r].output.data.begin());
+  }
+}
+
+// A request's share of a group's bound: its query and key rows times the
+// widest row any stacked buffer holds for it (inputs, a projection to E or to
+// additive's h, or the output).
+int64_t GroupFloats(const Model& model, const AttentionDims& d) {
+  const int64_t widest = std::max({d.query_size, d.key_size, d.value_size, d.output_size,
+                                   static_cast<int64_t>(model.w_q.rows())});
+  return d.batch * (d.num_queries + d.num_keys) * widest;
+}
+
+void RunGroup(ThreadPool& pool, const Model& model, std::span<const ValidatedRequest> requests,
+              std::span<AttentionResult> results) {
+  switch (model.kind) {
+    case Kind::kDotProduct:
+    case Kind::kDistance:
+    case Kind::kBilinear:
+      RunDotProductFamily(pool, model, requests, results);
+      break;
+    case Kind::kAdditive:
+      RunAdditive(pool, model, requests, results);
+      break;
+    case Kind::kMultiHead:
+      RunMultiHead(pool, model, requests, results);
+      break;
   }
 }
 
 }  // namespace
 
 Engine::Engine(EngineOptions options)
-    : pool_(std::make_unique<ThreadPool>(options.num_threads)) {
+    : pool_(std::make_unique<ThreadPool>(options.num_threads)),
+      max_group_floats_(options.max_group_floats > 0 ? options.max_group_floats : kGroupFloats) {
   openblas_set_num_threads(1);
 }
 
@@ -428,18 +483,18 @@ void Engine::Run(const Model& model, std::span<const ValidatedRequest> requests,
       results[r].attention_weights = {};
     }
   }
-  switch (model.kind) {
-    case Kind::kDotProduct:
-    case Kind::kDistance:
-    case Kind::kBilinear:
-      RunDotProductFamily(*pool_, model, requests, results);
-      break;
-    case Kind::kAdditive:
-      RunAdditive(*pool_, model, requests, results);
-      break;
-    case Kind::kMultiHead:
-      RunMultiHead(*pool_, model, requests, results);
-      break;
+  // Each group as one execution over the whole pool; a request over the
+  // bound is a group of its own.
+  for (size_t begin = 0; begin < requests.size();) {
+    int64_t floats = GroupFloats(model, requests[begin].dims);
+    size_t end = begin + 1;
+    while (end < requests.size() &&
+           floats + GroupFloats(model, requests[end].dims) <= max_group_floats_) {
+      floats += GroupFloats(model, requests[end++].dims);
+    }
+    RunGroup(*pool_, model, requests.subspan(begin, end - begin),
+             results.subspan(begin, end - begin));
+    begin = end;
   }
 }
 

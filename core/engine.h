@@ -16,10 +16,10 @@
 // (B, n_k, d_k), values (B, n_k, d_v); output (B, n_q, d_v), or (B, n_q, E)
 // for multi_head; weights (B, n_q, n_k), or (B, H, n_q, n_k) for multi_head.
 //
-// Speed: a batch of requests with different B, n_q and n_k runs as one ragged
-// execution: no padding, and the key loop of every query stops at its last
-// allowed key, so masked work is never done. Unless weights are asked for, no
-// (n_q x n_k) score matrix exists (fused kernel with online softmax).
+// Speed: a batch of requests with different B, n_q and n_k runs as ragged
+// executions (Run): no padding, and the key loop of every query stops at its
+// last allowed key, so masked work is never done. Unless weights are asked
+// for, no (n_q x n_k) score matrix exists (fused kernel with online softmax).
 //
 //   attention::Engine engine;                     // pool sized to the cores
 //   absl::StatusOr<AttentionResult> r = engine.Attend(model, request);
@@ -51,6 +51,13 @@ struct ValidatedRequest {
 struct EngineOptions {
   // Worker threads; 0 = one per hardware thread.
   int num_threads = 0;
+  // Run() computes a batch in consecutive groups of requests, one ragged
+  // execution each, so that its scratch does not grow with the batch: a
+  // group's requests hold together at most this many floats of token rows
+  // (each request: B (n_q + n_k) times its widest row of d_q, d_k, d_v, the
+  // output's last axis and additive's hidden size); a request over it is a
+  // group of its own. 0 = the default (engine.cc, kGroupFloats).
+  int64_t max_group_floats = 0;
 };
 
 class Engine {
@@ -64,9 +71,11 @@ class Engine {
   absl::StatusOr<AttentionResult> Attend(const Model& model, const AttentionRequest& request,
                                          const Limits& limits = {});
 
-  // Computes a batch of validated requests of one model as one execution;
-  // results[r] answers requests[r] and equals what Attend() returns for it
-  // alone. Safe to call from several threads at once (they share the pool).
+  // Computes a batch of validated requests of one model, consecutive requests
+  // merged into ragged executions of at most a few MiB of tokens each, so its
+  // scratch memory does not grow with the batch; results[r] answers
+  // requests[r] and equals what Attend() returns for it alone. Safe to call
+  // from several threads at once (they share the pool).
   void Run(const Model& model, std::span<const ValidatedRequest> requests,
            std::span<AttentionResult> results);
 
@@ -74,6 +83,7 @@ class Engine {
 
  private:
   std::unique_ptr<ThreadPool> pool_;
+  int64_t max_group_floats_;
 };
 
 }  // namespace attention

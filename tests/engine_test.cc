@@ -2,8 +2,8 @@
 //
 // Random shapes (1, primes, tile edges), every mask form, causal, scale
 // override, the self-attention shorthand and every kind, at every thread count
-// from 1 to the machine's cores; and a ragged batch through Engine::Run must
-// equal each request computed alone.
+// from 1 to the machine's cores; and a ragged batch through Engine::Run, in
+// one execution or split into groups, must equal each request computed alone.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -133,11 +133,13 @@ std::unique_ptr<Case> RandomCase(std::mt19937& rng, Kind kind, Model& model) {
   return c;
 }
 
-void ExpectNear(const Tensor& actual, const Tensor& expected, const char* what) {
+// Defaults for the engine against the reference, which sums in another order.
+void ExpectNear(const Tensor& actual, const Tensor& expected, const char* what,
+                float absolute = 1e-5f, float relative = 1e-4f) {
   ASSERT_EQ(actual.shape, expected.shape) << what;
   int reported = 0;
   for (size_t i = 0; i < expected.data.size(); ++i) {
-    const float tolerance = 1e-5f + 1e-4f * std::abs(expected.data[i]);
+    const float tolerance = absolute + relative * std::abs(expected.data[i]);
     if (std::abs(actual.data[i] - expected.data[i]) > tolerance && reported++ < 5) {
       ADD_FAILURE() << what << "[" << i << "]: expected " << expected.data[i] << ", got "
                     << actual.data[i];
@@ -151,7 +153,7 @@ TEST_P(EngineVsReference, RandomRequestsAtEveryThreadCount) {
   const int cores = std::max(1u, std::thread::hardware_concurrency());
   std::mt19937 rng(1234 + static_cast<int>(GetParam()));
   for (int threads = 1; threads <= cores; ++threads) {
-    Engine engine(EngineOptions{threads});
+    Engine engine(EngineOptions{.num_threads = threads});
     for (int trial = 0; trial < 40; ++trial) {
       Model model;
       auto c = RandomCase(rng, GetParam(), model);
@@ -173,48 +175,109 @@ TEST_P(EngineVsReference, RandomRequestsAtEveryThreadCount) {
   }
 }
 
+// A request with keys and values given, of the feature sizes of `first` (so
+// it fits the same model), `mask`: 0 no valid_lens, 1 per example, 2 per query.
+std::unique_ptr<Case> RequestLike(std::mt19937& rng, const Case& first, int64_t batch,
+                                  int64_t n_q, int64_t n_k, int mask, bool causal,
+                                  bool weights) {
+  const int64_t d_q = first.queries.shape[2];
+  const int64_t d_k = first.request.keys ? first.keys.shape[2] : d_q;
+  const int64_t d_v = first.request.values ? first.values.shape[2] : d_k;
+  auto c = std::make_unique<Case>();
+  c->queries = RandomTensor(rng, batch, n_q, d_q);
+  c->keys = RandomTensor(rng, batch, n_k, d_k);
+  c->values = RandomTensor(rng, batch, n_k, d_v);
+  c->request.queries = c->queries.view();
+  c->request.keys = c->keys.view();
+  c->request.values = c->values.view();
+  const int64_t lens = mask == 0 ? 0 : mask == 1 ? batch : batch * n_q;
+  for (int64_t i = 0; i < lens; ++i) c->valid_lens.push_back(rng() % (n_k + 1));
+  c->request.valid_lens = c->valid_lens;
+  c->request.causal = causal;
+  c->request.return_attention_weights = weights;
+  return c;
+}
+
+// Runs `cases` as one batch through `engine` and expects each answer to be
+// what `alone` computes for that request by itself: the same arithmetic, but
+// projections of other row blocks, which OpenBLAS may sum in another order.
+void ExpectBatchEqualsAlone(Engine& engine, Engine& alone, const Model& model,
+                            const std::vector<std::unique_ptr<Case>>& cases) {
+  std::vector<ValidatedRequest> batch;
+  for (const auto& c : cases) {
+    absl::StatusOr<AttentionDims> dims = Validate(model, c->request);
+    ASSERT_TRUE(dims.ok()) << dims.status();
+    batch.push_back({&c->request, *dims});
+  }
+  std::vector<AttentionResult> results(batch.size());
+  engine.Run(model, batch, results);
+  for (size_t r = 0; r < cases.size(); ++r) {
+    SCOPED_TRACE(::testing::Message() << "request " << r);
+    absl::StatusOr<AttentionResult> expected = alone.Attend(model, cases[r]->request);
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    ExpectNear(results[r].output, expected->output, "output", 1e-6f, 1e-5f);
+    ExpectNear(results[r].attention_weights, expected->attention_weights, "weights", 1e-6f, 1e-5f);
+  }
+}
+
 TEST_P(EngineVsReference, RaggedBatchEqualsEachRequestAlone) {
   std::mt19937 rng(99 + static_cast<int>(GetParam()));
   Engine engine;
   for (int trial = 0; trial < 10; ++trial) {
+    SCOPED_TRACE(::testing::Message() << "trial " << trial);
     // One model; requests of different B, n_q and n_k (same feature sizes).
     Model model;
-    auto first = RandomCase(rng, GetParam(), model);
     std::vector<std::unique_ptr<Case>> cases;
-    cases.push_back(std::move(first));
-    const int64_t d_q = cases[0]->queries.shape[2];
-    const int64_t d_k = cases[0]->request.keys ? cases[0]->keys.shape[2] : d_q;
-    const int64_t d_v = cases[0]->request.values ? cases[0]->values.shape[2] : d_k;
+    cases.push_back(RandomCase(rng, GetParam(), model));
     for (int extra = 0; extra < 4; ++extra) {
-      auto c = std::make_unique<Case>();
       const int64_t batch = 1 + rng() % 3, n_q = kSizes[rng() % 9], n_k = kSizes[rng() % 9];
-      c->queries = RandomTensor(rng, batch, n_q, d_q);
-      c->keys = RandomTensor(rng, batch, n_k, d_k);
-      c->values = RandomTensor(rng, batch, n_k, d_v);
-      c->request.queries = c->queries.view();
-      c->request.keys = c->keys.view();
-      c->request.values = c->values.view();
-      for (int64_t b = 0; b < batch; ++b) c->valid_lens.push_back(rng() % (n_k + 1));
-      c->request.valid_lens = c->valid_lens;
-      c->request.causal = extra % 2 == 1;
-      c->request.return_attention_weights = extra % 3 == 0;
-      cases.push_back(std::move(c));
+      cases.push_back(RequestLike(rng, *cases[0], batch, n_q, n_k, /*mask=*/1,
+                                  /*causal=*/extra % 2 == 1, /*weights=*/extra % 3 == 0));
     }
-    std::vector<ValidatedRequest> batch;
+    ExpectBatchEqualsAlone(engine, engine, model, cases);
+  }
+}
+
+// Floats of token rows a request counts for against max_group_floats, as
+// engine.h defines them.
+int64_t GroupFloats(const Model& model, const AttentionDims& d) {
+  const int64_t widest = std::max({d.query_size, d.key_size, d.value_size, d.output_size,
+                                   static_cast<int64_t>(model.w_q.rows())});
+  return d.batch * (d.num_queries + d.num_keys) * widest;
+}
+
+// With a group bound of about two requests, Run() splits this batch into
+// several groups, merging small requests and running the one over the bound
+// on its own, and every answer must still be the request's alone.
+TEST_P(EngineVsReference, BatchSplitIntoGroupsEqualsEachRequestAlone) {
+  std::mt19937 rng(7 + static_cast<int>(GetParam()));
+  Engine alone;
+  for (int trial = 0; trial < 5; ++trial) {
+    SCOPED_TRACE(::testing::Message() << "trial " << trial);
+    Model model;
+    std::vector<std::unique_ptr<Case>> cases;
+    cases.push_back(RandomCase(rng, GetParam(), model));
+    for (int extra = 0; extra < 9; ++extra) {
+      const int64_t batch = 1 + rng() % 3, n_q = kSizes[rng() % 9], n_k = kSizes[rng() % 9];
+      cases.push_back(RequestLike(rng, *cases[0], batch, n_q, n_k, /*mask=*/extra % 3,
+                                  /*causal=*/extra % 2 == 0, /*weights=*/extra % 4 == 0));
+    }
+    int64_t largest = 0;
     for (const auto& c : cases) {
       absl::StatusOr<AttentionDims> dims = Validate(model, c->request);
       ASSERT_TRUE(dims.ok()) << dims.status();
-      batch.push_back({&c->request, *dims});
+      largest = std::max(largest, GroupFloats(model, *dims));
     }
-    std::vector<AttentionResult> results(batch.size());
-    engine.Run(model, batch, results);
-    for (size_t r = 0; r < cases.size(); ++r) {
-      SCOPED_TRACE(::testing::Message() << "trial " << trial << " request " << r);
-      absl::StatusOr<AttentionResult> alone = engine.Attend(model, cases[r]->request);
-      ASSERT_TRUE(alone.ok());
-      ExpectNear(results[r].output, alone->output, "output");
-      ExpectNear(results[r].attention_weights, alone->attention_weights, "weights");
-    }
+    // Over twice the largest of the others (kSizes tops out at 67).
+    const size_t big = cases.size() / 2;
+    cases.insert(cases.begin() + big, RequestLike(rng, *cases[0], 3, 150, 160, /*mask=*/2,
+                                                  /*causal=*/true, /*weights=*/true));
+    absl::StatusOr<AttentionDims> big_dims = Validate(model, cases[big]->request);
+    ASSERT_TRUE(big_dims.ok()) << big_dims.status();
+    ASSERT_GT(GroupFloats(model, *big_dims), 2 * largest);
+
+    Engine engine(EngineOptions{.max_group_floats = 2 * largest});
+    ExpectBatchEqualsAlone(engine, alone, model, cases);
   }
 }
 
