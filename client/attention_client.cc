@@ -146,15 +146,22 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
   }
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = CreateChannel(options);
   if (!channel.ok()) return channel.status();
-  return std::unique_ptr<AttentionClient>(
-      new AttentionClient(std::move(options), *std::move(channel)));
+  ClientOptions stream_options = options;
+  stream_options.retry.max_attempts = 1;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> stream_channel = CreateChannel(stream_options);
+  if (!stream_channel.ok()) return stream_channel.status();
+  return std::unique_ptr<AttentionClient>(new AttentionClient(
+      std::move(options), *std::move(channel), *std::move(stream_channel)));
 }
 
-AttentionClient::AttentionClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+AttentionClient::AttentionClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel,
+                                 std::shared_ptr<grpc::Channel> stream_channel)
     : options_(std::move(options)),
       channel_(std::move(channel)),
       stub_(attention::v1::AttentionService::NewStub(channel_)),
-      health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
+      health_stub_(grpc::health::v1::Health::NewStub(channel_)),
+      stream_channel_(std::move(stream_channel)),
+      stream_stub_(attention::v1::AttentionService::NewStub(stream_channel_)) {}
 
 void AttentionClient::Prepare(grpc::ClientContext& context, absl::Duration timeout) const {
   if (timeout != absl::InfiniteDuration()) {
@@ -217,7 +224,7 @@ absl::StatusOr<AttentionClient::StreamResults> AttentionClient::AttendStream(
   if (requests.empty()) return StreamResults();
   grpc::ClientContext context;
   Prepare(context, timeout);
-  StreamCall call(stub_.get(), &context, requests);
+  StreamCall call(stream_stub_.get(), &context, requests);
   return call.Await();
 }
 

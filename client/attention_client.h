@@ -10,6 +10,7 @@
 //     retry policy in the channel's service config. UNAVAILABLE means the
 //     call did not run (no server, or the server went away), so repeating it
 //     is safe; every other code is the server's answer and is returned as is.
+//     AttendStream is the exception: a stream is never retried.
 //
 // Use it when you want one answer per call with errors as values, or
 // AttendStream() for many requests over one call. Calls are thread-safe; one
@@ -78,11 +79,11 @@ class AttentionClient {
   // DEADLINE_EXCEEDED, UNAVAILABLE...; answers received before such a failure
   // are dropped. An empty `requests` makes no call and returns no results.
   //
-  // Retries: a stream is not retried once the server has answered any of its
-  // requests; a server lost then fails the call with UNAVAILABLE. Before the
-  // first answer, gRPC's retry policy (UNAVAILABLE only) may replay the
-  // requests written so far, as it does for Attend: nothing has been
-  // delivered yet and attention has no side effects.
+  // A stream is never retried: UNAVAILABLE (no server, or one lost midway)
+  // fails the call, and resending is the caller's choice. It runs on a second
+  // channel, to the same servers with the same credentials (gRPC shares the
+  // connections), that has no retry policy: the gRPC of Debian 12 (1.51),
+  // replaying a callback-API stream, lost requests, hung or crashed.
   using StreamResults = std::vector<absl::StatusOr<attention::v1::AttendResponse>>;
   absl::StatusOr<StreamResults> AttendStream(
       std::span<const attention::v1::AttendRequest> requests);
@@ -99,7 +100,8 @@ class AttentionClient {
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 
  private:
-  AttentionClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  AttentionClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel,
+                  std::shared_ptr<grpc::Channel> stream_channel);
 
   // Deadline and credentials every call carries.
   void Prepare(grpc::ClientContext& context, absl::Duration timeout) const;
@@ -108,6 +110,9 @@ class AttentionClient {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<attention::v1::AttentionService::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+  // AttendStream's: connects on the first stream, without retries.
+  std::shared_ptr<grpc::Channel> stream_channel_;
+  std::unique_ptr<attention::v1::AttentionService::Stub> stream_stub_;
 
   absl::Mutex async_mu_;
   int async_calls_ ABSL_GUARDED_BY(async_mu_) = 0;  // AttendAsync calls not yet ended

@@ -2,9 +2,9 @@
 // attention-server: answers equal unary Attend's, a bad request is answered
 // with its error in place, a long stream keeps moving, the token and the
 // deadline apply to the whole call; `attention-client attend --stream`
-// (RunAttendStream). Against a scripted service in this
-// process (the real server cannot fail a stream on demand): what is retried,
-// and answers that do not match the requests.
+// (RunAttendStream). Against a scripted service in this process (the real
+// server cannot fail a stream on demand): a stream is never retried, odd
+// error codes, and answers that do not match the requests.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -378,20 +378,16 @@ std::vector<AttendRequest> IdRequests(const std::vector<std::string>& models) {
   return requests;
 }
 
-TEST(ClientStreamRetryTest, UnavailableBeforeAnyAnswerReplaysTheStream) {
+// Streams run on a channel without a retry policy (see attention_client.h):
+// retried, a stream like these lost requests, hung or crashed the client.
+TEST(ClientStreamRetryTest, UnavailableBeforeAnyAnswerIsNotRetried) {
   ScriptedServer server({Script::kFailAtOnce, Script::kAnswerAll});
-  absl::StatusOr<AttentionClient::StreamResults> streamed =
-      Client(server.address())->AttendStream(IdRequests({"m", "m", "m"}));
-  ASSERT_TRUE(streamed.ok()) << streamed.status();
-  ASSERT_EQ(streamed->size(), 3u);
-  for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE((*streamed)[i].ok()) << (*streamed)[i].status();
-    EXPECT_EQ((*streamed)[i]->request_id(), absl::StrCat("r", i));
-  }
-  EXPECT_EQ(server.calls(), 2);
+  EXPECT_EQ(Client(server.address())->AttendStream(IdRequests({"m", "m", "m"})).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(server.calls(), 1);
 }
 
-TEST(ClientStreamRetryTest, StreamIsNotRetriedAfterAnAnswer) {
+TEST(ClientStreamRetryTest, UnavailableAfterAnAnswerIsNotRetried) {
   ScriptedServer server({Script::kAnswerOneThenFail, Script::kAnswerAll});
   absl::StatusOr<AttentionClient::StreamResults> streamed =
       Client(server.address())->AttendStream(IdRequests({"m", "m", "m"}));
