@@ -4,10 +4,8 @@
 // Replays, per target, the seeds made from the conformance data and every
 // file in tests/fuzz/regressions/<target>/: inputs that once broke a target
 // (crash-*, named after the fault they found; see RELIABILITY.md) and
-// hand-made hostile ones (hostile-*). tests/fuzz/open/ holds inputs that
-// still break a target, replayed only by the disabled test below. A broken
-// property aborts with the FUZZ_CHECK message after the "replaying" line
-// that names the input.
+// hand-made hostile ones (hostile-*). A broken property aborts with the
+// FUZZ_CHECK message after the "replaying" line that names the input.
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -40,18 +38,6 @@ TEST_P(FuzzRegressionTest, PastCrashesAndHostileInputsKeepEveryPromise) {
       ReadDirectory(kTestsDir / "fuzz" / "regressions" / GetParam());
   ASSERT_FALSE(inputs.empty()) << "tests/fuzz/regressions/" << GetParam() << " is empty";
   Replay(GetParam(), inputs);
-}
-
-// DISABLED: inputs that break a target today, each a bug reported to the
-// owner of the code it breaks (see RELIABILITY.md). Once fixed, the file moves
-// to tests/fuzz/regressions/ and this test finds nothing to replay.
-//   open-exact-path-nan-when-every-key-allowed-scores-below-minus-1e6.pb:
-//   core/flash_kernel.cc ExactRows, with weights asked for and every key
-//   allowed (bound == n_k), computes exp(-1e6 - max) = inf when the best score
-//   is below -1e6 - 88, and (n_k - bound) * inf = 0 * inf = NaN makes the
-//   whole row NaN (distance model, scale 4, a query 998 away from every key).
-TEST_P(FuzzRegressionTest, DISABLED_OpenFindingsKeepEveryPromise) {
-  Replay(GetParam(), ReadDirectory(kTestsDir / "fuzz" / "open" / GetParam()));
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, FuzzRegressionTest, ::testing::ValuesIn(TargetNames()));
