@@ -220,20 +220,28 @@ void ExpectBatchEqualsAlone(Engine& engine, Engine& alone, const Model& model,
   }
 }
 
+// One model of `kind` and a batch for it: a RandomCase, then `extras`
+// requests of other B, n_q and n_k (same feature sizes), cycling through the
+// mask forms, causal or not, some asking for weights.
+std::vector<std::unique_ptr<Case>> RandomBatch(std::mt19937& rng, Kind kind, Model& model,
+                                               int extras) {
+  std::vector<std::unique_ptr<Case>> cases;
+  cases.push_back(RandomCase(rng, kind, model));
+  for (int extra = 0; extra < extras; ++extra) {
+    const int64_t batch = 1 + rng() % 3, n_q = kSizes[rng() % 9], n_k = kSizes[rng() % 9];
+    cases.push_back(RequestLike(rng, *cases[0], batch, n_q, n_k, /*mask=*/extra % 3,
+                                /*causal=*/extra % 2 == 1, /*weights=*/extra % 4 == 0));
+  }
+  return cases;
+}
+
 TEST_P(EngineVsReference, RaggedBatchEqualsEachRequestAlone) {
   std::mt19937 rng(99 + static_cast<int>(GetParam()));
   Engine engine;
   for (int trial = 0; trial < 10; ++trial) {
     SCOPED_TRACE(::testing::Message() << "trial " << trial);
-    // One model; requests of different B, n_q and n_k (same feature sizes).
     Model model;
-    std::vector<std::unique_ptr<Case>> cases;
-    cases.push_back(RandomCase(rng, GetParam(), model));
-    for (int extra = 0; extra < 4; ++extra) {
-      const int64_t batch = 1 + rng() % 3, n_q = kSizes[rng() % 9], n_k = kSizes[rng() % 9];
-      cases.push_back(RequestLike(rng, *cases[0], batch, n_q, n_k, /*mask=*/1,
-                                  /*causal=*/extra % 2 == 1, /*weights=*/extra % 3 == 0));
-    }
+    const std::vector<std::unique_ptr<Case>> cases = RandomBatch(rng, GetParam(), model, 4);
     ExpectBatchEqualsAlone(engine, engine, model, cases);
   }
 }
@@ -255,13 +263,7 @@ TEST_P(EngineVsReference, BatchSplitIntoGroupsEqualsEachRequestAlone) {
   for (int trial = 0; trial < 5; ++trial) {
     SCOPED_TRACE(::testing::Message() << "trial " << trial);
     Model model;
-    std::vector<std::unique_ptr<Case>> cases;
-    cases.push_back(RandomCase(rng, GetParam(), model));
-    for (int extra = 0; extra < 9; ++extra) {
-      const int64_t batch = 1 + rng() % 3, n_q = kSizes[rng() % 9], n_k = kSizes[rng() % 9];
-      cases.push_back(RequestLike(rng, *cases[0], batch, n_q, n_k, /*mask=*/extra % 3,
-                                  /*causal=*/extra % 2 == 0, /*weights=*/extra % 4 == 0));
-    }
+    std::vector<std::unique_ptr<Case>> cases = RandomBatch(rng, GetParam(), model, 9);
     int64_t largest = 0;
     for (const auto& c : cases) {
       absl::StatusOr<AttentionDims> dims = Validate(model, c->request);
