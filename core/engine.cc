@@ -38,7 +38,7 @@ constexpr int64_t kKeptScratchFloats = int64_t{16} << 20;
 // MiB whatever the batch (about four buffers of this size: stacked inputs,
 // projections, concatenated heads, stacked output), in cache between phases
 // and reused run after run. One execution over the whole batch grew every
-// buffer with it: 64 large requests took 576 MiB more memory and 1.6-1.8x
+// buffer with it: 64 large requests took 576 MiB more memory and 1.5-1.8x
 // the CPU per request of one alone (attention-bench batch/, BENCHMARKS.md).
 // Bounds of 2^18 to 2^21 measured alike within the noise (64 large: 14.6-15.5
 // ms CPU per request; 64 small: 0.33-0.37 ms). This one keeps a large
