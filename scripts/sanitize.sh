@@ -54,35 +54,42 @@ check_reports() {
   return 1
 }
 
+# run_asan and run_tsan are called as `run_x || status=1`, where bash ignores
+# set -e inside them: every step that can fail returns or sets the status.
 run_asan() {
-  local build=${ATTENTION_ASAN_BUILD_DIR:-build-asan}
-  configure "$build" "-fsanitize=address,undefined -fno-sanitize-recover=undefined"
-  nice cmake --build "$build" -j "$jobs"
-  local reports=$root/$build/sanitizer-reports
+  local build=${ATTENTION_ASAN_BUILD_DIR:-build-asan} status=0
+  configure "$build" "-fsanitize=address,undefined -fno-sanitize-recover=undefined" || return 1
+  nice cmake --build "$build" -j "$jobs" || return 1
+  local reports
+  reports=$(cd "$build" && pwd)/sanitizer-reports
   rm -rf "$reports" && mkdir -p "$reports"
   ASAN_OPTIONS="detect_leaks=1:detect_stack_use_after_return=1:strict_string_checks=1:log_path=$reports/asan" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan" \
   LSAN_OPTIONS="suppressions=$root/tests/lsan.supp" \
-    ctest --test-dir "$build" -LE deploy --output-on-failure -j "$jobs" --timeout 1200
-  check_reports "$reports"
+    ctest --test-dir "$build" -LE deploy --output-on-failure -j "$jobs" --timeout 1200 || status=1
+  check_reports "$reports" || status=1
+  return $status
 }
 
 run_tsan() {
   local build=${ATTENTION_TSAN_BUILD_DIR:-build-tsan}
-  configure "$build" "-fsanitize=thread"
+  configure "$build" "-fsanitize=thread" || return 1
   local pattern='^(batcher_test|server_[a-z_]+_test|overload(_[a-z_]+)?_test|fault_[a-z_]+_test|security(_[a-z_]+)?_test|attention-server)$'
   mapfile -t targets < <(ninja -C "$build" -t targets all | sed -n 's/: phony$//p' | grep -E "$pattern")
-  nice cmake --build "$build" -j "$jobs" --target "${targets[@]}"
+  ((${#targets[@]})) || { echo "no TSan targets found in $build"; return 1; }
+  nice cmake --build "$build" -j "$jobs" --target "${targets[@]}" || return 1
   g++ -std=c++20 -shared -fPIC -O1 -g tests/tsan/absl_sync_annotations.cc \
-    -o "$build/libabsl_sync_annotations.so" -labsl_synchronization -ldl
-  local reports=$root/$build/sanitizer-reports
+    -o "$build/libabsl_sync_annotations.so" -labsl_synchronization -ldl || return 1
+  local build_path
+  build_path=$(cd "$build" && pwd)
+  local reports=$build_path/sanitizer-reports
   rm -rf "$reports" && mkdir -p "$reports"
   local tests=() status=0
   for target in "${targets[@]}"; do
     [[ $target == attention-server ]] || tests+=("$build/tests/$target")
   done
   # The server tests start their own servers; two at a time share 2 cores.
-  export LD_PRELOAD=$root/$build/libabsl_sync_annotations.so
+  export LD_PRELOAD=$build_path/libabsl_sync_annotations.so
   export TSAN_OPTIONS="suppressions=$root/tests/tsan.supp:history_size=4:second_deadlock_stack=1:log_path=$reports/tsan"
   printf '%s\n' "${tests[@]}" | xargs -P "$jobs" -I{} sh -c \
     '{} --gtest_brief=1 >"{}.tsan.log" 2>&1 && echo "ok   {}" || { echo "FAIL {}"; tail -n 40 "{}.tsan.log"; exit 1; }' ||
