@@ -77,14 +77,16 @@ running() {  # any of the given pids alive
   for pid in "$@"; do kill -0 "$pid" 2>/dev/null && return 0; done
   return 1
 }
-# Sum of attention_requests_total samples whose code label is (not) OK.
-answers() {
-  curl -s "http://$metrics/metrics" | awk -v want="$1" '
+# From one scrape: the answers with code OK, the answers with any other code
+# (sums of attention_requests_total) and the requests accepted but not yet
+# answered, which shows whether the server was falling behind when RSS moved.
+counters() {
+  curl -s "http://$metrics/metrics" | awk '
     /^attention_requests_total\{/ {
-      ok = index($0, "code=\"OK\"") > 0
-      if ((want == "ok") == ok) sum += $NF
+      if (index($0, "code=\"OK\"") > 0) ok += $NF; else errors += $NF
     }
-    END { printf "%d", sum }'
+    /^attention_inflight_requests / { inflight = $NF }
+    END { printf "%d %d %d\n", ok, errors, inflight }'
 }
 
 # 1. Capacity of the mix: every workload at once, closed loop.
@@ -118,17 +120,16 @@ for w in "${workloads[@]}"; do
     --duration "$duration" --json >"$out/soak-$name.json" 2>"$out/soak-$name.err" &
   pids+=($!)
 done
-echo "elapsed_s,rss_mib,answered_ok,answered_error" >"$out/rss.csv"
-printf '%10s %10s %12s %14s\n' elapsed_s rss_mib answered_ok answered_error
+echo "elapsed_s,rss_mib,answered_ok,answered_error,inflight" >"$out/rss.csv"
+printf '%10s %10s %12s %14s %9s\n' elapsed_s rss_mib answered_ok answered_error inflight
 start=$SECONDS
 warm_rss_kib=0 max_rss_kib=0
 while running "${pids[@]}"; do
   elapsed=$((SECONDS - start))
   rss=$(rss_kib)
-  ok=$(answers ok)
-  errors=$(answers error)
-  printf '%10d %10s %12d %14d\n' "$elapsed" "$(mib "$rss")" "$ok" "$errors"
-  echo "$elapsed,$(mib "$rss"),$ok,$errors" >>"$out/rss.csv"
+  read -r ok errors inflight < <(counters)
+  printf '%10d %10s %12d %14d %9d\n' "$elapsed" "$(mib "$rss")" "$ok" "$errors" "$inflight"
+  echo "$elapsed,$(mib "$rss"),$ok,$errors,$inflight" >>"$out/rss.csv"
   if ((elapsed <= warmup)); then
     warm_rss_kib=$rss
   elif ((rss > max_rss_kib)); then
