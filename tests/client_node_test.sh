@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # client_node_test.sh: the Node client (client/node) against a real
 # attention-server: installs its locked dependencies (npm ci), then checks that
-# example.js lists the models and answers a conformance case correctly, and
-# that the module reports a server error with its gRPC code.
+# example.js lists the models and answers a conformance case correctly, that
+# the module reports a server error with its gRPC code, and runs
+# client_node_stream_test.js (attendStream) against the same server.
 # Exits 77 (a skip, for ctest) only when node or npm is missing.
 #
 #   tests/client_node_test.sh SERVER_BINARY
@@ -78,6 +79,13 @@ client.attend({ model: "no_such_model", queries: { shape: [1, 1, 1], data: [1] }
   pass "unknown model rejects with NOT_FOUND"
 else
   fail "unknown model rejects with NOT_FOUND"
+fi
+
+if node "$SOURCE_DIR/tests/client_node_stream_test.js" "$SERVER_ADDRESS" >"$out" 2>&1; then
+  pass "client_node_stream_test.js"
+else
+  cat "$out"
+  fail "client_node_stream_test.js"
 fi
 
 echo "client_node_test: $passed passed, $failed failed"

@@ -5,6 +5,10 @@
 //   const client = new AttentionClient('127.0.0.1:50051');
 //   const models = await client.listModels();
 //   const response = await client.attend({ model: 'dot_product', queries: { shape: [1, 2, 4], data: [...] } });
+//   for await (const item of client.attendStream([request1, request2])) {
+//     if (item instanceof AttendError) console.log(item.code, item.details); // the stream goes on
+//     else console.log(item.output);
+//   }
 //   client.close();
 //
 // Messages are plain objects with the .proto field names (snake_case, as in
@@ -17,6 +21,12 @@ const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 
 const PROTO_ROOT = path.join(__dirname, '..', '..', 'proto');
+// Most requests of an AttendStream call sent and not yet answered. grpc-js
+// reports a write done once its retry buffer holds it (up to 64 MiB here),
+// not when it leaves, so 'drain' alone would let a long or endless iterable
+// be read into memory, without yielding to I/O, before much is sent. Twice
+// the answers the server keeps unwritten (32) keeps it busy.
+const STREAM_WINDOW = 64;
 
 function loadPackage() {
   const definition = protoLoader.loadSync('attention/v1/attention.proto', {
@@ -28,22 +38,52 @@ function loadPackage() {
   return grpc.loadPackageDefinition(definition).attention.v1;
 }
 
-// round_robin over every address; retries with backoff on UNAVAILABLE only.
+// round_robin over every address; retries with backoff on UNAVAILABLE only,
+// and never for AttendStream: gRPC replaying a stream loses or duplicates
+// requests. The stream's own entry (no retry policy) wins over the
+// service-wide one, as the service config's name matching specifies.
 function serviceConfig(maxAttempts) {
   const config = { loadBalancingConfig: [{ round_robin: {} }] };
   if (maxAttempts > 1) {
-    config.methodConfig = [{
-      name: [{ service: 'attention.v1.AttentionService' }],
-      retryPolicy: {
-        maxAttempts,
-        initialBackoff: '0.05s',
-        maxBackoff: '1s',
-        backoffMultiplier: 2,
-        retryableStatusCodes: ['UNAVAILABLE'],
+    config.methodConfig = [
+      { name: [{ service: 'attention.v1.AttentionService', method: 'AttendStream' }] },
+      {
+        name: [{ service: 'attention.v1.AttentionService' }],
+        retryPolicy: {
+          maxAttempts,
+          initialBackoff: '0.05s',
+          maxBackoff: '1s',
+          backoffMultiplier: 2,
+          retryableStatusCodes: ['UNAVAILABLE'],
+        },
       },
-    }];
+    ];
   }
   return JSON.stringify(config);
+}
+
+// Why one request of an AttendStream call failed, as the server answered it
+// (the stream went on). Shaped like grpc-js's call errors: .code is the gRPC
+// status code, .details the server's message.
+class AttendError extends Error {
+  constructor(code, details, requestId = '') {
+    super(`${code} ${grpc.status[code]}: ${details}`);
+    this.name = 'AttendError';
+    this.code = code;
+    this.details = details;
+    this.request_id = requestId;
+  }
+}
+
+// A response's AttendError as an AttendError. A code that is not an error
+// code (0, or beyond the known ones) is still an error: UNKNOWN, naming it.
+function streamError(response) {
+  const { code = 0, message = '' } = response.error;
+  if (code <= grpc.status.OK || code > grpc.status.UNAUTHENTICATED) {
+    return new AttendError(grpc.status.UNKNOWN,
+      `the server answered with error code ${code}: ${message}`, response.request_id);
+  }
+  return new AttendError(code, message, response.request_id);
 }
 
 // 'a:1,b:2' (IPv4 literals) -> 'ipv4:a:1,b:2', which one channel balances.
@@ -98,9 +138,85 @@ class AttentionClient {
     return this.call('Attend', request);
   }
 
+  // Sends every request of `requests` (an array, or any iterable or async
+  // iterable of AttendRequest objects) over one AttendStream call, writing
+  // while answers are read, and yields one item per request, in order: its
+  // AttendResponse, or an AttendError (yielded, not thrown) for a request the
+  // server refused; the stream goes on after it. options.timeoutMs is the
+  // deadline of the whole stream (default: the client's).
+  //
+  // Throws the grpc-js error when the call itself fails (UNAUTHENTICATED,
+  // DEADLINE_EXCEEDED, UNAVAILABLE...), after the items already answered;
+  // what `requests` threw, once the requests before it are answered; an
+  // AttendError with code INTERNAL when the server answers more or fewer
+  // times than it was asked. A stream is never retried (see serviceConfig):
+  // resending is the caller's choice. Leaving the loop early cancels the call.
+  async* attendStream(requests, options = {}) {
+    const { timeoutMs = this.timeoutMs } = options;
+    const call = this.stub.AttendStream(this.metadata, { deadline: new Date(Date.now() + timeoutMs) });
+    // The reader below gets the call's error through its iterator; once it
+    // has stopped, a late error (CANCELLED) must not become an uncaught one.
+    call.on('error', () => {});
+    let ended = false; // the call has its status, or the reader has left
+    let writable = true; // false from a full write buffer until 'drain'
+    let sent = 0;
+    let answered = 0;
+    let refused = null; // what `requests` threw
+    // The writer waits on progress(); each event that may unblock it wakes it.
+    let wake = () => {};
+    const progress = () => new Promise((resolve) => { wake = resolve; });
+    call.once('status', () => {
+      ended = true;
+      wake();
+    });
+    call.on('drain', () => {
+      writable = true;
+      wake();
+    });
+
+    const write = async () => {
+      try {
+        for await (const request of requests) {
+          if (ended) return;
+          sent += 1;
+          writable = call.write(request);
+          while (!ended && (!writable || sent - answered >= STREAM_WINDOW)) await progress();
+          if (ended) return;
+        }
+      } catch (error) {
+        refused = error;
+      }
+      if (!ended) call.end();
+    };
+    write();
+
+    try {
+      for await (const response of call) {
+        if (answered >= sent) {
+          throw new AttendError(grpc.status.INTERNAL,
+            `AttendStream: the server sent answer ${answered + 1} with only ${sent} requests sent`);
+        }
+        answered += 1;
+        wake();
+        yield response.error ? streamError(response) : response;
+      }
+    } finally {
+      if (!ended) {
+        ended = true;
+        call.cancel();
+        wake();
+      }
+    }
+    if (refused !== null) throw refused;
+    if (answered !== sent) {
+      throw new AttendError(grpc.status.INTERNAL,
+        `AttendStream: the server answered ${answered} of ${sent} requests`);
+    }
+  }
+
   close() {
     this.stub.close();
   }
 }
 
-module.exports = { AttentionClient };
+module.exports = { AttentionClient, AttendError };

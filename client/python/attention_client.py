@@ -8,6 +8,14 @@
         result.output             # numpy float32, (B, n_q, d_v)
         result.attention_weights  # numpy float32, (B, n_q, n_k), or None
 
+        # Many requests over one AttendStream call: one item per request, in order.
+        for item in client.attend_stream([dict(queries=q1, model="dot_product"),
+                                          dict(queries=q2, keys=k2, model="additive_toy")]):
+            if isinstance(item, AttendError):   # this request failed; the others go on
+                print(item.code(), item.details())
+            else:
+                print(item.output.shape)
+
 The gRPC stubs are generated from the repository's proto/ on first use (with
 Debian's protoc and grpc_python_plugin; see generate_stubs). A failed call
 raises grpc.RpcError; its .code() is the server's status code.
@@ -81,15 +89,52 @@ def from_tensor(tensor):
     return np.asarray(tensor.data, dtype=np.float32).reshape(tuple(tensor.shape))
 
 
+class AttendError(grpc.RpcError):
+    """Why one request of an AttendStream call failed, as the server answered it
+    (the stream went on). Like the grpc.RpcError a failed attend raises:
+    .code() is a grpc.StatusCode, .details() the server's message."""
+
+    def __init__(self, code, details, request_id=""):
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+        self.request_id = request_id
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _stream_error(response):
+    """A response's AttendError as an AttendError. A code that is not an error
+    code (0, or beyond the known ones) is still an error: UNKNOWN, naming it."""
+    code, message = response.error.code, response.error.message
+    status = _STATUS_CODES.get(code)
+    if status is None or status == grpc.StatusCode.OK:
+        return AttendError(grpc.StatusCode.UNKNOWN,
+                           f"the server answered with error code {code}: {message}",
+                           response.request_id)
+    return AttendError(status, message, response.request_id)
+
+
 def _service_config(max_attempts):
-    """round_robin over every address, and retries with backoff on UNAVAILABLE."""
+    """round_robin over every address, and retries with backoff on UNAVAILABLE,
+    except for AttendStream: gRPC replaying a stream loses or duplicates
+    requests, so a stream is never retried (its own, more specific entry, with
+    no retry policy, wins over the service's)."""
     config = {"loadBalancingConfig": [{"round_robin": {}}]}
     if max_attempts > 1:
-        config["methodConfig"] = [{
-            "name": [{"service": "attention.v1.AttentionService"}],
-            "retryPolicy": {"maxAttempts": max_attempts, "initialBackoff": "0.05s",
-                            "maxBackoff": "1s", "backoffMultiplier": 2,
-                            "retryableStatusCodes": ["UNAVAILABLE"]}}]
+        config["methodConfig"] = [
+            {"name": [{"service": "attention.v1.AttentionService", "method": "AttendStream"}]},
+            {"name": [{"service": "attention.v1.AttentionService"}],
+             "retryPolicy": {"maxAttempts": max_attempts, "initialBackoff": "0.05s",
+                             "maxBackoff": "1s", "backoffMultiplier": 2,
+                             "retryableStatusCodes": ["UNAVAILABLE"]}}]
     return json.dumps(config)
 
 
@@ -146,21 +191,91 @@ class AttentionClient:
         """Runs `model` on numpy inputs: queries (B, n_q, d_q), keys (B, n_k, d_k),
         values (B, n_k, d_v); keys omitted = queries, values omitted = keys.
         valid_lens: None, B values, or (B, n_q) values (one per query)."""
-        request = pb2.AttendRequest(model=model, queries=to_tensor(queries, "queries"),
-                                    causal=causal,
-                                    return_attention_weights=return_attention_weights,
-                                    request_id=request_id)
-        if keys is not None:
-            request.keys.CopyFrom(to_tensor(keys, "keys"))
-        if values is not None:
-            request.values.CopyFrom(to_tensor(values, "values"))
-        if valid_lens is not None:
-            request.valid_lens.extend(int(v) for v in np.asarray(valid_lens).ravel())
-        if scale is not None:
-            request.scale = scale
+        request = attend_request(queries, keys, values, model=model, valid_lens=valid_lens,
+                                 causal=causal, scale=scale,
+                                 return_attention_weights=return_attention_weights,
+                                 request_id=request_id)
         response = self._stub.Attend(request, timeout=self._timeout, metadata=self._metadata)
         weights = from_tensor(response.attention_weights) if return_attention_weights else None
         return AttendResult(from_tensor(response.output), weights)
+
+    def attend_stream(self, requests, *, timeout=None):
+        """Sends every request of `requests` over one AttendStream call and
+        yields one item per request, in order, as the answers come.
+
+        requests: an iterable (it may be lazy) of dicts of attend's arguments,
+          e.g. dict(queries=q, keys=k, model="additive_toy", valid_lens=[2, 6]).
+          Requests are sent while answers are read.
+        Yields an AttendResult, or an AttendError (yielded, not raised) for a
+          request the server refused; the stream goes on after it.
+        timeout: seconds for the whole stream (default: the client's timeout).
+
+        Raises grpc.RpcError when the call itself fails (UNAUTHENTICATED,
+        DEADLINE_EXCEEDED, UNAVAILABLE...), after the items already answered;
+        the error of a request that cannot be built (ValueError...) once the
+        requests before it are answered; AttendError(INTERNAL) when the server
+        answers more or fewer times than it was asked. A stream is never
+        retried (see _service_config): resending is the caller's choice.
+        Stopping the iteration early cancels the call.
+        """
+        sent = 0
+        refused = None  # what stopped the requests from being built
+
+        def wire_requests():
+            nonlocal sent, refused
+            try:
+                for arguments in requests:
+                    request = attend_request(**arguments)
+                    sent += 1
+                    yield request
+            except Exception as error:  # raised to the caller once the others are answered
+                # Raised inside gRPC's sending thread it would only cancel the
+                # call as UNKNOWN; ending the requests here lets the ones
+                # before it be answered.
+                refused = error
+
+        responses = self._stub.AttendStream(
+            wire_requests(), timeout=self._timeout if timeout is None else timeout,
+            metadata=self._metadata)
+        answered = 0
+        try:
+            for response in responses:
+                if answered >= sent:
+                    raise AttendError(grpc.StatusCode.INTERNAL,
+                                      f"AttendStream: the server sent answer {answered + 1} "
+                                      f"with only {sent} requests sent")
+                answered += 1
+                if response.HasField("error"):
+                    yield _stream_error(response)
+                    continue
+                weights = (from_tensor(response.attention_weights)
+                           if response.HasField("attention_weights") else None)
+                yield AttendResult(from_tensor(response.output), weights)
+        finally:
+            responses.cancel()  # no-op once the call has ended
+        if refused is not None:
+            raise refused
+        if answered != sent:
+            raise AttendError(grpc.StatusCode.INTERNAL,
+                              f"AttendStream: the server answered {answered} of {sent} requests")
+
+
+def attend_request(queries, keys=None, values=None, *, model="dot_product", valid_lens=None,
+                   causal=False, scale=None, return_attention_weights=False, request_id=""):
+    """attend's arguments as an attention.v1.AttendRequest."""
+    request = pb2.AttendRequest(model=model, queries=to_tensor(queries, "queries"),
+                                causal=causal,
+                                return_attention_weights=return_attention_weights,
+                                request_id=request_id)
+    if keys is not None:
+        request.keys.CopyFrom(to_tensor(keys, "keys"))
+    if values is not None:
+        request.values.CopyFrom(to_tensor(values, "values"))
+    if valid_lens is not None:
+        request.valid_lens.extend(int(v) for v in np.asarray(valid_lens).ravel())
+    if scale is not None:
+        request.scale = scale
+    return request
 
 
 def attend(queries, keys=None, values=None, *, target="127.0.0.1:50051", **kwargs):
