@@ -102,12 +102,27 @@ AttentionService::AttentionService(const ModelRepository* repository, Engine* en
 
 AttentionService::~AttentionService() { Drain(); }
 
-void AttentionService::StopAccepting() { accepting_.store(false); }
+void AttentionService::StopAccepting() {
+  absl::MutexLock lock(&calls_mu_);
+  accepting_.store(false);
+}
 
 bool AttentionService::WaitForIdle(absl::Time deadline) {
-  absl::MutexLock lock(&in_flight_mu_);
-  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(in_flight_mu_) { return in_flight_ == 0; };
-  return in_flight_mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+  absl::MutexLock lock(&calls_mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return open_calls_ == 0; };
+  return calls_mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+}
+
+bool AttentionService::AdmitCall() {
+  absl::MutexLock lock(&calls_mu_);
+  if (!accepting_.load()) return false;
+  ++open_calls_;
+  return true;
+}
+
+void AttentionService::CallDone() {
+  absl::MutexLock lock(&calls_mu_);
+  --open_calls_;
 }
 
 void AttentionService::Drain() {
@@ -140,10 +155,6 @@ void AttentionService::Submit(grpc::CallbackServerContext* context,
   task->deadline_at = ToAbslTime(context->deadline());
   task->done = std::move(done);
   metrics_->inflight().Increment();
-  {
-    absl::MutexLock lock(&in_flight_mu_);
-    ++in_flight_;
-  }
 
   if (absl::Status auth = Authenticate(*context); !auth.ok()) return Answer(*task, auth, nullptr);
   if (!accepting_.load()) {
@@ -235,14 +246,30 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
                   Micros(total));
   }
   task.done(status, result);
-  absl::MutexLock lock(&in_flight_mu_);
-  --in_flight_;
 }
+
+// Attend's reactor: the default one's behaviour, plus an OnDone, which is
+// when gRPC has sent the answer and the status: shutdown waits for that.
+class AttentionService::UnaryReactor final : public grpc::ServerUnaryReactor {
+ public:
+  UnaryReactor(AttentionService* service, bool admitted)
+      : service_(service), admitted_(admitted) {}
+
+  void OnDone() override {
+    if (admitted_) service_->CallDone();
+    delete this;
+  }
+
+ private:
+  AttentionService* const service_;
+  const bool admitted_;
+};
 
 grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* context,
                                                    const v1::AttendRequest* request,
                                                    v1::AttendResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // Not admitted only while shutting down, and then Submit() refuses it.
+  grpc::ServerUnaryReactor* reactor = new UnaryReactor(this, AdmitCall());
   Submit(context, *request,
          [reactor, request, response](const absl::Status& status, const AttentionResult* result) {
            if (status.ok()) {
@@ -291,6 +318,16 @@ class AttentionService::StreamReactor final
       Finish(ToGrpcStatus(auth));
       return;
     }
+    admitted_ = service_->AdmitCall();
+    if (!admitted_) {
+      {
+        absl::MutexLock lock(&mu_);
+        finished_ = true;
+      }
+      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "the server is shutting down and takes no new streams"));
+      return;
+    }
     Progress();
   }
 
@@ -334,7 +371,10 @@ class AttentionService::StreamReactor final
     Progress();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (admitted_) service_->CallDone();
+    delete this;
+  }
 
  private:
   struct Slot {
@@ -393,6 +433,7 @@ class AttentionService::StreamReactor final
 
   AttentionService* const service_;
   grpc::CallbackServerContext* const context_;  // owned by gRPC; alive until OnDone
+  bool admitted_ = false;                       // set before anything can call OnDone
 
   absl::Mutex mu_;
   // Requests read, in order, until their answer is written; the front one is

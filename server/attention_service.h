@@ -9,8 +9,9 @@
 // AttendStream hands the answer to its stream's reactor, which writes answers
 // in request order and keeps going after a bad request.
 //
-// Shutdown: StopAccepting() refuses new requests (UNAVAILABLE); Drain()
-// answers every queued one; the destructor drains too.
+// Shutdown: StopAccepting() refuses new calls and requests (UNAVAILABLE);
+// WaitForIdle() waits for the calls accepted before it to be done, answers
+// and all; Drain() answers every queued request; the destructor drains too.
 #pragma once
 
 #include <atomic>
@@ -63,10 +64,11 @@ class AttentionService final : public v1::AttentionService::CallbackService {
                                        const v1::ListModelsRequest* request,
                                        v1::ListModelsResponse* response) override;
 
-  // Every request from now on is refused with UNAVAILABLE.
+  // Every call and every request from now on is refused with UNAVAILABLE.
   void StopAccepting();
-  // Waits until no request is in flight (every accepted one is answered), or
-  // until `deadline`; false on the deadline.
+  // Waits until every call accepted before StopAccepting() is done (gRPC has
+  // sent its last answer and its status), or until `deadline`; false on the
+  // deadline.
   bool WaitForIdle(absl::Time deadline);
   // Answers every queued request, then stops the batchers. Idempotent.
   void Drain();
@@ -76,6 +78,7 @@ class AttentionService final : public v1::AttentionService::CallbackService {
  private:
   struct Task;
   struct ModelQueue;
+  class UnaryReactor;
   class StreamReactor;
   // Receives a request's answer exactly once; `result` is set iff status is OK
   // and valid only during the call.
@@ -87,6 +90,10 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   // Answers `request` through `done`, now (when it is refused) or from the
   // model's batcher thread. `request` must stay alive until `done` runs.
   void Submit(grpc::CallbackServerContext* context, const v1::AttendRequest& request, Done done);
+  // A call counts as open from AdmitCall() (false once StopAccepting() ran:
+  // the call is not admitted) until its reactor's OnDone calls CallDone().
+  bool AdmitCall();
+  void CallDone();
   absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
   void ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch);
   void DropTask(ModelQueue& queue, std::unique_ptr<Task> task, const absl::Status& why);
@@ -97,9 +104,9 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   Engine* const engine_;                     // not owned
   ServerMetrics* const metrics_;             // not owned
   const ServiceOptions options_;
-  std::atomic<bool> accepting_{true};
-  absl::Mutex in_flight_mu_;
-  int64_t in_flight_ ABSL_GUARDED_BY(in_flight_mu_) = 0;  // requests in Submit..done
+  std::atomic<bool> accepting_{true};  // written under calls_mu_
+  absl::Mutex calls_mu_;
+  int64_t open_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // admitted, OnDone not yet run
   std::vector<std::unique_ptr<ModelQueue>> queues_;  // one per model, in repository order
 };
 

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -136,6 +138,25 @@ TEST(ServerLifecycleTest, HealthTurnsNotServingOnSigterm) {
   context.TryCancel();
   watch->Finish();
   EXPECT_EQ((*server)->Wait(), 0) << (*server)->Log();
+}
+
+// The kernel hands a signal sent to the process to any thread that does not
+// block it, and threads that libraries start before main() (OpenBLAS's) block
+// nothing: the server must drain whichever thread receives SIGTERM. Sending
+// it to every thread reaches those too.
+TEST(ServerLifecycleTest, SigtermToAnyThreadDrainsAndExitsZero) {
+  auto server = ServerProcess::Start({"--shutdown-grace-seconds", "5"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const pid_t pid = (*server)->pid();
+  std::vector<pid_t> threads;
+  for (const auto& entry :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task")) {
+    threads.push_back(std::stoi(entry.path().filename().string()));
+  }
+  ASSERT_GT(threads.size(), 1u);
+  for (pid_t thread : threads) syscall(SYS_tgkill, pid, thread, SIGTERM);
+  EXPECT_EQ((*server)->Wait(), 0) << (*server)->Log();
+  EXPECT_THAT((*server)->Log(), HasSubstr("SIGTERM received"));
 }
 
 class ServerRepositoryTest : public ::testing::Test {

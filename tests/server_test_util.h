@@ -62,6 +62,7 @@ class ServerProcess {
   std::shared_ptr<grpc::Channel> Channel() const;  // plaintext
   std::unique_ptr<v1::AttentionService::Stub> Stub() const;
 
+  pid_t pid() const { return pid_; }
   void Signal(int signal_number);
   // Waits for the process; its exit code, or 128 + signal when killed.
   int Wait();
