@@ -33,6 +33,9 @@ struct ServerConfig {
 
   // Time given to accepted requests after SIGTERM/SIGINT.
   double shutdown_grace_seconds = 20.0;
+  // Calls one client connection may have open at once (HTTP/2
+  // MAX_CONCURRENT_STREAMS); a client's further calls wait on its side.
+  int max_concurrent_streams = 256;
   // Connections are closed (gracefully) after this long so that clients
   // re-resolve and spread over new replicas; 0 = never.
   int64_t max_connection_age_seconds = 0;

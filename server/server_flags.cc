@@ -50,6 +50,9 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--shutdown-grace-seconds", &c->shutdown_grace_seconds,
        "After SIGTERM/SIGINT, time given to accepted requests before remaining calls are cancelled")
       ->check(CLI::Range(0.0, 86400.0));
+  Flag(app, "--max-concurrent-streams", &c->max_concurrent_streams,
+       "Calls one client connection may have open at once; more wait in the client")
+      ->check(CLI::Range(1, INT_MAX));
   Flag(app, "--max-connection-age-seconds", &c->max_connection_age_seconds,
        "Close client connections gracefully after this age so clients rebalance (0: never)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));

@@ -44,9 +44,11 @@ v1::AttendRequest SmallRequest() {
 
 class ServerQueueTest : public ::testing::Test {
  protected:
-  void Start(const std::string& queue_capacity) {
-    auto started = ServerProcess::Start({"--max-batch-size", "1", "--max-queue-delay-us", "0",
-                                         "--threads", "1", "--queue-capacity", queue_capacity});
+  void Start(const std::string& queue_capacity, std::vector<std::string> more_flags = {}) {
+    std::vector<std::string> flags = {"--max-batch-size", "1", "--max-queue-delay-us", "0",
+                                      "--threads", "1", "--queue-capacity", queue_capacity};
+    flags.insert(flags.end(), more_flags.begin(), more_flags.end());
+    auto started = ServerProcess::Start(flags);
     ASSERT_TRUE(started.ok()) << started.status();
     server_ = *std::move(started);
     stub_ = server_->Stub();
@@ -133,6 +135,25 @@ TEST_F(ServerQueueTest, FullQueueAnswersResourceExhaustedAtOnce) {
   JoinSlow();
   EXPECT_THAT(slow_codes_, ::testing::Each(grpc::StatusCode::OK));
   EXPECT_EQ(Count("RESOURCE_EXHAUSTED"), 1);
+  EXPECT_EQ(Count("OK"), 3);
+}
+
+// With --max-concurrent-streams 2, one connection cannot have more calls at
+// the server than one computing and one queued, so a queue of 1 never
+// overflows: the third call waits in the client. (Without the cap it is
+// refused, as in the test above; and gRPC would hold every call a client
+// opens, however far the server is behind.)
+TEST_F(ServerQueueTest, CallsBeyondMaxConcurrentStreamsWaitInTheClient) {
+  Start(/*queue_capacity=*/"1", {"--max-concurrent-streams", "2"});
+  SendSlow(3);
+  ASSERT_TRUE(WaitForMetrics([](const std::string& m) {
+    return MetricValue(m, "attention_queue_depth", {{"model", "dot_product"}}) == 1;
+  }));
+  EXPECT_EQ(MetricValue(ScrapeMetrics(server_->metrics_address()), "attention_inflight_requests"),
+            2);
+  JoinSlow();
+  EXPECT_THAT(slow_codes_, ::testing::Each(grpc::StatusCode::OK));
+  EXPECT_EQ(Count("RESOURCE_EXHAUSTED"), 0);
   EXPECT_EQ(Count("OK"), 3);
 }
 
