@@ -2,7 +2,10 @@
 # soak.sh: a bounded soak of attention-server. Not in CI; its figures are in
 # RELIABILITY.md.
 #
-# Starts attention-server (Release build, example models of models/), measures
+# Starts attention-server (Release build, example models of models/), fills
+# every batch once (a short burst at 64 calls per workload, so each batcher
+# thread's engine scratch reaches its largest size, which is bounded but
+# otherwise grows whenever a burst first makes a bigger batch), measures
 # the capacity of a mix of five workloads (built-in and repository models,
 # several shapes, causal and not) in closed loop, then runs the same mix in
 # open loop at a fraction of that capacity for the duration, with
@@ -26,7 +29,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-duration=600 warmup=60 sample=5 fraction=0.8 max_growth_mib=32 capacity_s=15
+duration=600 warmup=60 sample=5 fraction=0.8 max_growth_mib=32 capacity_s=15 fill_s=5
 while getopts "d:w:s:f:g:c:" opt; do
   case $opt in
     d) duration=$OPTARG ;;
@@ -88,6 +91,20 @@ counters() {
     /^attention_inflight_requests / { inflight = $NF }
     END { printf "%d %d %d\n", ok, errors, inflight }'
 }
+
+# 0. Full batches once per model, so RSS at the end of warm-up includes the
+#    scratch of the largest batches (a 10-minute soak without this grew by
+#    45 MiB in one step at minute 5, when a burst first made larger batches,
+#    and was flat before and after).
+echo "== fill: ${fill_s} s closed loop, concurrency 64 per workload"
+pids=()
+for w in "${workloads[@]}"; do
+  # shellcheck disable=SC2086
+  "$client_bin" --target "$target" bench ${w#*|} --concurrency 64 --warmup 0 \
+    --duration "$fill_s" --json >/dev/null &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
 
 # 1. Capacity of the mix: every workload at once, closed loop.
 echo "== capacity: ${capacity_s} s closed loop, concurrency 4 per workload"
