@@ -5,7 +5,7 @@
 // names the faulty field) and queued in its model's Batcher, all inside the
 // RPC handler; anything wrong is answered there, before any work is queued.
 // Each model's batcher thread runs merged batches through Engine::Run and
-// answers every request of the batch: Attend finishes its default reactor,
+// answers every request of the batch: Attend finishes its unary reactor,
 // AttendStream hands the answer to its stream's reactor, which writes answers
 // in request order and keeps going after a bad request.
 //
