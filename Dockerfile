@@ -13,10 +13,11 @@ WORKDIR /src
 COPY scripts/install-deps.sh scripts/install-deps.sh
 RUN scripts/install-deps.sh && rm -rf /var/lib/apt/lists/*
 COPY . .
-# The deploy tests need Prometheus, kubectl and npm; they run in CI, not here.
+# The deploy tests need Prometheus, kubectl and npm, and the Node client test
+# installs packages from the npm registry; they run in CI, not here.
 RUN cmake -S . -B /build/avx2 -G Ninja -DATTENTION_ARCH=x86-64-v3 -DATTENTION_BUILD_BENCHMARKS=OFF \
  && ninja -C /build/avx2 -j 2 \
- && ctest --test-dir /build/avx2 --output-on-failure -j 2 -LE deploy
+ && ctest --test-dir /build/avx2 --output-on-failure -j 2 -LE "deploy|npm"
 RUN cmake -S . -B /build/avx512 -G Ninja -DATTENTION_ARCH=x86-64-v4 \
       -DATTENTION_BUILD_TESTS=OFF -DATTENTION_BUILD_BENCHMARKS=OFF \
  && ninja -C /build/avx512 -j 2 attention-server
