@@ -5,6 +5,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -133,11 +134,15 @@ std::string Describe(const Model& model) {
 // with sigwait(): threads that libraries start before main() (OpenBLAS's)
 // do not block them, and the kernel may deliver a process's signal to any
 // thread that does not, whose default action would kill the process.
+// The handler may run on several threads at once (one signal per thread), so
+// the signal number is a lock-free atomic, which is also async-signal-safe;
+// a volatile sig_atomic_t is safe only within one thread.
 sem_t termination_signalled;
-volatile sig_atomic_t termination_signal = 0;
+std::atomic<int> termination_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free);
 
 void OnTermination(int signal_number) {
-  termination_signal = signal_number;
+  termination_signal.store(signal_number, std::memory_order_relaxed);
   sem_post(&termination_signalled);  // async-signal-safe, unlike a condition variable
 }
 
@@ -159,7 +164,7 @@ int WaitForTermination() {
   while (sem_wait(&termination_signalled) != 0) {
     // Interrupted (EINTR) by the very signals it waits for: wait again.
   }
-  return termination_signal;
+  return termination_signal.load(std::memory_order_relaxed);
 }
 
 int Fail(const absl::Status& status) {
