@@ -11,8 +11,12 @@ namespace attention::client {
 namespace {
 
 std::string LoadDescription(const LoadOptions& load) {
-  return load.rate_rps > 0 ? absl::StrFormat("open loop at %g requests/s", load.rate_rps)
-                           : absl::StrFormat("closed loop at concurrency %d", load.concurrency);
+  if (load.rate_rps == 0) return absl::StrFormat("closed loop at concurrency %d", load.concurrency);
+  std::string description = absl::StrFormat("open loop at %g requests/s", load.rate_rps);
+  if (load.max_in_flight > 0) {
+    absl::StrAppendFormat(&description, " with at most %d in flight", load.max_in_flight);
+  }
+  return description;
 }
 
 }  // namespace
@@ -24,6 +28,10 @@ std::string FormatReport(const BenchSetup& setup, const LoadResult& result) {
       absl::ToDoubleSeconds(setup.load.warmup));
   absl::StrAppendFormat(&report, "  requests     %d (%d errors)\n", result.requests,
                         result.errors);
+  if (result.skipped > 0) {
+    absl::StrAppendFormat(&report, "  skipped      %d calls due while %d were in flight\n",
+                          result.skipped, setup.load.max_in_flight);
+  }
   absl::StrAppendFormat(&report, "  throughput   %.1f requests/s\n", result.throughput_rps);
   const LatencySummary& l = result.latency;
   absl::StrAppendFormat(&report,
@@ -60,6 +68,8 @@ std::string FormatJson(const BenchSetup& setup, const LoadResult& result) {
   };
   if (setup.load.rate_rps > 0) {
     json["rate_rps"] = setup.load.rate_rps;
+    json["max_in_flight"] = setup.load.max_in_flight;
+    json["skipped"] = result.skipped;
   } else {
     json["concurrency"] = setup.load.concurrency;
   }

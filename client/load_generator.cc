@@ -27,6 +27,13 @@ absl::Status LoadGenerator::Validate(const LoadOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("concurrency must be >= 1; was ", options.concurrency));
   }
+  if (options.max_in_flight < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max in flight must be >= 0; was ", options.max_in_flight));
+  }
+  if (options.rate_rps == 0 && options.max_in_flight != 0) {
+    return absl::InvalidArgumentError("max in flight applies to the open loop (rate > 0) only");
+  }
   if (options.duration <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "duration must be positive; was ", absl::FormatDuration(options.duration)));
@@ -43,15 +50,17 @@ LoadGenerator::LoadGenerator(AttentionClient& client,
                              LoadOptions options)
     : client_(client), request_(request), options_(options) {}
 
-void LoadGenerator::Start(Clock::time_point latency_from) {
+bool LoadGenerator::Start(Clock::time_point latency_from) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (options_.max_in_flight > 0 && in_flight_ >= options_.max_in_flight) return false;
     ++in_flight_;
   }
   client_.AttendAsync(&request_,
                       [this, latency_from](absl::StatusOr<attention::v1::AttendResponse> answer) {
                         OnAnswer(latency_from, answer.status());
                       });
+  return true;
 }
 
 void LoadGenerator::OnAnswer(Clock::time_point latency_from, const absl::Status& status) {
@@ -101,7 +110,10 @@ void LoadGenerator::RunOpenLoop(const WaitUntil& wait_until) {
         start_ + std::chrono::duration_cast<Clock::duration>(period * static_cast<double>(i));
     if (at >= measure_until_) break;
     wait_until(at);
-    Start(at);
+    if (!Start(at) && at >= measure_from_) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++skipped_;
+    }
   }
 }
 
@@ -134,6 +146,7 @@ LoadResult LoadGenerator::Run(const std::function<void(const LoadProgress&)>& pr
   result.requests = answered_;
   result.errors_by_code = errors_by_code_;
   result.errors = SumOfCounts(errors_by_code_);
+  result.skipped = skipped_;
   result.measured = options_.duration;
   result.throughput_rps =
       static_cast<double>(latencies_ns_.size()) / absl::ToDoubleSeconds(options_.duration);

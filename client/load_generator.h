@@ -9,6 +9,9 @@
 //     second, whether or not earlier ones were answered. Latency counts from
 //     a call's scheduled start, so a client or server that falls behind shows
 //     up as latency instead of silently sending less (coordinated omission).
+//     With max_in_flight set, a call that falls due while that many are in
+//     flight is skipped and counted, so a server that cannot keep up does
+//     not make the client's own memory grow without bound.
 // The first `warmup` is not measured. Calls stop starting after
 // warmup + duration; only answers that arrive inside the measured window
 // count. Run() returns once every started call has ended (each is bounded by
@@ -41,6 +44,8 @@ struct LoadOptions {
   int concurrency = 1;
   // Open loop: calls started per second; 0 selects the closed loop.
   double rate_rps = 0;
+  // Open loop: calls in flight at most; 0 is no limit. Must be >= 0.
+  int64_t max_in_flight = 0;
   absl::Duration warmup = absl::Seconds(1);
   // The measured window; must be positive.
   absl::Duration duration = absl::Seconds(10);
@@ -52,6 +57,9 @@ struct LoadResult {
   // Of those, the failed ones, and their count per status code.
   int64_t errors = 0;
   std::map<absl::StatusCode, int64_t> errors_by_code;
+  // Open loop: calls due inside the measured window that were not sent
+  // because max_in_flight calls were in flight.
+  int64_t skipped = 0;
   // Successful answers per second of the measured window.
   double throughput_rps = 0;
   // Of the successful answers only: an error can come back far faster (or
@@ -86,7 +94,8 @@ class LoadGenerator {
   using Clock = std::chrono::steady_clock;
 
   // Starts one call; `latency_from` is when its latency starts counting.
-  void Start(Clock::time_point latency_from);
+  // Returns false, without starting it, if max_in_flight calls are in flight.
+  bool Start(Clock::time_point latency_from);
   void OnAnswer(Clock::time_point latency_from, const absl::Status& status);
   // Returns at the given time; meanwhile reports progress.
   using WaitUntil = std::function<void(Clock::time_point)>;
@@ -103,6 +112,7 @@ class LoadGenerator {
   std::condition_variable idle_;  // signalled when in_flight_ drops to 0
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t answered_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t skipped_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<absl::StatusCode, int64_t> errors_by_code_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> latencies_ns_ ABSL_GUARDED_BY(mu_);
 };

@@ -97,6 +97,11 @@ TEST(LoadOptionsTest, ValidateNamesTheBadOption) {
               HasSubstr("duration must be positive"));
   EXPECT_THAT(LoadGenerator::Validate({.warmup = absl::Seconds(-1)}).message(),
               HasSubstr("warmup must be >= 0"));
+  EXPECT_TRUE(LoadGenerator::Validate({.rate_rps = 10, .max_in_flight = 4}).ok());
+  EXPECT_THAT(LoadGenerator::Validate({.rate_rps = 10, .max_in_flight = -1}).message(),
+              HasSubstr("max in flight must be >= 0; was -1"));
+  EXPECT_THAT(LoadGenerator::Validate({.max_in_flight = 4}).message(),
+              HasSubstr("open loop (rate > 0) only"));
 }
 
 TEST(BenchReportTest, JsonHasTheDocumentedKeys) {

@@ -105,6 +105,7 @@ result = json.loads(text)  # fails on anything besides the one object
 assert text.count("\n") == 1, "more than one line on stdout"
 assert low <= result["requests"] <= high, f"requests {result['requests']} not in [{low}, {high}]"
 assert result["errors"] == 0 and result["errors_by_code"] == {}, "errors"
+assert result.get("skipped", 0) == 0, "skipped without --max-in-flight"
 assert abs(result["throughput_rps"] * duration - result["requests"]) < 1e-6, "throughput != requests / duration"
 l = result["latency_ms"]
 assert 0 < l["p50"] <= l["p90"] <= l["p95"] <= l["p99"] <= l["max"], l
@@ -120,6 +121,25 @@ fi
 if run "bench open loop" 0 "$CLIENT" --target "$T" bench --rate 50 --duration 2 --warmup 0.5 \
     --model additive_toy --batch 2 --n 8 --json; then
   check_bench "bench open loop" "$OUT" 50 125 2 0.5
+fi
+# With at most 1 call in flight, an open loop far faster than one round trip
+# skips calls: every call due in the window is either answered or skipped.
+if run "bench open loop max in flight" 0 "$CLIENT" --target "$T" bench --rate 20000 \
+    --max-in-flight 1 --duration 1 --warmup 0 --json; then
+  if /usr/bin/python3 - "$OUT" <<'PY'; then pass "bench max in flight skips"; else fail "bench max in flight skips" "$(cat "$OUT")"; fi
+import json, sys
+result = json.loads(open(sys.argv[1]).read())
+assert result["max_in_flight"] == 1, result
+assert result["skipped"] > 0 and result["errors"] == 0, result
+assert abs(result["requests"] + result["skipped"] - 20000) <= 2, result
+PY
+fi
+code=0
+"$CLIENT" --target "$T" bench --max-in-flight 4 --duration 0.5 >"$OUT" 2>"$ERR" || code=$?
+if [[ $code != 0 ]] && grep -q "requires --rate" "$ERR"; then
+  pass "bench rejects --max-in-flight without --rate"
+else
+  fail "bench rejects --max-in-flight without --rate" "exit $code: $(cat "$ERR")"
 fi
 request=$(case_request multi_head_d2l_toy)
 if run "bench text" 0 "$CLIENT" --target "$T" bench --request "$request" --duration 0.5 --warmup 0; then
