@@ -111,9 +111,9 @@ int main(int argc, char** argv) {
                           ->check(CLI::PositiveNumber)
                           ->capture_default_str();
   auto* rate = bench->add_option("--rate", bench_command.load.rate_rps,
-                    "Open loop: calls started per second, answered or not")
-      ->check(CLI::PositiveNumber)
-      ->excludes(concurrency);
+                                 "Open loop: calls started per second, answered or not")
+                   ->check(CLI::PositiveNumber)
+                   ->excludes(concurrency);
   bench->add_option("--max-in-flight", bench_command.load.max_in_flight,
                     "Open loop: calls in flight at most; a call due beyond it is skipped and "
                     "counted (0: no limit)")
