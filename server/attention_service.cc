@@ -311,21 +311,12 @@ class AttentionService::StreamReactor final
       : service_(service), context_(context) {
     if (absl::Status auth = service_->Authenticate(*context); !auth.ok()) {
       spdlog::warn("AttendStream refused: peer={}: {}", context->peer(), std::string(auth.message()));
-      {
-        absl::MutexLock lock(&mu_);
-        finished_ = true;
-      }
-      Finish(ToGrpcStatus(auth));
+      Refuse(auth);
       return;
     }
     admitted_ = service_->AdmitCall();
     if (!admitted_) {
-      {
-        absl::MutexLock lock(&mu_);
-        finished_ = true;
-      }
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                          "the server is shutting down and takes no new streams"));
+      Refuse(absl::UnavailableError("the server is shutting down and takes no new streams"));
       return;
     }
     Progress();
@@ -377,6 +368,16 @@ class AttentionService::StreamReactor final
   }
 
  private:
+  // Ends the call before it reads anything; only the constructor calls it.
+  void Refuse(const absl::Status& status) {
+    {
+      absl::MutexLock lock(&mu_);
+      finished_ = true;
+    }
+    service_->metrics_->CountRefusedStream(status.code());
+    Finish(ToGrpcStatus(status));
+  }
+
   struct Slot {
     v1::AttendRequest request;
     v1::AttendResponse response;

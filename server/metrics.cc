@@ -32,6 +32,11 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
                    .Name("attention_requests_total")
                    .Help("Answered attention requests by model and gRPC status code")
                    .Register(*registry_);
+  refused_streams_ = &prometheus::BuildCounter()
+                          .Name("attention_streams_refused_total")
+                          .Help("AttendStream calls refused before reading a request, by gRPC "
+                                "status code")
+                          .Register(*registry_);
   auto& request_duration = prometheus::BuildHistogram()
                                .Name("attention_request_duration_seconds")
                                .Help("Time from a request's arrival to its answer")
@@ -81,6 +86,10 @@ ModelMetrics* ServerMetrics::ForModel(std::string_view model) {
 void ServerMetrics::CountRequest(std::string_view model, absl::StatusCode code) {
   requests_->Add({{"model", std::string(model)}, {"code", absl::StatusCodeToString(code)}})
       .Increment();
+}
+
+void ServerMetrics::CountRefusedStream(absl::StatusCode code) {
+  refused_streams_->Add({{"code", absl::StatusCodeToString(code)}}).Increment();
 }
 
 }  // namespace attention::server

@@ -11,6 +11,12 @@
 //                                               (an extension of the contract,
 //                                               so alerts need not hard-code it)
 //   attention_inflight_requests                requests accepted, not answered
+//   attention_streams_refused_total{code}      AttendStream calls refused as a
+//                                               whole before any request was
+//                                               read (bad token, or opened
+//                                               while draining), which the
+//                                               requests counter cannot see
+//                                               (an extension of the contract)
 //
 // `model` is a served model's name, or empty for a request naming no served
 // model, so clients cannot create label values at will. Durations use buckets
@@ -51,6 +57,8 @@ class ServerMetrics {
   ModelMetrics* ForModel(std::string_view model);
   // Counts one answered request; `model` as in ForModel, or "" for none.
   void CountRequest(std::string_view model, absl::StatusCode code);
+  // Counts one AttendStream call refused before it read a request.
+  void CountRefusedStream(absl::StatusCode code);
   prometheus::Gauge& inflight() { return *inflight_; }
 
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
@@ -58,6 +66,7 @@ class ServerMetrics {
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Family<prometheus::Counter>* refused_streams_;
   prometheus::Gauge* inflight_;
   std::map<std::string, ModelMetrics, std::less<>> models_;
 };

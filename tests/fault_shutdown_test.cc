@@ -179,6 +179,9 @@ TEST(FaultShutdownTest, OpenStreamHoldsTheDrainAndNewStreamsAreRefused) {
   const grpc::Status late_status = late->Finish();
   EXPECT_EQ(late_status.error_code(), grpc::StatusCode::UNAVAILABLE) << late_status.error_message();
   EXPECT_THAT(late_status.error_message(), ::testing::HasSubstr("shutting down"));
+  EXPECT_EQ(MetricValue(ScrapeMetrics((*server)->metrics_address()),
+                        "attention_streams_refused_total", {{"code", "UNAVAILABLE"}}),
+            1);
 
   const v1::AttendRequest second = DotProductRequest(1, 8, 4, 3);
   ASSERT_TRUE(open->Write(second));

@@ -145,6 +145,9 @@ TEST_F(ServerSecurityTest, TokensAreRequiredExceptForHealth) {
     while (stream->Read(&response)) {
     }
     EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(MetricValue(ScrapeMetrics((*server)->metrics_address()),
+                          "attention_streams_refused_total", {{"code", "UNAUTHENTICATED"}}),
+              1);
   }
   {
     grpc::ClientContext context;
