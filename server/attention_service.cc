@@ -63,6 +63,7 @@ struct AttentionService::Task {
 struct AttentionService::ModelQueue {
   const Model* model;     // owned by the repository
   ModelMetrics* metrics;  // owned by ServerMetrics
+  TestGate* gate;         // not owned; nullptr for every model but the test gate's
   std::unique_ptr<Batcher<Task>> batcher;
 };
 
@@ -76,6 +77,7 @@ absl::StatusOr<std::unique_ptr<AttentionService>> AttentionService::Create(
     auto queue = std::make_unique<ModelQueue>();
     queue->model = model.get();
     queue->metrics = metrics->ForModel(model->name);
+    queue->gate = model->name == kTestGateModelName ? o.test_gate : nullptr;
     if (queue->metrics == nullptr) {
       return absl::InternalError(absl::StrCat("no metrics for model ", model->name));
     }
@@ -200,6 +202,7 @@ void AttentionService::ProcessBatch(ModelQueue& queue, std::vector<std::unique_p
   std::vector<AttentionResult> results(batch.size());
   absl::Status status;
   try {
+    if (queue.gate != nullptr) queue.gate->Pass();
     engine_->Run(*queue.model, requests, results);
   } catch (const std::exception& e) {
     status = absl::InternalError(absl::StrCat("the engine failed: ", e.what()));

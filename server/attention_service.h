@@ -31,6 +31,7 @@
 #include "grpcpp/grpcpp.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
+#include "server/test_gate.h"
 
 namespace attention::server {
 
@@ -43,6 +44,9 @@ struct ServiceOptions {
   int queue_capacity = 256;
   // Accepted bearer tokens; empty: no authentication. Never logged.
   std::vector<std::string> auth_tokens;
+  // For tests only: holds each batch of the model named kTestGateModelName
+  // (test_gate.h). Not owned; must outlive the service. nullptr: no gate.
+  TestGate* test_gate = nullptr;
 };
 
 class AttentionService final : public v1::AttentionService::CallbackService {

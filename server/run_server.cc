@@ -32,6 +32,7 @@
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
+#include "server/test_gate.h"
 #include "spdlog/spdlog.h"
 
 namespace attention::server {
@@ -204,6 +205,16 @@ int RunServer(const ServerConfig& config) {
   for (const absl::Status& problem : skipped) {
     spdlog::error("model skipped: {}", std::string(problem.message()));
   }
+  std::unique_ptr<TestGate> test_gate;
+  if (!config.test_gate_fifo.empty()) {
+    absl::StatusOr<std::unique_ptr<TestGate>> opened = TestGate::Open(config.test_gate_fifo);
+    if (!opened.ok()) return Fail(opened.status());
+    test_gate = *std::move(opened);
+    if (absl::Status s = repository->Add(TestGate::GateModel()); !s.ok()) return Fail(s);
+    service_options.test_gate = test_gate.get();
+    spdlog::warn("test gate on: batches of model '{}' wait for bytes on {}", kTestGateModelName,
+                 config.test_gate_fifo);
+  }
 
   std::vector<std::string> model_names;
   for (const auto& model : repository->models()) model_names.push_back(model->name);
@@ -297,6 +308,8 @@ int RunServer(const ServerConfig& config) {
   (*service)->StopAccepting();
   if (!(*service)->WaitForIdle(grace_end)) {
     spdlog::warn("calls still open after --shutdown-grace-seconds; cancelling them");
+    // A held batch would keep its calls, hence Shutdown(), waiting forever.
+    if (test_gate) test_gate->Stop();
   }
   // Returns once every call is finished; calls still open at the deadline
   // (streams, late requests) are cancelled, which the batchers answer

@@ -54,6 +54,10 @@ struct ServerConfig {
   // Once serving, the bound addresses are written here ("grpc HOST:PORT" and
   // "metrics HOST:PORT" lines), for tests and scripts that use port 0.
   std::string port_file;
+
+  // For tests only (test_gate.h): a FIFO whose bytes release the batches of
+  // the extra built-in model `gate`; empty: no such model.
+  std::string test_gate_fifo;
 };
 
 }  // namespace attention::server

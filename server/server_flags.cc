@@ -70,6 +70,10 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
        "'authorization: Bearer <token>' (health checks stay open)");
   Flag(app, "--port-file", &c->port_file,
        "Once serving, write the bound addresses here ('grpc HOST:PORT', 'metrics HOST:PORT')");
+  // The empty group keeps this tests-only flag out of --help.
+  Flag(app, "--test-gate-fifo", &c->test_gate_fifo,
+       "For tests: FIFO whose bytes release the batches of the model 'gate'")
+      ->group("");
 }
 
 }  // namespace attention::server
