@@ -84,9 +84,7 @@ absl::StatusOr<std::unique_ptr<AttentionService>> AttentionService::Create(
     ModelQueue* q = queue.get();
     AttentionService* s = service.get();
     absl::StatusOr<std::unique_ptr<Batcher<Task>>> batcher = Batcher<Task>::Create(
-        {.max_batch_size = o.max_batch_size,
-         .max_queue_delay_us = o.max_queue_delay_us,
-         .queue_capacity = o.queue_capacity},
+        o.batching,
         [s, q](std::vector<std::unique_ptr<Task>> batch) { s->ProcessBatch(*q, std::move(batch)); },
         [s, q](std::unique_ptr<Task> task, absl::Status why) {
           s->DropTask(*q, std::move(task), why);

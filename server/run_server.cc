@@ -183,11 +183,7 @@ int RunServer(const ServerConfig& config) {
     return 2;
   }
 
-  ServiceOptions service_options;
-  service_options.limits.max_request_elements = config.max_request_elements;
-  service_options.max_batch_size = config.max_batch_size;
-  service_options.max_queue_delay_us = config.max_queue_delay_us;
-  service_options.queue_capacity = config.queue_capacity;
+  ServiceOptions service_options{.limits = config.limits, .batching = config.batching};
   if (!config.auth_token_file.empty()) {
     absl::StatusOr<std::vector<std::string>> tokens = ReadTokens(config.auth_token_file);
     if (!tokens.ok()) return Fail(tokens.status());
@@ -218,7 +214,8 @@ int RunServer(const ServerConfig& config) {
 
   std::vector<std::string> model_names;
   for (const auto& model : repository->models()) model_names.push_back(model->name);
-  ServerMetrics metrics(model_names, config.max_batch_size, config.queue_capacity);
+  ServerMetrics metrics(model_names, config.batching.max_batch_size,
+                        config.batching.queue_capacity);
   Engine engine(EngineOptions{.num_threads = config.threads});
   absl::StatusOr<std::unique_ptr<AttentionService>> service =
       AttentionService::Create(&*repository, &engine, &metrics, service_options);
@@ -278,8 +275,9 @@ int RunServer(const ServerConfig& config) {
   if (exposer) spdlog::info("metrics on {}/metrics", metrics_address);
   spdlog::info("batching: --max-batch-size {} --max-queue-delay-us {} --queue-capacity {}; "
                "engine threads {}; --max-message-bytes {} --max-request-elements {}",
-               config.max_batch_size, config.max_queue_delay_us, config.queue_capacity,
-               engine.num_threads(), config.max_message_bytes, config.max_request_elements);
+               config.batching.max_batch_size, config.batching.max_queue_delay_us,
+               config.batching.queue_capacity, engine.num_threads(), config.max_message_bytes,
+               config.limits.max_request_elements);
   spdlog::info("serving {} models:", repository->models().size());
   for (const auto& model : repository->models()) {
     spdlog::info("  model {} ({})", model->name, Describe(*model));
