@@ -1,13 +1,14 @@
 // attention_service.h: the attention.v1.AttentionService implementation.
 //
 // Built on gRPC's callback API: no thread waits on a call. A request is
-// authenticated, resolved to its model, validated (core's Validate(), which
-// names the faulty field) and queued in its model's Batcher, all inside the
-// RPC handler; anything wrong is answered there, before any work is queued.
-// Each model's batcher thread runs merged batches through Engine::Run and
-// answers every request of the batch: Attend finishes its unary reactor,
-// AttendStream hands the answer to its stream's reactor, which writes answers
-// in request order and keeps going after a bad request.
+// authenticated (auth.h; a stream once, when it opens), resolved to its
+// model, validated (core's Validate(), which names the faulty field) and
+// queued in its model's Batcher, all inside the RPC handler; anything wrong is
+// answered there, before any work is queued. Each model's batcher thread runs
+// merged batches through Engine::Run and answers every request of the batch:
+// Attend finishes its unary reactor, AttendStream hands the answer to its
+// stream's reactor (stream_reactor.h), which writes answers in request order
+// and keeps going after a bad request.
 //
 // Shutdown: StopAccepting() refuses new calls and requests (UNAVAILABLE);
 // WaitForIdle() waits for the calls accepted before it to be done, answers
@@ -92,14 +93,20 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   AttentionService(const ModelRepository* repository, Engine* engine, ServerMetrics* metrics,
                    ServiceOptions options);
 
-  // Answers `request` through `done`, now (when it is refused) or from the
-  // model's batcher thread. `request` must stay alive until `done` runs.
+  // Answers `request`, of a call whose credentials were checked, through
+  // `done`: now (when it is refused) or from the model's batcher thread.
+  // `request` must stay alive until `done` runs.
   void Submit(grpc::CallbackServerContext* context, const v1::AttendRequest& request, Done done);
+  // A request, counted in flight until Answer().
+  std::unique_ptr<Task> NewTask(grpc::CallbackServerContext* context,
+                                const v1::AttendRequest& request, Done done);
+  // Answers `task` now when it cannot be computed, or queues it in its
+  // model's batcher.
+  void Enqueue(std::unique_ptr<Task> task);
   // A call counts as open from AdmitCall() (false once StopAccepting() ran:
   // the call is not admitted) until its reactor's OnDone calls CallDone().
   bool AdmitCall();
   void CallDone();
-  absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
   void ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch);
   void DropTask(ModelQueue& queue, std::unique_ptr<Task> task, const absl::Status& why);
   // Counts, logs and answers `task`.
@@ -112,7 +119,8 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   std::atomic<bool> accepting_{true};  // written under calls_mu_
   absl::Mutex calls_mu_;
   int64_t open_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // admitted, OnDone not yet run
-  std::vector<std::unique_ptr<ModelQueue>> queues_;  // one per model, in repository order
+  // One per model, in repository order: ModelRepository::IndexOf() indexes it.
+  std::vector<std::unique_ptr<ModelQueue>> queues_;
 };
 
 }  // namespace attention::server
