@@ -53,9 +53,9 @@ struct ServiceOptions {
 
 class AttentionService final : public v1::AttentionService::CallbackService {
  public:
-  // Starts one batcher per model of `repository`. `repository`, `engine` and
-  // `metrics` are not owned and must outlive the service. INVALID_ARGUMENT for
-  // out-of-range batching options.
+  // Starts one batcher per model of `repository`, which must not change
+  // afterwards. `repository`, `engine` and `metrics` are not owned and must
+  // outlive the service. INVALID_ARGUMENT for out-of-range batching options.
   static absl::StatusOr<std::unique_ptr<AttentionService>> Create(
       const ModelRepository* repository, Engine* engine, ServerMetrics* metrics,
       ServiceOptions options);
