@@ -1,5 +1,6 @@
 // absl_sync_annotations.cc: tells ThreadSanitizer about Debian's absl::Mutex,
-// absl::CondVar and absl::Notification.
+// absl::CondVar and absl::Notification, and about the one hand-over of
+// gRPC's callback API that happens inside libgrpc++ (see the end).
 //
 // Debian ships Abseil (and gRPC, which locks with absl::Mutex) built without
 // -fsanitize=thread. TSan then sees our accesses under an absl::MutexLock but
@@ -31,6 +32,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "grpcpp/support/server_callback.h"
 
 extern "C" {
 void __tsan_acquire(void* addr) __attribute__((weak));
@@ -100,68 +102,69 @@ class CurrentMutex {
 
 }  // namespace
 
-#define ABSL_SYNC_REAL(Return, Class, name, ...)                              \
+// `real`: the definition of Class::name that the wrapper around it replaces.
+#define REAL_MEMBER(Return, Class, name, ...) \
   static const auto real = Next<Return (*)(__VA_ARGS__)>(&Class::name)
 
 namespace absl {
 ABSL_NAMESPACE_BEGIN
 
 void Mutex::Lock() {
-  ABSL_SYNC_REAL(void, Mutex, Lock, Mutex*);
+  REAL_MEMBER(void, Mutex, Lock, Mutex*);
   real(this);
   Acquire(this);
 }
 
 void Mutex::ReaderLock() {
-  ABSL_SYNC_REAL(void, Mutex, ReaderLock, Mutex*);
+  REAL_MEMBER(void, Mutex, ReaderLock, Mutex*);
   real(this);
   Acquire(this);
 }
 
 bool Mutex::TryLock() {
-  ABSL_SYNC_REAL(bool, Mutex, TryLock, Mutex*);
+  REAL_MEMBER(bool, Mutex, TryLock, Mutex*);
   const bool locked = real(this);
   if (locked) Acquire(this);
   return locked;
 }
 
 bool Mutex::ReaderTryLock() {
-  ABSL_SYNC_REAL(bool, Mutex, ReaderTryLock, Mutex*);
+  REAL_MEMBER(bool, Mutex, ReaderTryLock, Mutex*);
   const bool locked = real(this);
   if (locked) Acquire(this);
   return locked;
 }
 
 void Mutex::Unlock() {
-  ABSL_SYNC_REAL(void, Mutex, Unlock, Mutex*);
+  REAL_MEMBER(void, Mutex, Unlock, Mutex*);
   CurrentMutex current(this);
   Release(this);
   real(this);
 }
 
 void Mutex::ReaderUnlock() {
-  ABSL_SYNC_REAL(void, Mutex, ReaderUnlock, Mutex*);
+  REAL_MEMBER(void, Mutex, ReaderUnlock, Mutex*);
   CurrentMutex current(this);
   Release(this);
   real(this);
 }
 
 void Mutex::LockWhen(const Condition& condition) {
-  ABSL_SYNC_REAL(void, Mutex, LockWhen, Mutex*, const Condition&);
+  REAL_MEMBER(void, Mutex, LockWhen, Mutex*, const Condition&);
   CurrentMutex current(this);
   real(this, condition);
   Acquire(this);
 }
 
 void Mutex::ReaderLockWhen(const Condition& condition) {
-  ABSL_SYNC_REAL(void, Mutex, ReaderLockWhen, Mutex*, const Condition&);
+  REAL_MEMBER(void, Mutex, ReaderLockWhen, Mutex*, const Condition&);
   CurrentMutex current(this);
   real(this, condition);
   Acquire(this);
 }
 
 bool Mutex::LockWhenWithTimeout(const Condition& condition, absl::Duration timeout) {
-  ABSL_SYNC_REAL(bool, Mutex, LockWhenWithTimeout, Mutex*, const Condition&, absl::Duration);
+  REAL_MEMBER(bool, Mutex, LockWhenWithTimeout, Mutex*, const Condition&, absl::Duration);
   CurrentMutex current(this);
   const bool result = real(this, condition, timeout);
   Acquire(this);  // held on return either way
@@ -169,7 +172,7 @@ bool Mutex::LockWhenWithTimeout(const Condition& condition, absl::Duration timeo
 }
 
 bool Mutex::LockWhenWithDeadline(const Condition& condition, absl::Time deadline) {
-  ABSL_SYNC_REAL(bool, Mutex, LockWhenWithDeadline, Mutex*, const Condition&, absl::Time);
+  REAL_MEMBER(bool, Mutex, LockWhenWithDeadline, Mutex*, const Condition&, absl::Time);
   CurrentMutex current(this);
   const bool result = real(this, condition, deadline);
   Acquire(this);
@@ -177,7 +180,7 @@ bool Mutex::LockWhenWithDeadline(const Condition& condition, absl::Time deadline
 }
 
 bool Mutex::ReaderLockWhenWithTimeout(const Condition& condition, absl::Duration timeout) {
-  ABSL_SYNC_REAL(bool, Mutex, ReaderLockWhenWithTimeout, Mutex*, const Condition&,
+  REAL_MEMBER(bool, Mutex, ReaderLockWhenWithTimeout, Mutex*, const Condition&,
                  absl::Duration);
   CurrentMutex current(this);
   const bool result = real(this, condition, timeout);
@@ -186,7 +189,7 @@ bool Mutex::ReaderLockWhenWithTimeout(const Condition& condition, absl::Duration
 }
 
 bool Mutex::ReaderLockWhenWithDeadline(const Condition& condition, absl::Time deadline) {
-  ABSL_SYNC_REAL(bool, Mutex, ReaderLockWhenWithDeadline, Mutex*, const Condition&, absl::Time);
+  REAL_MEMBER(bool, Mutex, ReaderLockWhenWithDeadline, Mutex*, const Condition&, absl::Time);
   CurrentMutex current(this);
   const bool result = real(this, condition, deadline);
   Acquire(this);
@@ -195,7 +198,7 @@ bool Mutex::ReaderLockWhenWithDeadline(const Condition& condition, absl::Time de
 
 // Await* release the mutex while they wait and hold it again on return.
 void Mutex::Await(const Condition& condition) {
-  ABSL_SYNC_REAL(void, Mutex, Await, Mutex*, const Condition&);
+  REAL_MEMBER(void, Mutex, Await, Mutex*, const Condition&);
   CurrentMutex current(this);
   Release(this);
   real(this, condition);
@@ -203,7 +206,7 @@ void Mutex::Await(const Condition& condition) {
 }
 
 bool Mutex::AwaitWithTimeout(const Condition& condition, absl::Duration timeout) {
-  ABSL_SYNC_REAL(bool, Mutex, AwaitWithTimeout, Mutex*, const Condition&, absl::Duration);
+  REAL_MEMBER(bool, Mutex, AwaitWithTimeout, Mutex*, const Condition&, absl::Duration);
   CurrentMutex current(this);
   Release(this);
   const bool result = real(this, condition, timeout);
@@ -212,7 +215,7 @@ bool Mutex::AwaitWithTimeout(const Condition& condition, absl::Duration timeout)
 }
 
 bool Mutex::AwaitWithDeadline(const Condition& condition, absl::Time deadline) {
-  ABSL_SYNC_REAL(bool, Mutex, AwaitWithDeadline, Mutex*, const Condition&, absl::Time);
+  REAL_MEMBER(bool, Mutex, AwaitWithDeadline, Mutex*, const Condition&, absl::Time);
   CurrentMutex current(this);
   Release(this);
   const bool result = real(this, condition, deadline);
@@ -222,7 +225,7 @@ bool Mutex::AwaitWithDeadline(const Condition& condition, absl::Time deadline) {
 
 // CondVar waits release `mutex` and hold it again on return.
 void CondVar::Wait(Mutex* mutex) {
-  ABSL_SYNC_REAL(void, CondVar, Wait, CondVar*, Mutex*);
+  REAL_MEMBER(void, CondVar, Wait, CondVar*, Mutex*);
   CurrentMutex current(mutex);
   Release(mutex);
   real(this, mutex);
@@ -230,7 +233,7 @@ void CondVar::Wait(Mutex* mutex) {
 }
 
 bool CondVar::WaitWithTimeout(Mutex* mutex, absl::Duration timeout) {
-  ABSL_SYNC_REAL(bool, CondVar, WaitWithTimeout, CondVar*, Mutex*, absl::Duration);
+  REAL_MEMBER(bool, CondVar, WaitWithTimeout, CondVar*, Mutex*, absl::Duration);
   CurrentMutex current(mutex);
   Release(mutex);
   const bool result = real(this, mutex, timeout);
@@ -239,7 +242,7 @@ bool CondVar::WaitWithTimeout(Mutex* mutex, absl::Duration timeout) {
 }
 
 bool CondVar::WaitWithDeadline(Mutex* mutex, absl::Time deadline) {
-  ABSL_SYNC_REAL(bool, CondVar, WaitWithDeadline, CondVar*, Mutex*, absl::Time);
+  REAL_MEMBER(bool, CondVar, WaitWithDeadline, CondVar*, Mutex*, absl::Time);
   CurrentMutex current(mutex);
   Release(mutex);
   const bool result = real(this, mutex, deadline);
@@ -248,7 +251,7 @@ bool CondVar::WaitWithDeadline(Mutex* mutex, absl::Time deadline) {
 }
 
 bool Condition::Eval() const {
-  ABSL_SYNC_REAL(bool, Condition, Eval, const Condition*);
+  REAL_MEMBER(bool, Condition, Eval, const Condition*);
   const void* mutex = current_mutex;
   if (mutex != nullptr) Acquire(mutex);
   const bool holds = real(this);
@@ -257,20 +260,20 @@ bool Condition::Eval() const {
 }
 
 void Notification::Notify() {
-  ABSL_SYNC_REAL(void, Notification, Notify, Notification*);
+  REAL_MEMBER(void, Notification, Notify, Notification*);
   Release(this);
   Release(&reinterpret_cast<NotificationLayout*>(this)->notified_yet);
   real(this);
 }
 
 void Notification::WaitForNotification() const {
-  ABSL_SYNC_REAL(void, Notification, WaitForNotification, const Notification*);
+  REAL_MEMBER(void, Notification, WaitForNotification, const Notification*);
   real(this);
   Acquire(this);
 }
 
 bool Notification::WaitForNotificationWithTimeout(absl::Duration timeout) const {
-  ABSL_SYNC_REAL(bool, Notification, WaitForNotificationWithTimeout, const Notification*,
+  REAL_MEMBER(bool, Notification, WaitForNotificationWithTimeout, const Notification*,
                  absl::Duration);
   const bool notified = real(this, timeout);
   if (notified) Acquire(this);
@@ -278,7 +281,7 @@ bool Notification::WaitForNotificationWithTimeout(absl::Duration timeout) const 
 }
 
 bool Notification::WaitForNotificationWithDeadline(absl::Time deadline) const {
-  ABSL_SYNC_REAL(bool, Notification, WaitForNotificationWithDeadline, const Notification*,
+  REAL_MEMBER(bool, Notification, WaitForNotificationWithDeadline, const Notification*,
                  absl::Time);
   const bool notified = real(this, deadline);
   if (notified) Acquire(this);
@@ -287,3 +290,29 @@ bool Notification::WaitForNotificationWithDeadline(absl::Time deadline) const {
 
 ABSL_NAMESPACE_END
 }  // namespace absl
+
+// gRPC's server callback API counts down, per call, what must happen before
+// OnDone (the handler's return, Finish, the completion op, each read or write
+// reaction): ServerCallbackCall::callbacks_outstanding_, decremented with
+// acq_rel by MaybeDone(), and the thread that takes it to zero calls
+// ScheduleOnDone(), which runs CallOnDone() (OnDone, then the call's cleanup)
+// inline or on an executor thread. MaybeDone() is inline: the copies in our
+// binary are instrumented, but the one in libgrpc++'s CallOnCancel closure
+// (src/cpp/server/server_callback.cc: OnCancel, then MaybeDone) is not. When
+// that closure makes the last decrement, TSan misses its acquire, and every
+// earlier reaction's release on the counter (a write reaction's on another
+// thread, say) looks unordered with CallOnDone destroying the call: the
+// fault_cancel_test server reported six such races, each between
+// CallbackWithSuccessTag::Run on one thread and CallOnDone's cleanup of
+// ServerCallbackReaderWriterImpl and its context on an executor thread.
+// Only the thread that made the last decrement calls ScheduleOnDone(), right
+// after it, so acquiring the counter here is exactly the acquire TSan missed.
+namespace grpc::internal {
+
+void ServerCallbackCall::ScheduleOnDone(bool inline_ondone) {
+  REAL_MEMBER(void, ServerCallbackCall, ScheduleOnDone, ServerCallbackCall*, bool);
+  Acquire(&callbacks_outstanding_);
+  real(this, inline_ondone);
+}
+
+}  // namespace grpc::internal
