@@ -1,6 +1,6 @@
 // absl_sync_annotations.cc: tells ThreadSanitizer about Debian's absl::Mutex,
-// absl::CondVar and absl::Notification, and about the one hand-over of
-// gRPC's callback API that happens inside libgrpc++ (see the end).
+// absl::CondVar and absl::Notification, and about the two hand-overs of
+// gRPC's callback API that happen inside libgrpc++ (see the end).
 //
 // Debian ships Abseil (and gRPC, which locks with absl::Mutex) built without
 // -fsanitize=thread. TSan then sees our accesses under an absl::MutexLock but
@@ -292,27 +292,62 @@ ABSL_NAMESPACE_END
 }  // namespace absl
 
 // gRPC's server callback API counts down, per call, what must happen before
-// OnDone (the handler's return, Finish, the completion op, each read or write
-// reaction): ServerCallbackCall::callbacks_outstanding_, decremented with
-// acq_rel by MaybeDone(), and the thread that takes it to zero calls
-// ScheduleOnDone(), which runs CallOnDone() (OnDone, then the call's cleanup)
-// inline or on an executor thread. MaybeDone() is inline: the copies in our
-// binary are instrumented, but the one in libgrpc++'s CallOnCancel closure
-// (src/cpp/server/server_callback.cc: OnCancel, then MaybeDone) is not. When
-// that closure makes the last decrement, TSan misses its acquire, and every
-// earlier reaction's release on the counter (a write reaction's on another
-// thread, say) looks unordered with CallOnDone destroying the call: the
-// fault_cancel_test server reported six such races, each between
-// CallbackWithSuccessTag::Run on one thread and CallOnDone's cleanup of
-// ServerCallbackReaderWriterImpl and its context on an executor thread.
-// Only the thread that made the last decrement calls ScheduleOnDone(), right
-// after it, so acquiring the counter here is exactly the acquire TSan missed.
+// OnDone (the handler's return, Finish, the completion op, each reaction to a
+// read, a write or a cancellation): ServerCallbackCall::callbacks_outstanding_,
+// decremented with acq_rel by MaybeDone(). The thread that takes it to zero
+// calls ScheduleOnDone(), which runs CallOnDone() (OnDone, then the call's
+// cleanup) inline or on an executor thread. MaybeDone() is inline: the copies
+// in our binary are instrumented, but the one in libgrpc++'s CallOnCancel
+// closure (src/cpp/server/server_callback.cc: reactor->OnCancel(), then
+// MaybeDone()) is not, so TSan sees neither its release nor its acquire.
+//
+// Without its acquire, the fault_cancel_test server reported six races
+// between CallbackWithSuccessTag::Run of the finish and completion-op tags on
+// one thread and CallOnDone's cleanup of ServerCallbackReaderWriterImpl on an
+// executor thread: all gRPC's accesses. Only the thread that made the last
+// decrement calls ScheduleOnDone(), right after it, so acquiring the counter
+// there is exactly the acquire TSan missed.
+//
+// Without its release, the same server reported StreamReactor::OnDone's
+// `delete this` on an executor thread racing with StreamReactor::OnCancel
+// and Progress() on the thread of that closure, when another thread made the
+// last decrement. CallOnCancel is therefore wrapped too: the closure calls
+// OnCancel on a stand-in that forwards to the real reactor and then releases
+// the counter, just before the closure's decrement.
+namespace {
+
+class CountReleasingReactor final : public grpc::internal::ServerReactor {
+ public:
+  CountReleasingReactor(grpc::internal::ServerReactor* reactor, const void* count)
+      : reactor_(reactor), count_(count) {}
+
+  // CallOnCancel calls OnCancel exactly once, and nothing else after it.
+  void OnCancel() override {
+    reactor_->OnCancel();
+    Release(count_);
+    delete this;
+  }
+  void OnDone() override { reactor_->OnDone(); }
+  bool InternalInlineable() override { return reactor_->InternalInlineable(); }
+
+ private:
+  grpc::internal::ServerReactor* const reactor_;
+  const void* const count_;
+};
+
+}  // namespace
+
 namespace grpc::internal {
 
 void ServerCallbackCall::ScheduleOnDone(bool inline_ondone) {
   REAL_MEMBER(void, ServerCallbackCall, ScheduleOnDone, ServerCallbackCall*, bool);
   Acquire(&callbacks_outstanding_);
   real(this, inline_ondone);
+}
+
+void ServerCallbackCall::CallOnCancel(ServerReactor* reactor) {
+  REAL_MEMBER(void, ServerCallbackCall, CallOnCancel, ServerCallbackCall*, ServerReactor*);
+  real(this, new CountReleasingReactor(reactor, &callbacks_outstanding_));
 }
 
 }  // namespace grpc::internal
