@@ -1,6 +1,6 @@
 // absl_sync_annotations.cc: tells ThreadSanitizer about Debian's absl::Mutex,
-// absl::CondVar and absl::Notification, and about the two hand-overs of
-// gRPC's callback API that happen inside libgrpc++ (see the end).
+// absl::CondVar and absl::Notification, and about the hand-overs of gRPC
+// batches and callbacks that happen inside libgrpc and libgrpc++ (see the end).
 //
 // Debian ships Abseil (and gRPC, which locks with absl::Mutex) built without
 // -fsanitize=thread. TSan then sees our accesses under an absl::MutexLock but
@@ -31,7 +31,9 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "grpc/grpc.h"
 #include "grpcpp/support/server_callback.h"
 
 extern "C" {
@@ -351,3 +353,84 @@ void ServerCallbackCall::CallOnCancel(ServerReactor* reactor) {
 }
 
 }  // namespace grpc::internal
+
+// A batch of call operations is handed over inside libgrpc: everything a
+// thread did before grpc_call_start_batch (filling the CallOpSet, arming its
+// tag, serialising the message to write, allocating the one a read fills)
+// happens before the batch's tag is run. The tag reaches the thread that runs
+// it either straight from grpc_cq_end_op (a callback completion queue: run
+// there, or handed on through the executor's absl::Mutex), or through a
+// completion queue that a thread drains with grpc_completion_queue_next or
+// _pluck: libgrpc++'s "nexting_thread"s, which run the server's callbacks
+// when gRPC has no background poller, and blocking client calls. That queue
+// is lock-free inside libgrpc, which TSan cannot see, so with only the
+// absl::Mutex annotations it reported, in the server: CallOpSet<CallOpRecv
+// Message<AttendRequest>>::FinalizeResult on a nexting thread parsing into
+// the request that StreamReactor::Progress had allocated and lent to
+// StartRead on a batcher thread; CallOpSet<CallOpSendInitialMetadata,
+// CallOpSendMessage>::FinalizeResult against the FillOps and serialisation of
+// the Write that started the batch; OnWriteDone destroying a response that a
+// batcher thread had serialised; CallbackWithSuccessTag::Run against
+// CallbackWithSuccessTag::Set in ServerCallbackUnaryImpl::Finish. Releasing
+// the tag when the batch starts and acquiring it where it is taken out
+// states that ordering. grpc_cq_end_op is gRPC's internal function, called
+// through libgrpc's PLT; its declaration (src/core/lib/surface/
+// completion_queue.h) is restated here.
+struct grpc_cq_completion;
+
+void grpc_cq_end_op(grpc_completion_queue* cq, void* tag, absl::Status error,
+                    void (*done)(void* done_arg, grpc_cq_completion* storage), void* done_arg,
+                    grpc_cq_completion* storage, bool internal);
+
+namespace {
+
+template <typename Function>
+Function NextFunction(const char* name) {
+  void* next = dlsym(RTLD_NEXT, name);
+  if (next == nullptr) {
+    std::fprintf(stderr, "absl_sync_annotations: %s not found after this library\n", name);
+    std::abort();
+  }
+  return reinterpret_cast<Function>(next);
+}
+
+void AcquireCompleted(const grpc_event& event) {
+  if (event.type == GRPC_OP_COMPLETE) Acquire(event.tag);
+}
+
+}  // namespace
+
+extern "C" grpc_call_error grpc_call_start_batch(grpc_call* call, const grpc_op* ops, size_t nops,
+                                                 void* tag, void* reserved) {
+  static const auto real = NextFunction<decltype(&grpc_call_start_batch)>("grpc_call_start_batch");
+  Release(tag);
+  return real(call, ops, nops, tag, reserved);
+}
+
+void grpc_cq_end_op(grpc_completion_queue* cq, void* tag, absl::Status error,
+                    void (*done)(void* done_arg, grpc_cq_completion* storage), void* done_arg,
+                    grpc_cq_completion* storage, bool internal) {
+  static const auto real = NextFunction<decltype(&grpc_cq_end_op)>(
+      "_Z14grpc_cq_end_opP21grpc_completion_queuePvN4absl7debian36StatusEPFvS1_P18grpc_cq_"
+      "completionES1_S6_b");
+  Acquire(tag);
+  real(cq, tag, std::move(error), done, done_arg, storage, internal);
+}
+
+extern "C" grpc_event grpc_completion_queue_next(grpc_completion_queue* cq, gpr_timespec deadline,
+                                                 void* reserved) {
+  static const auto real =
+      NextFunction<decltype(&grpc_completion_queue_next)>("grpc_completion_queue_next");
+  const grpc_event event = real(cq, deadline, reserved);
+  AcquireCompleted(event);
+  return event;
+}
+
+extern "C" grpc_event grpc_completion_queue_pluck(grpc_completion_queue* cq, void* tag,
+                                                  gpr_timespec deadline, void* reserved) {
+  static const auto real =
+      NextFunction<decltype(&grpc_completion_queue_pluck)>("grpc_completion_queue_pluck");
+  const grpc_event event = real(cq, tag, deadline, reserved);
+  AcquireCompleted(event);
+  return event;
+}
