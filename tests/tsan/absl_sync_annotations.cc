@@ -371,9 +371,11 @@ void ServerCallbackCall::CallOnCancel(ServerReactor* reactor) {
 // CallOpSendMessage>::FinalizeResult against the FillOps and serialisation of
 // the Write that started the batch; OnWriteDone destroying a response that a
 // batcher thread had serialised; CallbackWithSuccessTag::Run against
-// CallbackWithSuccessTag::Set in ServerCallbackUnaryImpl::Finish. Releasing
-// the tag when the batch starts and acquiring it where it is taken out
-// states that ordering. grpc_cq_end_op is gRPC's internal function, called
+// CallbackWithSuccessTag::Set in ServerCallbackUnaryImpl::Finish; and in the
+// overload_test client, CallOpClientRecvStatus::FinishOp copying a status
+// message that the completing gRPC thread had built. Releasing the tag when
+// the batch starts and where it completes, and acquiring it where it is
+// taken out, states that ordering. grpc_cq_end_op is gRPC's internal function, called
 // through libgrpc's PLT; its declaration (src/core/lib/surface/
 // completion_queue.h) is restated here.
 struct grpc_cq_completion;
@@ -413,7 +415,11 @@ void grpc_cq_end_op(grpc_completion_queue* cq, void* tag, absl::Status error,
   static const auto real = NextFunction<decltype(&grpc_cq_end_op)>(
       "_Z14grpc_cq_end_opP21grpc_completion_queuePvN4absl7debian36StatusEPFvS1_P18grpc_cq_"
       "completionES1_S6_b");
+  // What the batch's start did, for a tag run on this thread; then what this
+  // thread did to complete it (a status, a message received), for the thread
+  // that runs the tag.
   Acquire(tag);
+  Release(tag);
   real(cq, tag, std::move(error), done, done_arg, storage, internal);
 }
 
