@@ -24,6 +24,9 @@ constexpr size_t kMaxStreamInFlight = 32;
 
 constexpr std::string_view kBearerPrefix = "Bearer ";
 
+// The `api` label of attention.v1 requests.
+constexpr std::string_view kAttentionApi = "attention";
+
 absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
   if (t == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
   return absl::FromChrono(t);
@@ -48,8 +51,10 @@ struct AttentionService::Task {
   bool cancelled() const { return context->IsCancelled(); }
 
   grpc::CallbackServerContext* context = nullptr;  // owned by gRPC; alive until done runs
-  const v1::AttendRequest* proto = nullptr;        // owned by the caller of Submit
-  AttentionRequest request;                        // views into *proto
+  std::string_view api;                           // these three: owned by the caller
+  std::string_view model_name;                    // of Submit, alive until done runs
+  std::string_view request_id;
+  AttentionRequest request;                        // views the caller's storage
   ValidatedRequest validated;                      // points at `request`
   ModelQueue* queue = nullptr;                     // null: names no served model
   absl::Time arrived;
@@ -148,10 +153,22 @@ absl::Status AttentionService::Authenticate(const grpc::CallbackServerContext& c
 
 void AttentionService::Submit(grpc::CallbackServerContext* context,
                               const v1::AttendRequest& request, Done done) {
+  Submit(context,
+         Incoming{.api = kAttentionApi,
+                  .model = request.model(),
+                  .request_id = request.request_id(),
+                  .request = ToAttentionRequest(request)},
+         std::move(done));
+}
+
+void AttentionService::Submit(grpc::CallbackServerContext* context, Incoming incoming,
+                              Done done) {
   auto task = std::make_unique<Task>();
   task->arrived = absl::Now();
   task->context = context;
-  task->proto = &request;
+  task->api = incoming.api;
+  task->model_name = incoming.model;
+  task->request_id = incoming.request_id;
   task->deadline_at = ToAbslTime(context->deadline());
   task->done = std::move(done);
   metrics_->inflight().Increment();
@@ -163,15 +180,16 @@ void AttentionService::Submit(grpc::CallbackServerContext* context,
                   nullptr);
   }
   for (auto& queue : queues_) {
-    if (queue->model->name == request.model()) task->queue = queue.get();
+    if (queue->model->name == incoming.model) task->queue = queue.get();
   }
   if (task->queue == nullptr) {
     return Answer(*task,
-                  absl::NotFoundError(absl::StrCat("model: no model named '", request.model(),
+                  absl::NotFoundError(absl::StrCat("model: no model named '", std::string(incoming.model),
                                                    "' is served (ListModels lists them)")),
                   nullptr);
   }
-  task->request = ToAttentionRequest(request);
+  if (!incoming.request.ok()) return Answer(*task, incoming.request.status(), nullptr);
+  task->request = *std::move(incoming.request);
   absl::StatusOr<AttentionDims> dims =
       Validate(*task->queue->model, task->request, options_.limits);
   if (!dims.ok()) return Answer(*task, dims.status(), nullptr);
@@ -228,8 +246,10 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
   const std::string_view model =
       task.queue != nullptr ? std::string_view(task.queue->model->name) : std::string_view();
   metrics_->CountRequest(model, status.code());
+  metrics_->CountApiRequest(task.api, model, status.code());
   if (task.queue != nullptr) {
     ModelMetrics& m = *task.queue->metrics;
+    m.totals->Count(status.ok(), total);
     m.request_duration->Observe(Seconds(total));
     if (task.queued) m.queue_duration->Observe(Seconds(*task.queued));
     if (task.computed) m.compute_duration->Observe(Seconds(*task.computed));
@@ -237,13 +257,13 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
   const int64_t queued_us = task.queued ? Micros(*task.queued) : 0;
   const int64_t computed_us = task.computed ? Micros(*task.computed) : 0;
   if (!status.ok()) {
-    spdlog::warn("request failed: model='{}' request_id='{}' peer={} code={} after {} us: {}",
-                 task.proto->model(), task.proto->request_id(), task.context->peer(),
+    spdlog::warn("request failed: api={} model='{}' request_id='{}' peer={} code={} after {} us: {}",
+                 task.api, task.model_name, task.request_id, task.context->peer(),
                  absl::StatusCodeToString(status.code()), Micros(total), std::string(status.message()));
   } else if (spdlog::should_log(spdlog::level::debug)) {
-    spdlog::debug("request done: model='{}' request_id='{}' peer={} batch_wait={} us compute={} us "
-                  "total={} us",
-                  model, task.proto->request_id(), task.context->peer(), queued_us, computed_us,
+    spdlog::debug("request done: api={} model='{}' request_id='{}' peer={} batch_wait={} us "
+                  "compute={} us total={} us",
+                  task.api, model, task.request_id, task.context->peer(), queued_us, computed_us,
                   Micros(total));
   }
   task.done(status, result);

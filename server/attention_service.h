@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -69,6 +70,31 @@ class AttentionService final : public v1::AttentionService::CallbackService {
                                        const v1::ListModelsRequest* request,
                                        v1::ListModelsResponse* response) override;
 
+  // Receives a request's answer exactly once; `result` is set iff status is OK
+  // and valid only during the call.
+  using Done = std::function<void(const absl::Status& status, const AttentionResult* result)>;
+
+  // One request of another API served on this port (inference_service.h).
+  struct Incoming {
+    std::string_view api;  // the `api` label of its metrics and log lines
+    std::string_view model;
+    std::string_view request_id;
+    // The request (viewing storage the caller keeps until `done` runs), or
+    // why the API's own decoding refused it; checked once the model is
+    // found, so a request gets the code Attend would give it.
+    absl::StatusOr<AttentionRequest> request;
+  };
+  // The entry point of other APIs: the same authentication, admission, limits,
+  // batching, metrics and logs as Attend. A call counts as open from
+  // AdmitCall() (false once StopAccepting() ran: the call is not admitted)
+  // until its reactor's OnDone calls CallDone(), so drain waits for it.
+  void Submit(grpc::CallbackServerContext* context, Incoming incoming, Done done);
+  bool AdmitCall();
+  void CallDone();
+  absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
+  // False once StopAccepting() ran.
+  bool accepting() const { return accepting_.load(); }
+
   // Every call and every request from now on is refused with UNAVAILABLE.
   void StopAccepting();
   // Waits until every call accepted before StopAccepting() is done (gRPC has
@@ -85,9 +111,6 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   struct ModelQueue;
   class UnaryReactor;
   class StreamReactor;
-  // Receives a request's answer exactly once; `result` is set iff status is OK
-  // and valid only during the call.
-  using Done = std::function<void(const absl::Status& status, const AttentionResult* result)>;
 
   AttentionService(const ModelRepository* repository, Engine* engine, ServerMetrics* metrics,
                    ServiceOptions options);
@@ -95,11 +118,6 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   // Answers `request` through `done`, now (when it is refused) or from the
   // model's batcher thread. `request` must stay alive until `done` runs.
   void Submit(grpc::CallbackServerContext* context, const v1::AttendRequest& request, Done done);
-  // A call counts as open from AdmitCall() (false once StopAccepting() ran:
-  // the call is not admitted) until its reactor's OnDone calls CallDone().
-  bool AdmitCall();
-  void CallDone();
-  absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
   void ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch);
   void DropTask(ModelQueue& queue, std::unique_ptr<Task> task, const absl::Status& why);
   // Counts, logs and answers `task`.

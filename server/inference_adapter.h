@@ -32,18 +32,18 @@
 namespace attention::server {
 
 // Tensor and parameter names of the protocol binding.
-inline constexpr absl::string_view kQueriesInput = "queries";
-inline constexpr absl::string_view kKeysInput = "keys";
-inline constexpr absl::string_view kValuesInput = "values";
-inline constexpr absl::string_view kValidLensInput = "valid_lens";
-inline constexpr absl::string_view kOutputOutput = "output";
-inline constexpr absl::string_view kWeightsOutput = "attention_weights";
-inline constexpr absl::string_view kCausalParameter = "causal";
-inline constexpr absl::string_view kScaleParameter = "scale";
-inline constexpr absl::string_view kReturnWeightsParameter = "return_attention_weights";
+inline constexpr char kQueriesInput[] = "queries";
+inline constexpr char kKeysInput[] = "keys";
+inline constexpr char kValuesInput[] = "values";
+inline constexpr char kValidLensInput[] = "valid_lens";
+inline constexpr char kOutputOutput[] = "output";
+inline constexpr char kWeightsOutput[] = "attention_weights";
+inline constexpr char kCausalParameter[] = "causal";
+inline constexpr char kScaleParameter[] = "scale";
+inline constexpr char kReturnWeightsParameter[] = "return_attention_weights";
 
 // Every model has this one version.
-inline constexpr absl::string_view kModelVersion = "1";
+inline constexpr char kModelVersion[] = "1";
 
 // A decoded ModelInferRequest. `request` views the tensors held here, so the
 // object stays where it was decoded (no copies, no moves).

@@ -29,6 +29,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
 #include "server/attention_service.h"
+#include "server/inference_service.h"
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
@@ -227,6 +228,8 @@ int RunServer(const ServerConfig& config) {
   int port = 0;
   builder.AddListeningPort(config.address, *credentials, &port);
   builder.RegisterService(service->get());
+  InferenceService inference_service(service->get(), &*repository, &metrics);
+  builder.RegisterService(&inference_service);
   builder.SetMaxReceiveMessageSize(config.max_message_bytes);
   // gRPC reads every call a client opens, whether or not the service has
   // taken it yet. Without this cap, a client sending faster than the server
