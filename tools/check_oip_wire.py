@@ -73,10 +73,14 @@ def compare(ours, public):
             missing.append(name)
             continue
         by_number = {f.number: f for f in theirs.field}
+        by_name = {f.name: f for f in theirs.field}
         for field in message.field:
             checked += 1
             other = by_number.get(field.number)
-            if other is None:
+            if other is None and field.name in by_name:
+                differences.append("%s.%s: ours number %d, public %d"
+                                   % (name, field.name, field.number, by_name[field.name].number))
+            elif other is None:
                 missing.append("%s.%s = %d" % (name, field.name, field.number))
             elif field_key(other) != field_key(field):
                 differences.append("%s field %d: ours %s, public %s"
