@@ -1,47 +1,41 @@
-// attention_service.cc: RPC handlers, the per-model batch callback and the
-// AttendStream reactor.
+// attention_service.cc: the unary handlers, the path of a request from
+// Submit() to its answer, and the per-model batch callback.
 #include "server/attention_service.h"
 
 #include <chrono>
-#include <deque>
 #include <exception>
+#include <optional>
 #include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "server/auth.h"
 #include "server/batcher.h"
 #include "server/proto_adapter.h"
+#include "server/stream_reactor.h"
 #include "spdlog/spdlog.h"
 
 namespace attention::server {
 namespace {
-
-// Answers a stream holds at once (computing or waiting to be written); the
-// stream stops reading beyond, so one stream cannot hoard server memory.
-constexpr size_t kMaxStreamInFlight = 32;
-
-constexpr std::string_view kBearerPrefix = "Bearer ";
-
-// The `api` label of attention.v1 requests.
-constexpr std::string_view kAttentionApi = "attention";
 
 absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
   if (t == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
   return absl::FromChrono(t);
 }
 
-// Compares without stopping at the first difference, so the time taken does
-// not tell an attacker how much of a guessed token was right.
-bool SameToken(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char difference = 0;
-  for (size_t i = 0; i < a.size(); ++i) difference |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return difference == 0;
-}
-
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
+
+// The `api` label of attention.v1 requests.
+constexpr std::string_view kAttentionApi = "attention";
+
+AttentionService::Incoming FromAttend(const v1::AttendRequest& request) {
+  return AttentionService::Incoming{.api = kAttentionApi,
+                                    .model = request.model(),
+                                    .request_id = request.request_id(),
+                                    .request = ToAttentionRequest(request)};
+}
 
 }  // namespace
 
@@ -51,9 +45,10 @@ struct AttentionService::Task {
   bool cancelled() const { return context->IsCancelled(); }
 
   grpc::CallbackServerContext* context = nullptr;  // owned by gRPC; alive until done runs
-  std::string_view api;                           // these three: owned by the caller
-  std::string_view model_name;                    // of Submit, alive until done runs
+  std::string_view api;                            // these three: owned by the caller
+  std::string_view model_name;                     // of Submit, alive until done runs
   std::string_view request_id;
+  absl::Status refused_by_api;                     // the API's decoding failed
   AttentionRequest request;                        // views the caller's storage
   ValidatedRequest validated;                      // points at `request`
   ModelQueue* queue = nullptr;                     // null: names no served model
@@ -135,61 +130,59 @@ void AttentionService::Drain() {
   for (auto& queue : queues_) queue->batcher->Drain();
 }
 
-absl::Status AttentionService::Authenticate(const grpc::CallbackServerContext& context) const {
-  if (options_.auth_tokens.empty()) return absl::OkStatus();
-  const auto [begin, end] = context.client_metadata().equal_range("authorization");
-  for (auto it = begin; it != end; ++it) {
-    const std::string_view value(it->second.data(), it->second.size());
-    if (value.substr(0, kBearerPrefix.size()) != kBearerPrefix) continue;
-    const std::string_view token = value.substr(kBearerPrefix.size());
-    bool known = false;
-    for (const std::string& accepted : options_.auth_tokens) known |= SameToken(token, accepted);
-    if (known) return absl::OkStatus();
-  }
-  return absl::UnauthenticatedError(
-      "missing or unknown credentials: send the metadata 'authorization: Bearer <token>' with a "
-      "token the server accepts");
-}
-
 void AttentionService::Submit(grpc::CallbackServerContext* context,
                               const v1::AttendRequest& request, Done done) {
-  Submit(context,
-         Incoming{.api = kAttentionApi,
-                  .model = request.model(),
-                  .request_id = request.request_id(),
-                  .request = ToAttentionRequest(request)},
-         std::move(done));
+  Enqueue(NewTask(context, FromAttend(request), std::move(done)));
 }
 
-void AttentionService::Submit(grpc::CallbackServerContext* context, Incoming incoming,
-                              Done done) {
+void AttentionService::SubmitIncoming(grpc::CallbackServerContext* context, Incoming incoming,
+                                      bool credentials_checked, Done done) {
+  std::unique_ptr<Task> task = NewTask(context, std::move(incoming), std::move(done));
+  if (!credentials_checked) {
+    if (absl::Status auth = Authenticate(*context); !auth.ok()) return Answer(*task, auth, nullptr);
+  }
+  Enqueue(std::move(task));
+}
+
+absl::Status AttentionService::Authenticate(const grpc::ServerContextBase& context) const {
+  return CheckBearerToken(context, options_.auth_tokens);
+}
+
+std::unique_ptr<AttentionService::Task> AttentionService::NewTask(
+    grpc::CallbackServerContext* context, Incoming incoming, Done done) {
   auto task = std::make_unique<Task>();
   task->arrived = absl::Now();
   task->context = context;
   task->api = incoming.api;
   task->model_name = incoming.model;
   task->request_id = incoming.request_id;
+  if (incoming.request.ok()) {
+    task->request = *std::move(incoming.request);
+  } else {
+    task->refused_by_api = incoming.request.status();
+  }
   task->deadline_at = ToAbslTime(context->deadline());
   task->done = std::move(done);
   metrics_->inflight().Increment();
+  return task;
+}
 
-  if (absl::Status auth = Authenticate(*context); !auth.ok()) return Answer(*task, auth, nullptr);
+void AttentionService::Enqueue(std::unique_ptr<Task> task) {
   if (!accepting_.load()) {
     return Answer(*task,
                   absl::UnavailableError("the server is shutting down and takes no new requests"),
                   nullptr);
   }
-  for (auto& queue : queues_) {
-    if (queue->model->name == incoming.model) task->queue = queue.get();
-  }
-  if (task->queue == nullptr) {
+  const std::optional<size_t> model_index = repository_->IndexOf(task->model_name);
+  if (!model_index) {
     return Answer(*task,
-                  absl::NotFoundError(absl::StrCat("model: no model named '", std::string(incoming.model),
+                  absl::NotFoundError(absl::StrCat("model: no model named '",
+                                                   std::string(task->model_name),
                                                    "' is served (ListModels lists them)")),
                   nullptr);
   }
-  if (!incoming.request.ok()) return Answer(*task, incoming.request.status(), nullptr);
-  task->request = *std::move(incoming.request);
+  task->queue = queues_[*model_index].get();
+  if (!task->refused_by_api.ok()) return Answer(*task, task->refused_by_api, nullptr);
   absl::StatusOr<AttentionDims> dims =
       Validate(*task->queue->model, task->request, options_.limits);
   if (!dims.ok()) return Answer(*task, dims.status(), nullptr);
@@ -289,17 +282,23 @@ class AttentionService::UnaryReactor final : public grpc::ServerUnaryReactor {
 grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* context,
                                                    const v1::AttendRequest* request,
                                                    v1::AttendResponse* response) {
-  // Not admitted only while shutting down, and then Submit() refuses it.
+  // Not admitted only while shutting down, and then Enqueue() refuses it.
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this, AdmitCall());
-  Submit(context, *request,
-         [reactor, request, response](const absl::Status& status, const AttentionResult* result) {
-           if (status.ok()) {
-             ToAttendResponse(*result, response);
-             response->set_request_id(request->request_id());
-             response->set_model(request->model());
-           }
-           reactor->Finish(ToGrpcStatus(status));
-         });
+  std::unique_ptr<Task> task = NewTask(
+      context, FromAttend(*request),
+      [reactor, request, response](const absl::Status& status, const AttentionResult* result) {
+        if (status.ok()) {
+          ToAttendResponse(*result, response);
+          response->set_request_id(request->request_id());
+          response->set_model(request->model());
+        }
+        reactor->Finish(ToGrpcStatus(status));
+      });
+  if (absl::Status auth = CheckBearerToken(*context, options_.auth_tokens); !auth.ok()) {
+    Answer(*task, auth, nullptr);
+  } else {
+    Enqueue(std::move(task));
+  }
   return reactor;
 }
 
@@ -307,7 +306,7 @@ grpc::ServerUnaryReactor* AttentionService::ListModels(grpc::CallbackServerConte
                                                        const v1::ListModelsRequest*,
                                                        v1::ListModelsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = Authenticate(*context);
+  absl::Status status = CheckBearerToken(*context, options_.auth_tokens);
   if (status.ok()) {
     for (const auto& model : repository_->models()) {
       *response->add_models() = ToModelInfo(*model);
@@ -318,156 +317,6 @@ grpc::ServerUnaryReactor* AttentionService::ListModels(grpc::CallbackServerConte
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
-
-// One AttendStream call. Requests are read one after another and submitted
-// as they come, so several can compute at once; answers are written one at a
-// time, in request order. Every decision is taken under mu_ and acted on
-// after it is released (see Progress()), which is what makes the lifetime
-// rule safe: once Finish() is decided nothing else touches the reactor, and
-// OnDone() deletes it.
-class AttentionService::StreamReactor final
-    : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
- public:
-  StreamReactor(AttentionService* service, grpc::CallbackServerContext* context)
-      : service_(service), context_(context) {
-    if (absl::Status auth = service_->Authenticate(*context); !auth.ok()) {
-      spdlog::warn("AttendStream refused: peer={}: {}", context->peer(), std::string(auth.message()));
-      Refuse(auth);
-      return;
-    }
-    admitted_ = service_->AdmitCall();
-    if (!admitted_) {
-      Refuse(absl::UnavailableError("the server is shutting down and takes no new streams"));
-      return;
-    }
-    Progress();
-  }
-
-  void OnReadDone(bool ok) override {
-    Slot* slot = nullptr;
-    {
-      absl::MutexLock lock(&mu_);
-      reading_ = false;
-      if (!ok) {
-        reads_done_ = true;
-        incoming_.reset();
-      } else {
-        slot = incoming_.get();
-        slots_.push_back(std::move(incoming_));
-      }
-    }
-    if (slot != nullptr) {
-      service_->Submit(context_, slot->request,
-                       [this, slot](const absl::Status& status, const AttentionResult* result) {
-                         Answered(*slot, status, result);
-                       });
-    }
-    Progress();
-  }
-
-  void OnWriteDone(bool ok) override {
-    {
-      absl::MutexLock lock(&mu_);
-      writing_ = false;
-      slots_.pop_front();
-      if (!ok) broken_ = true;  // the client is gone; answers left are dropped
-    }
-    Progress();
-  }
-
-  void OnCancel() override {
-    {
-      absl::MutexLock lock(&mu_);
-      broken_ = true;
-    }
-    Progress();
-  }
-
-  void OnDone() override {
-    if (admitted_) service_->CallDone();
-    delete this;
-  }
-
- private:
-  // Ends the call before it reads anything; only the constructor calls it.
-  void Refuse(const absl::Status& status) {
-    {
-      absl::MutexLock lock(&mu_);
-      finished_ = true;
-    }
-    service_->metrics_->CountRefusedStream(status.code());
-    Finish(ToGrpcStatus(status));
-  }
-
-  struct Slot {
-    v1::AttendRequest request;
-    v1::AttendResponse response;
-    bool answered = false;  // guarded by mu_
-  };
-
-  void Answered(Slot& slot, const absl::Status& status, const AttentionResult* result) {
-    v1::AttendResponse& response = slot.response;
-    if (status.ok()) {
-      ToAttendResponse(*result, &response);
-    } else {
-      response.mutable_error()->set_code(static_cast<int32_t>(status.code()));
-      response.mutable_error()->set_message(std::string(status.message()));
-    }
-    response.set_request_id(slot.request.request_id());
-    response.set_model(slot.request.model());
-    {
-      absl::MutexLock lock(&mu_);
-      slot.answered = true;
-    }
-    Progress();
-  }
-
-  // Starts whatever the state allows: the next write, the next read, or
-  // Finish() once every answer is out.
-  void Progress() {
-    const v1::AttendResponse* write = nullptr;
-    v1::AttendRequest* read = nullptr;
-    bool finish = false;
-    {
-      absl::MutexLock lock(&mu_);
-      if (finished_) return;
-      if (!writing_) {
-        while (broken_ && !slots_.empty() && slots_.front()->answered) slots_.pop_front();
-        if (!broken_ && !slots_.empty() && slots_.front()->answered) {
-          writing_ = true;
-          write = &slots_.front()->response;
-        }
-      }
-      if (!reading_ && !reads_done_ && !broken_ && slots_.size() < kMaxStreamInFlight) {
-        reading_ = true;
-        incoming_ = std::make_unique<Slot>();
-        read = &incoming_->request;
-      }
-      if (!reading_ && !writing_ && slots_.empty() && (reads_done_ || broken_)) {
-        finished_ = true;
-        finish = true;
-      }
-    }
-    if (write != nullptr) StartWrite(write);
-    if (read != nullptr) StartRead(read);
-    if (finish) Finish(grpc::Status::OK);
-  }
-
-  AttentionService* const service_;
-  grpc::CallbackServerContext* const context_;  // owned by gRPC; alive until OnDone
-  bool admitted_ = false;                       // set before anything can call OnDone
-
-  absl::Mutex mu_;
-  // Requests read, in order, until their answer is written; the front one is
-  // the next to write.
-  std::deque<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<Slot> incoming_ ABSL_GUARDED_BY(mu_);  // target of the read in flight
-  bool reading_ ABSL_GUARDED_BY(mu_) = false;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
-  bool broken_ ABSL_GUARDED_BY(mu_) = false;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
-};
 
 grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionService::AttendStream(
     grpc::CallbackServerContext* context) {

@@ -1,13 +1,14 @@
 // attention_service.h: the attention.v1.AttentionService implementation.
 //
 // Built on gRPC's callback API: no thread waits on a call. A request is
-// authenticated, resolved to its model, validated (core's Validate(), which
-// names the faulty field) and queued in its model's Batcher, all inside the
-// RPC handler; anything wrong is answered there, before any work is queued.
-// Each model's batcher thread runs merged batches through Engine::Run and
-// answers every request of the batch: Attend finishes its unary reactor,
-// AttendStream hands the answer to its stream's reactor, which writes answers
-// in request order and keeps going after a bad request.
+// authenticated (auth.h; a stream once, when it opens), resolved to its
+// model, validated (core's Validate(), which names the faulty field) and
+// queued in its model's Batcher, all inside the RPC handler; anything wrong is
+// answered there, before any work is queued. Each model's batcher thread runs
+// merged batches through Engine::Run and answers every request of the batch:
+// Attend finishes its unary reactor, AttendStream hands the answer to its
+// stream's reactor (stream_reactor.h), which writes answers in request order
+// and keeps going after a bad request.
 //
 // Shutdown: StopAccepting() refuses new calls and requests (UNAVAILABLE);
 // WaitForIdle() waits for the calls accepted before it to be done, answers
@@ -53,9 +54,9 @@ struct ServiceOptions {
 
 class AttentionService final : public v1::AttentionService::CallbackService {
  public:
-  // Starts one batcher per model of `repository`. `repository`, `engine` and
-  // `metrics` are not owned and must outlive the service. INVALID_ARGUMENT for
-  // out-of-range batching options.
+  // Starts one batcher per model of `repository`, which must not change
+  // afterwards. `repository`, `engine` and `metrics` are not owned and must
+  // outlive the service. INVALID_ARGUMENT for out-of-range batching options.
   static absl::StatusOr<std::unique_ptr<AttentionService>> Create(
       const ModelRepository* repository, Engine* engine, ServerMetrics* metrics,
       ServiceOptions options);
@@ -84,14 +85,20 @@ class AttentionService final : public v1::AttentionService::CallbackService {
     // found, so a request gets the code Attend would give it.
     absl::StatusOr<AttentionRequest> request;
   };
-  // The entry point of other APIs: the same authentication, admission, limits,
-  // batching, metrics and logs as Attend. A call counts as open from
-  // AdmitCall() (false once StopAccepting() ran: the call is not admitted)
-  // until its reactor's OnDone calls CallDone(), so drain waits for it.
-  void Submit(grpc::CallbackServerContext* context, Incoming incoming, Done done);
+  // The entry point of other APIs: answers `incoming` through `done` as
+  // Attend answers its request, with the same credentials (unless
+  // `credentials_checked`, as for a stream checked when it opened), admission,
+  // limits, batching, metrics and logs. The strings `incoming` views must stay
+  // alive until `done` runs.
+  void SubmitIncoming(grpc::CallbackServerContext* context, Incoming incoming,
+                      bool credentials_checked, Done done);
+  // A call counts as open from AdmitCall() (false once StopAccepting() ran:
+  // the call is not admitted) until its reactor's OnDone calls CallDone(),
+  // so drain waits for it.
   bool AdmitCall();
   void CallDone();
-  absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
+  // The bearer-token check of every call (auth.h).
+  absl::Status Authenticate(const grpc::ServerContextBase& context) const;
   // False once StopAccepting() ran.
   bool accepting() const { return accepting_.load(); }
 
@@ -115,9 +122,16 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   AttentionService(const ModelRepository* repository, Engine* engine, ServerMetrics* metrics,
                    ServiceOptions options);
 
-  // Answers `request` through `done`, now (when it is refused) or from the
-  // model's batcher thread. `request` must stay alive until `done` runs.
+  // Answers `request`, of a call whose credentials were checked, through
+  // `done`: now (when it is refused) or from the model's batcher thread.
+  // `request` must stay alive until `done` runs.
   void Submit(grpc::CallbackServerContext* context, const v1::AttendRequest& request, Done done);
+  // A request, counted in flight until Answer().
+  std::unique_ptr<Task> NewTask(grpc::CallbackServerContext* context, Incoming incoming,
+                                Done done);
+  // Answers `task` now when it cannot be computed, or queues it in its
+  // model's batcher.
+  void Enqueue(std::unique_ptr<Task> task);
   void ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch);
   void DropTask(ModelQueue& queue, std::unique_ptr<Task> task, const absl::Status& why);
   // Counts, logs and answers `task`.
@@ -130,7 +144,8 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   std::atomic<bool> accepting_{true};  // written under calls_mu_
   absl::Mutex calls_mu_;
   int64_t open_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // admitted, OnDone not yet run
-  std::vector<std::unique_ptr<ModelQueue>> queues_;  // one per model, in repository order
+  // One per model, in repository order: ModelRepository::IndexOf() indexes it.
+  std::vector<std::unique_ptr<ModelQueue>> queues_;
 };
 
 }  // namespace attention::server

@@ -68,11 +68,13 @@ absl::StatusOr<const Model*> InferenceService::FindModel(std::string_view name,
 
 void InferenceService::Infer(grpc::CallbackServerContext* context,
                              const inference::ModelInferRequest& proto,
-                             DecodedInferRequest* decoded, AttentionService::Done done) {
-  // Submit() refuses unauthenticated calls and calls while draining before it
-  // looks at the request, so those are not decoded at all.
+                             DecodedInferRequest* decoded, bool credentials_checked,
+                             AttentionService::Done done) {
+  // SubmitIncoming() refuses unauthenticated calls and calls while draining
+  // before it looks at the request, so those are not decoded at all.
   absl::StatusOr<AttentionRequest> request = AttentionRequest{};
-  if (attention_->accepting() && attention_->Authenticate(*context).ok()) {
+  if (attention_->accepting() &&
+      (credentials_checked || attention_->Authenticate(*context).ok())) {
     absl::StatusOr<const Model*> model = FindModel(proto.model_name(), proto.model_version());
     if (!model.ok() && repository_->Find(proto.model_name()) != nullptr) {
       request = model.status();  // the model exists, not at that version
@@ -82,12 +84,12 @@ void InferenceService::Infer(grpc::CallbackServerContext* context,
       request = decoded->request;
     }
   }
-  attention_->Submit(context,
-                     AttentionService::Incoming{.api = kInferenceApi,
-                                                .model = proto.model_name(),
-                                                .request_id = proto.id(),
-                                                .request = std::move(request)},
-                     std::move(done));
+  attention_->SubmitIncoming(context,
+                             AttentionService::Incoming{.api = kInferenceApi,
+                                                        .model = proto.model_name(),
+                                                        .request_id = proto.id(),
+                                                        .request = std::move(request)},
+                             credentials_checked, std::move(done));
 }
 
 grpc::ServerUnaryReactor* InferenceService::ServerLive(grpc::CallbackServerContext* context,
@@ -232,7 +234,7 @@ grpc::ServerUnaryReactor* InferenceService::ModelInfer(grpc::CallbackServerConte
                                                        inference::ModelInferResponse* response) {
   // Not admitted only while shutting down, and then Submit() refuses it.
   auto* reactor = new InferReactor(attention_, attention_->AdmitCall());
-  Infer(context, *request, &reactor->decoded,
+  Infer(context, *request, &reactor->decoded, /*credentials_checked=*/false,
         [reactor, request, response](const absl::Status& status, const AttentionResult* result) {
           if (status.ok()) EncodeInferResponse(*request, reactor->decoded, *result, response);
           reactor->Finish(ToGrpcStatus(status));
@@ -281,7 +283,8 @@ class InferenceService::StreamReactor final
       }
     }
     if (slot != nullptr) {
-      service_->Infer(context_, slot->request, &slot->decoded,
+      // Credentials were checked once, when the stream opened.
+      service_->Infer(context_, slot->request, &slot->decoded, /*credentials_checked=*/true,
                       [this, slot](const absl::Status& status, const AttentionResult* result) {
                         Answered(*slot, status, result);
                       });

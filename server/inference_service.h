@@ -67,9 +67,9 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
 
   // The model `name` at `version` ("" or "1"), or NOT_FOUND naming which.
   absl::StatusOr<const Model*> FindModel(std::string_view name, std::string_view version) const;
-  // Decodes `proto` into `decoded` and submits it; `done` as for Submit().
+  // Decodes `proto` into `decoded` and submits it; as for SubmitIncoming().
   void Infer(grpc::CallbackServerContext* context, const inference::ModelInferRequest& proto,
-             DecodedInferRequest* decoded, AttentionService::Done done);
+             DecodedInferRequest* decoded, bool credentials_checked, AttentionService::Done done);
 
   AttentionService* const attention_;        // not owned
   const ModelRepository* const repository_;  // not owned

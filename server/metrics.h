@@ -1,4 +1,5 @@
-// metrics.h: the Prometheus metrics of attention-server (names per contract).
+// metrics.h: the Prometheus metrics of attention-server (names as docs/api.md
+// lists them).
 //
 //   attention_requests_total{model,code}       counter; code is the gRPC status
 //                                               name ("OK", "INVALID_ARGUMENT"...)
@@ -8,17 +9,15 @@
 //   attention_batch_size{model}                requests per engine execution
 //   attention_queue_depth{model}               requests waiting now
 //   attention_queue_capacity{model}            requests the queue holds at most
-//                                               (an extension of the contract,
-//                                               so alerts need not hard-code it)
+//                                               (so alerts need not hard-code it)
 //   attention_inflight_requests                requests accepted, not answered
 //   attention_streams_refused_total{code}      AttendStream calls refused as a
 //                                               whole before any request was
 //                                               read (bad token, or opened
 //                                               while draining), which the
 //                                               requests counter cannot see
-//                                               (an extension of the contract)
 //   attention_api_requests_total{api,model,code}
-//                                              the same count split by the API
+//                                               the same count split by the API
 //                                               that served the request:
 //                                               "attention" (attention.v1) or
 //                                               "inference" (Open Inference

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "core/model_loader.h"
 
 namespace attention::server {
@@ -14,8 +15,9 @@ absl::StatusOr<ModelRepository> ModelRepository::Load(
     const std::optional<std::filesystem::path>& directory, bool strict,
     std::vector<absl::Status>* skipped) {
   ModelRepository repository;
-  repository.models_.push_back(std::make_unique<Model>(DotProductModel()));
-  repository.models_.push_back(std::make_unique<Model>(DistanceModel()));
+  for (Model built_in : {DotProductModel(), DistanceModel()}) {
+    if (absl::Status s = repository.Add(std::move(built_in)); !s.ok()) return s;
+  }
   if (!directory) return repository;
 
   std::error_code error;
@@ -40,29 +42,33 @@ absl::StatusOr<ModelRepository> ModelRepository::Load(
       problem = absl::AlreadyExistsError(absl::StrCat(
           file.string(), ": model name '", model->name, "' is taken by a built-in model"));
     }
+    if (problem.ok()) problem = repository.Add(*std::move(model));
     if (!problem.ok()) {
       if (strict) return problem;
       skipped->push_back(std::move(problem));
-      continue;
     }
-    repository.models_.push_back(std::make_unique<Model>(*std::move(model)));
   }
   return repository;
 }
 
 absl::Status ModelRepository::Add(Model model) {
-  if (Find(model.name) != nullptr) {
+  if (!index_.try_emplace(model.name, models_.size()).second) {
     return absl::AlreadyExistsError(absl::StrCat("model name '", model.name, "' is taken"));
   }
   models_.push_back(std::make_unique<Model>(std::move(model)));
   return absl::OkStatus();
 }
 
+std::optional<size_t> ModelRepository::IndexOf(std::string_view name) const {
+  // absl::string_view is not std::string_view in this abseil build.
+  const auto it = index_.find(absl::string_view(name.data(), name.size()));
+  if (it == index_.end()) return std::nullopt;
+  return it->second;
+}
+
 const Model* ModelRepository::Find(std::string_view name) const {
-  for (const auto& model : models_) {
-    if (model->name == name) return model.get();
-  }
-  return nullptr;
+  const std::optional<size_t> index = IndexOf(name);
+  return index ? models_[*index].get() : nullptr;
 }
 
 }  // namespace attention::server

@@ -13,9 +13,11 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/model.h"
@@ -34,6 +36,9 @@ class ModelRepository {
   // Adds `model` after the others; ALREADY_EXISTS when its name is taken.
   absl::Status Add(Model model);
 
+  // The index in models() of the model named `name`; nullopt when there is
+  // none. Constant time, as it runs for every request.
+  std::optional<size_t> IndexOf(std::string_view name) const;
   // nullptr when there is no model of that name.
   const Model* Find(std::string_view name) const;
   // Stable addresses for the repository's lifetime.
@@ -42,6 +47,7 @@ class ModelRepository {
  private:
   // Built-ins first, then files by name, then models added with Add().
   std::vector<std::unique_ptr<Model>> models_;
+  absl::flat_hash_map<std::string, size_t> index_;  // name -> index in models_
 };
 
 }  // namespace attention::server

@@ -11,17 +11,13 @@
 #include <fstream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "core/engine.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -29,69 +25,19 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
 #include "server/attention_service.h"
+#include "server/auth.h"
 #include "server/inference_service.h"
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
 #include "server/test_gate.h"
+#include "server/tls_credentials.h"
 #include "spdlog/spdlog.h"
 
 namespace attention::server {
 namespace {
 
 constexpr char kServiceName[] = "attention.v1.AttentionService";
-
-absl::StatusOr<std::string> ReadFile(const std::string& flag, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(flag, " ", path, ": cannot open the file"));
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
-
-// One token per line; blank lines and lines starting with '#' are skipped.
-absl::StatusOr<std::vector<std::string>> ReadTokens(const std::string& path) {
-  absl::StatusOr<std::string> text = ReadFile("--auth-token-file", path);
-  if (!text.ok()) return text.status();
-  std::vector<std::string> tokens;
-  for (absl::string_view line : absl::StrSplit(*text, '\n')) {
-    line = absl::StripAsciiWhitespace(line);
-    if (line.empty() || line.front() == '#') continue;
-    tokens.emplace_back(line);
-  }
-  if (tokens.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--auth-token-file ", path, " holds no token; every request would be refused"));
-  }
-  return tokens;
-}
-
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const ServerConfig& config) {
-  if (config.tls_cert.empty() != config.tls_key.empty()) {
-    return absl::InvalidArgumentError("--tls-cert and --tls-key must be given together");
-  }
-  if (config.tls_cert.empty()) {
-    if (!config.tls_client_ca.empty()) {
-      return absl::InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
-    }
-    return grpc::InsecureServerCredentials();
-  }
-  grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-  absl::StatusOr<std::string> key = ReadFile("--tls-key", config.tls_key);
-  if (!key.ok()) return key.status();
-  absl::StatusOr<std::string> cert = ReadFile("--tls-cert", config.tls_cert);
-  if (!cert.ok()) return cert.status();
-  options.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});
-  if (!config.tls_client_ca.empty()) {
-    absl::StatusOr<std::string> ca = ReadFile("--tls-client-ca", config.tls_client_ca);
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *std::move(ca);
-    options.client_certificate_request =
-        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
-  }
-  return grpc::SslServerCredentials(options);
-}
 
 // "0.0.0.0:0" with port 51234 bound -> "0.0.0.0:51234".
 std::string WithPort(const std::string& address, int port) {
@@ -184,13 +130,15 @@ int RunServer(const ServerConfig& config) {
     return 2;
   }
 
-  ServiceOptions service_options{.limits = config.limits, .batching = config.batching};
+  ServiceOptions service_options;
+  service_options.limits = config.limits;
+  service_options.batching = config.batching;
   if (!config.auth_token_file.empty()) {
-    absl::StatusOr<std::vector<std::string>> tokens = ReadTokens(config.auth_token_file);
+    absl::StatusOr<std::vector<std::string>> tokens = ReadTokenFile(config.auth_token_file);
     if (!tokens.ok()) return Fail(tokens.status());
     service_options.auth_tokens = *std::move(tokens);
   }
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = Credentials(config);
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = TlsCredentials(config);
   if (!credentials.ok()) return Fail(credentials.status());
 
   std::vector<absl::Status> skipped;

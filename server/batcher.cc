@@ -1,4 +1,4 @@
-// batcher_clock.cc: the wall clock that batchers use outside tests.
+// batcher.cc: the batcher's out-of-line code: the wall clock it uses outside tests.
 #include "server/batcher.h"
 
 namespace attention::server {

@@ -1,0 +1,29 @@
+// auth.h: bearer-token authentication of calls (--auth-token-file).
+//
+// A call is accepted when its metadata holds `authorization: Bearer <token>`
+// with one of the accepted tokens (docs/api.md). Tokens are never logged.
+//
+//   auto tokens = ReadTokenFile("/etc/attention/tokens");
+//   absl::Status s = CheckBearerToken(*context, *tokens);  // UNAUTHENTICATED or OK
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "grpcpp/grpcpp.h"
+
+namespace attention::server {
+
+// The tokens of `path`, one per line; blank lines and lines starting with
+// '#' are skipped. INVALID_ARGUMENT when it holds none (every call would be
+// refused).
+absl::StatusOr<std::vector<std::string>> ReadTokenFile(const std::string& path);
+
+// OK when `accepted` is empty (no authentication) or the call sends one of
+// them; UNAUTHENTICATED, saying what to send, otherwise.
+absl::Status CheckBearerToken(const grpc::ServerContextBase& context,
+                              const std::vector<std::string>& accepted);
+
+}  // namespace attention::server

@@ -1,0 +1,20 @@
+// tls_credentials.h: the transport credentials of attention-server.
+//
+// Plaintext unless --tls-cert and --tls-key are given; with --tls-client-ca
+// too, clients must present a certificate that CA signed (mutual TLS).
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "grpcpp/grpcpp.h"
+#include "server/server_config.h"
+
+namespace attention::server {
+
+// INVALID_ARGUMENT for an incomplete combination of the TLS flags, NOT_FOUND
+// naming the flag of a file that cannot be read.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsCredentials(
+    const ServerConfig& config);
+
+}  // namespace attention::server
