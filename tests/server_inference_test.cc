@@ -5,7 +5,8 @@
 // and BF16 inputs equal to their FP32 widening; every errors.json entry gets
 // the code Attend gives it; merged batches (ModelInfer and Attend together)
 // answer as alone; ModelStreamInfer's order and errors in place; ServerReady
-// false at SIGTERM while an admitted call is answered; metrics by API; tokens.
+// false at SIGTERM while an admitted call is answered; queue limits and
+// deadlines as for Attend; metrics by API; tokens.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -616,6 +617,56 @@ TEST_F(ServerInferenceTest, NotReadyAtSigtermWhileAdmittedCallsAreAnswered) {
   infer_.reset();
   attend_.reset();
   EXPECT_EQ(server_->Wait(), 0) << server_->Log();
+}
+
+// Queue limits and deadlines are the batcher's, so ModelInfer gets what
+// Attend gets: RESOURCE_EXHAUSTED beyond --queue-capacity, DEADLINE_EXCEEDED
+// for a request whose deadline passes while it waits.
+TEST_F(ServerInferenceTest, FullQueueAndPassedDeadlineAsForAttend) {
+  Start({"--queue-capacity", "1", "--max-batch-size", "1"});
+  auto held = std::async(std::launch::async, [&] {
+    return Infer(*infer_, ToInfer(SmallRequest("gate", "held"), Contents::kRaw));
+  });
+  EXPECT_EQ(held.wait_for(kHeldFor), std::future_status::timeout);
+  // Fills the queue's one place, and waits there past its 300 ms deadline.
+  auto expiring = std::async(std::launch::async, [&] {
+    InferReply reply;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+    reply.status = infer_->ModelInfer(&context, ToInfer(SmallRequest("gate", "late"), Contents::kRaw),
+                                      &reply.response);
+    return reply;
+  });
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (MetricValue(ScrapeMetrics(server_->metrics_address()), "attention_queue_depth",
+                     {{"model", "gate"}}) < 1 &&
+         std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const InferReply full = Infer(*infer_, ToInfer(SmallRequest("gate", "full"), Contents::kTyped));
+  EXPECT_EQ(full.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << full.status.error_message();
+
+  EXPECT_EQ(expiring.get().status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  Release('.');
+  ASSERT_TRUE(held.get().status.ok());
+  // The expired request is dropped by the batcher once the held batch is
+  // done, which may be after its client gave up.
+  std::string metrics;
+  const auto counted_by = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  do {
+    metrics = ScrapeMetrics(server_->metrics_address());
+  } while (MetricValue(metrics, "attention_api_requests_total", {{"code", "DEADLINE_EXCEEDED"}}) < 1 &&
+           std::chrono::steady_clock::now() < counted_by);
+  for (const char* code : {"OK", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}) {
+    EXPECT_EQ(MetricValue(metrics, "attention_api_requests_total",
+                          {{"api", "inference"}, {"model", "gate"}, {"code", code}}),
+              1)
+        << code;
+  }
+  EXPECT_EQ(MetricValue(metrics, "attention_batch_size_sum", {{"model", "gate"}}), 1)
+      << "only the held request was computed";
+  EXPECT_EQ(Stop(), 0) << server_->Log();
 }
 
 TEST_F(ServerInferenceTest, TokensGuardEverythingButLiveAndReady) {
