@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -273,6 +274,48 @@ TEST(InferenceAdapterTest, MetadataMarksSizesTheRequestChooses) {
   EXPECT_EQ(config.input(3).data_type(), inference::TYPE_INT32);
   ASSERT_EQ(config.output_size(), 2);
   EXPECT_THAT(config.output(1).dims(), ElementsAre(-1, -1, -1));
+}
+
+// Requests from the network are untrusted: any bytes that parse as a
+// ModelInferRequest decode to a request (then validated by core) or to
+// INVALID_ARGUMENT, never to a crash or another code. Run under ASan by
+// scripts/sanitize.sh.
+TEST(InferenceAdapterTest, MutatedRequestsDecodeOrAreRefused) {
+  inference::ModelInferRequest proto = RawQueries();
+  AddInput(&proto, "valid_lens", "INT64", {1, 2});
+  proto.add_raw_input_contents(Bytes(std::vector<int64_t>{1, 2}));
+  AddInput(&proto, "keys", "FP16", {1, 3, 2});
+  proto.add_raw_input_contents(Bytes(std::vector<uint16_t>{0x3c00, 0, 0x3c00, 0, 0, 0x3c00}));
+  (*proto.mutable_parameters())["scale"].set_double_param(0.5);
+  proto.add_outputs()->set_name("attention_weights");
+  const std::string wire = proto.SerializeAsString();
+
+  std::mt19937 random(15);
+  int decoded_ok = 0;
+  int refused = 0;
+  for (int round = 0; round < 20000; ++round) {
+    std::string mutated = wire;
+    const int flips = 1 + static_cast<int>(random() % 4);
+    for (int i = 0; i < flips; ++i) {
+      mutated[random() % mutated.size()] = static_cast<char>(random() % 256);
+    }
+    inference::ModelInferRequest parsed;
+    if (!parsed.ParseFromString(mutated)) continue;
+    DecodedInferRequest decoded;
+    const absl::Status status = DecodeInferRequest(parsed, &decoded);
+    if (!status.ok()) {
+      ASSERT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+      ++refused;
+      continue;
+    }
+    ++decoded_ok;
+    const absl::StatusOr<AttentionDims> dims = Validate(DotProductModel(), decoded.request);
+    if (!dims.ok()) {
+      EXPECT_EQ(dims.status().code(), absl::StatusCode::kInvalidArgument) << dims.status();
+    }
+  }
+  EXPECT_GT(decoded_ok, 0) << "some mutations keep the request valid";
+  EXPECT_GT(refused, 0) << "some mutations break it";
 }
 
 }  // namespace
