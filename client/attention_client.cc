@@ -131,6 +131,13 @@ struct AsyncAttendCall {
   AttentionClient::AttendCallback done;
 };
 
+// The same for an InferAsync call.
+struct AsyncInferCall {
+  grpc::ClientContext context;
+  inference::ModelInferResponse response;
+  AttentionClient::InferCallback done;
+};
+
 }  // namespace
 
 absl::Status ToAbslStatus(const grpc::Status& status) {
@@ -160,6 +167,7 @@ AttentionClient::AttentionClient(ClientOptions options, std::shared_ptr<grpc::Ch
       channel_(std::move(channel)),
       stub_(attention::v1::AttentionService::NewStub(channel_)),
       health_stub_(grpc::health::v1::Health::NewStub(channel_)),
+      inference_stub_(inference::GRPCInferenceService::NewStub(channel_)),
       stream_channel_(std::move(stream_channel)),
       stream_stub_(attention::v1::AttentionService::NewStub(stream_channel_)) {}
 
@@ -212,6 +220,28 @@ void AttentionClient::AttendAsync(const AttendRequest* request, AttendCallback d
                            absl::MutexLock lock(&async_mu_);
                            --async_calls_;
                          });
+}
+
+void AttentionClient::InferAsync(const inference::ModelInferRequest* request,
+                                 InferCallback done) {
+  {
+    absl::MutexLock lock(&async_mu_);
+    ++async_calls_;
+  }
+  auto* call = new AsyncInferCall;
+  call->done = std::move(done);
+  Prepare(call->context, options_.timeout);
+  inference_stub_->async()->ModelInfer(&call->context, request, &call->response,
+                                       [this, call](grpc::Status status) {
+                                         if (status.ok()) {
+                                           call->done(std::move(call->response));
+                                         } else {
+                                           call->done(ToAbslStatus(status));
+                                         }
+                                         delete call;
+                                         absl::MutexLock lock(&async_mu_);
+                                         --async_calls_;
+                                       });
 }
 
 absl::StatusOr<AttentionClient::StreamResults> AttentionClient::AttendStream(

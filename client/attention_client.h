@@ -37,6 +37,7 @@
 #include "attention.grpc.pb.h"
 #include "client/client_options.h"
 #include "health.grpc.pb.h"
+#include "inference/grpc_service.grpc.pb.h"
 
 namespace attention::client {
 
@@ -47,7 +48,7 @@ class AttentionClient {
   // TLS file is NOT_FOUND with its path.
   static absl::StatusOr<std::unique_ptr<AttentionClient>> Create(ClientOptions options);
 
-  // Waits for every AttendAsync call to end: a gRPC thread still inside a
+  // Waits for every AttendAsync and InferAsync call to end: a gRPC thread still inside a
   // callback must not outlive the stub and channel it uses.
   ~AttentionClient();
   AttentionClient(const AttentionClient&) = delete;
@@ -96,6 +97,12 @@ class AttentionClient {
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
       const std::string& service = "");
 
+  // Starts an Open Inference Protocol ModelInfer call (docs/api.md section 9)
+  // with the same deadline and token, and returns at once; `done` as for
+  // AttendAsync. `request` must outlive the call.
+  using InferCallback = std::function<void(absl::StatusOr<inference::ModelInferResponse>)>;
+  void InferAsync(const inference::ModelInferRequest* request, InferCallback done);
+
   // The channel, for callers that need another stub on the same connections.
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 
@@ -110,12 +117,13 @@ class AttentionClient {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<attention::v1::AttentionService::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+  std::unique_ptr<inference::GRPCInferenceService::Stub> inference_stub_;
   // AttendStream's: connects on the first stream, without retries.
   std::shared_ptr<grpc::Channel> stream_channel_;
   std::unique_ptr<attention::v1::AttentionService::Stub> stream_stub_;
 
   absl::Mutex async_mu_;
-  int async_calls_ ABSL_GUARDED_BY(async_mu_) = 0;  // AttendAsync calls not yet ended
+  int async_calls_ ABSL_GUARDED_BY(async_mu_) = 0;  // *Async calls not yet ended
 };
 
 // gRPC's status as an absl::Status: the codes are the same numbers.

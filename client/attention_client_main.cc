@@ -141,6 +141,11 @@ int main(int argc, char** argv) {
                 ->capture_default_str());
   generated(bench->add_flag("--causal", bench_command.shape.causal,
                             "Generated request: causal mask"));
+  bench->add_option("--api", bench_command.api,
+                    "attention: Attend calls; inference: the same request as Open Inference "
+                    "Protocol ModelInfer calls")
+      ->check(CLI::IsMember({"attention", "inference"}))
+      ->capture_default_str();
   bench->add_flag("--json", bench_command.json, "Print only one JSON object on stdout");
 
   CLI11_PARSE(app, argc, argv);

@@ -26,6 +26,9 @@ std::string FormatReport(const BenchSetup& setup, const LoadResult& result) {
       "model %s at %s, %s, measured %g s after %g s of warm-up\n", setup.model, setup.target,
       LoadDescription(setup.load), absl::ToDoubleSeconds(setup.load.duration),
       absl::ToDoubleSeconds(setup.load.warmup));
+  if (setup.api != "attention") {
+    absl::StrAppendFormat(&report, "  api          %s\n", setup.api);
+  }
   absl::StrAppendFormat(&report, "  requests     %d (%d errors)\n", result.requests,
                         result.errors);
   if (result.skipped > 0) {
@@ -63,6 +66,7 @@ std::string FormatJson(const BenchSetup& setup, const LoadResult& result) {
         {"max", l.max_ms}}},
       {"target", setup.target},
       {"model", setup.model},
+      {"api", setup.api},
       {"duration_s", absl::ToDoubleSeconds(setup.load.duration)},
       {"warmup_s", absl::ToDoubleSeconds(setup.load.warmup)},
   };

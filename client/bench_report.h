@@ -12,6 +12,8 @@ namespace attention::client {
 struct BenchSetup {
   std::string target;
   std::string model;
+  // "attention" (Attend) or "inference" (ModelInfer).
+  std::string api = "attention";
   LoadOptions load;
 };
 
@@ -20,7 +22,8 @@ struct BenchSetup {
 std::string FormatReport(const BenchSetup& setup, const LoadResult& result);
 
 // One line of JSON: requests, errors (a count), errors_by_code (code name ->
-// count), throughput_rps, latency_ms {p50, p90, p95, p99, max}, and the setup.
+// count), throughput_rps, latency_ms {p50, p90, p95, p99, max}, and the setup
+// (api included).
 std::string FormatJson(const BenchSetup& setup, const LoadResult& result);
 
 // One line without a newline, for redrawing in place on a terminal.

@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -13,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/bench_report.h"
+#include "client/inference_request.h"
 #include "client/proto_json.h"
 
 namespace attention::client {
@@ -152,9 +154,12 @@ int RunBench(AttentionClient& client, const BenchCommand& command) {
   if (!request.ok()) return BadInput(request.status());
 
   const BenchSetup setup{.target = command.target, .model = request->model(),
-                         .load = command.load};
+                         .api = command.api, .load = command.load};
   const bool show_progress = isatty(STDERR_FILENO) == 1;
-  LoadGenerator generator(client, *request, command.load);
+  std::optional<inference::ModelInferRequest> infer_request;
+  if (command.api == "inference") infer_request = ToModelInferRequest(*request);
+  LoadGenerator generator = infer_request ? LoadGenerator(client, *infer_request, command.load)
+                                          : LoadGenerator(client, *request, command.load);
   const LoadResult result = generator.Run([&](const LoadProgress& progress) {
     if (show_progress) std::cerr << "\r" << FormatProgress(setup, progress) << std::flush;
   });

@@ -39,6 +39,9 @@ struct BenchCommand {
   // The request file (proto JSON); empty: one generated from `shape`.
   std::string request_file;
   GeneratedRequestShape shape;
+  // "attention": Attend calls; "inference": the same request as Open
+  // Inference Protocol ModelInfer calls (raw contents).
+  std::string api = "attention";
   bool json = false;
 };
 

@@ -48,7 +48,25 @@ absl::Status LoadGenerator::Validate(const LoadOptions& options) {
 LoadGenerator::LoadGenerator(AttentionClient& client,
                              const attention::v1::AttendRequest& request,
                              LoadOptions options)
-    : client_(client), request_(request), options_(options) {}
+    : client_(client), attend_request_(&request), infer_request_(nullptr), options_(options) {}
+
+LoadGenerator::LoadGenerator(AttentionClient& client,
+                             const inference::ModelInferRequest& request, LoadOptions options)
+    : client_(client), attend_request_(nullptr), infer_request_(&request), options_(options) {}
+
+void LoadGenerator::Send(Clock::time_point latency_from) {
+  if (infer_request_ != nullptr) {
+    client_.InferAsync(infer_request_,
+                       [this, latency_from](absl::StatusOr<inference::ModelInferResponse> answer) {
+                         OnAnswer(latency_from, answer.status());
+                       });
+    return;
+  }
+  client_.AttendAsync(attend_request_,
+                      [this, latency_from](absl::StatusOr<attention::v1::AttendResponse> answer) {
+                        OnAnswer(latency_from, answer.status());
+                      });
+}
 
 bool LoadGenerator::Start(Clock::time_point latency_from) {
   {
@@ -56,10 +74,7 @@ bool LoadGenerator::Start(Clock::time_point latency_from) {
     if (options_.max_in_flight > 0 && in_flight_ >= options_.max_in_flight) return false;
     ++in_flight_;
   }
-  client_.AttendAsync(&request_,
-                      [this, latency_from](absl::StatusOr<attention::v1::AttendResponse> answer) {
-                        OnAnswer(latency_from, answer.status());
-                      });
+  Send(latency_from);
   return true;
 }
 
@@ -81,12 +96,7 @@ void LoadGenerator::OnAnswer(Clock::time_point latency_from, const absl::Status&
     }
     if (!start_next && --in_flight_ == 0) idle_.notify_all();
   }
-  if (start_next) {
-    client_.AttendAsync(&request_,
-                        [this, sent = now](absl::StatusOr<attention::v1::AttendResponse> answer) {
-                          OnAnswer(sent, answer.status());
-                        });
-  }
+  if (start_next) Send(now);
 }
 
 LoadProgress LoadGenerator::Progress() {

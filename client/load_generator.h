@@ -1,5 +1,6 @@
-// load_generator.h: drives Attend calls at a server and measures them, like
-// Triton's perf_analyzer.
+// load_generator.h: drives Attend calls (or Open Inference Protocol
+// ModelInfer calls) at a server and measures them, like Triton's
+// perf_analyzer.
 //
 // Two ways to load the server:
 //   closed loop (rate_rps == 0): `concurrency` calls are always in flight;
@@ -34,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attention.pb.h"
+#include "inference/grpc_service.pb.h"
 #include "client/attention_client.h"
 #include "client/latency_summary.h"
 
@@ -84,6 +86,9 @@ class LoadGenerator {
   // `client` and `request` are not owned and must outlive Run().
   LoadGenerator(AttentionClient& client, const attention::v1::AttendRequest& request,
                 LoadOptions options);
+  // The same load as ModelInfer calls of `request`.
+  LoadGenerator(AttentionClient& client, const inference::ModelInferRequest& request,
+                LoadOptions options);
 
   // Runs the load once; `progress` (may be empty) is called on this thread
   // about every `progress_interval` while calls are being started.
@@ -96,6 +101,8 @@ class LoadGenerator {
   // Starts one call; `latency_from` is when its latency starts counting.
   // Returns false, without starting it, if max_in_flight calls are in flight.
   bool Start(Clock::time_point latency_from);
+  // Sends the request once; its answer goes to OnAnswer.
+  void Send(Clock::time_point latency_from);
   void OnAnswer(Clock::time_point latency_from, const absl::Status& status);
   // Returns at the given time; meanwhile reports progress.
   using WaitUntil = std::function<void(Clock::time_point)>;
@@ -104,7 +111,9 @@ class LoadGenerator {
   LoadProgress Progress();
 
   AttentionClient& client_;
-  const attention::v1::AttendRequest& request_;
+  // Exactly one of the two is set.
+  const attention::v1::AttendRequest* const attend_request_;
+  const inference::ModelInferRequest* const infer_request_;
   const LoadOptions options_;
   Clock::time_point start_, measure_from_, measure_until_;
 

@@ -27,6 +27,16 @@ absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
+// The `api` label of attention.v1 requests.
+constexpr std::string_view kAttentionApi = "attention";
+
+AttentionService::Incoming FromAttend(const v1::AttendRequest& request) {
+  return AttentionService::Incoming{.api = kAttentionApi,
+                                    .model = request.model(),
+                                    .request_id = request.request_id(),
+                                    .request = ToAttentionRequest(request)};
+}
+
 }  // namespace
 
 // One request on its way through a model's batcher.
@@ -35,8 +45,11 @@ struct AttentionService::Task {
   bool cancelled() const { return context->IsCancelled(); }
 
   grpc::CallbackServerContext* context = nullptr;  // owned by gRPC; alive until done runs
-  const v1::AttendRequest* proto = nullptr;        // owned by the caller of Submit
-  AttentionRequest request;                        // views into *proto
+  std::string_view api;                            // these three: owned by the caller
+  std::string_view model_name;                     // of Submit, alive until done runs
+  std::string_view request_id;
+  absl::Status refused_by_api;                     // the API's decoding failed
+  AttentionRequest request;                        // views the caller's storage
   ValidatedRequest validated;                      // points at `request`
   ModelQueue* queue = nullptr;                     // null: names no served model
   absl::Time arrived;
@@ -119,15 +132,35 @@ void AttentionService::Drain() {
 
 void AttentionService::Submit(grpc::CallbackServerContext* context,
                               const v1::AttendRequest& request, Done done) {
-  Enqueue(NewTask(context, request, std::move(done)));
+  Enqueue(NewTask(context, FromAttend(request), std::move(done)));
+}
+
+void AttentionService::SubmitIncoming(grpc::CallbackServerContext* context, Incoming incoming,
+                                      bool credentials_checked, Done done) {
+  std::unique_ptr<Task> task = NewTask(context, std::move(incoming), std::move(done));
+  if (!credentials_checked) {
+    if (absl::Status auth = Authenticate(*context); !auth.ok()) return Answer(*task, auth, nullptr);
+  }
+  Enqueue(std::move(task));
+}
+
+absl::Status AttentionService::Authenticate(const grpc::ServerContextBase& context) const {
+  return CheckBearerToken(context, options_.auth_tokens);
 }
 
 std::unique_ptr<AttentionService::Task> AttentionService::NewTask(
-    grpc::CallbackServerContext* context, const v1::AttendRequest& request, Done done) {
+    grpc::CallbackServerContext* context, Incoming incoming, Done done) {
   auto task = std::make_unique<Task>();
   task->arrived = absl::Now();
   task->context = context;
-  task->proto = &request;
+  task->api = incoming.api;
+  task->model_name = incoming.model;
+  task->request_id = incoming.request_id;
+  if (incoming.request.ok()) {
+    task->request = *std::move(incoming.request);
+  } else {
+    task->refused_by_api = incoming.request.status();
+  }
   task->deadline_at = ToAbslTime(context->deadline());
   task->done = std::move(done);
   metrics_->inflight().Increment();
@@ -140,16 +173,16 @@ void AttentionService::Enqueue(std::unique_ptr<Task> task) {
                   absl::UnavailableError("the server is shutting down and takes no new requests"),
                   nullptr);
   }
-  const v1::AttendRequest& request = *task->proto;
-  const std::optional<size_t> model_index = repository_->IndexOf(request.model());
+  const std::optional<size_t> model_index = repository_->IndexOf(task->model_name);
   if (!model_index) {
     return Answer(*task,
-                  absl::NotFoundError(absl::StrCat("model: no model named '", request.model(),
+                  absl::NotFoundError(absl::StrCat("model: no model named '",
+                                                   std::string(task->model_name),
                                                    "' is served (ListModels lists them)")),
                   nullptr);
   }
   task->queue = queues_[*model_index].get();
-  task->request = ToAttentionRequest(request);
+  if (!task->refused_by_api.ok()) return Answer(*task, task->refused_by_api, nullptr);
   absl::StatusOr<AttentionDims> dims =
       Validate(*task->queue->model, task->request, options_.limits);
   if (!dims.ok()) return Answer(*task, dims.status(), nullptr);
@@ -206,8 +239,10 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
   const std::string_view model =
       task.queue != nullptr ? std::string_view(task.queue->model->name) : std::string_view();
   metrics_->CountRequest(model, status.code());
+  metrics_->CountApiRequest(task.api, model, status.code());
   if (task.queue != nullptr) {
     ModelMetrics& m = *task.queue->metrics;
+    m.totals->Count(status.ok(), total);
     m.request_duration->Observe(Seconds(total));
     if (task.queued) m.queue_duration->Observe(Seconds(*task.queued));
     if (task.computed) m.compute_duration->Observe(Seconds(*task.computed));
@@ -215,13 +250,13 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
   const int64_t queued_us = task.queued ? Micros(*task.queued) : 0;
   const int64_t computed_us = task.computed ? Micros(*task.computed) : 0;
   if (!status.ok()) {
-    spdlog::warn("request failed: model='{}' request_id='{}' peer={} code={} after {} us: {}",
-                 task.proto->model(), task.proto->request_id(), task.context->peer(),
+    spdlog::warn("request failed: api={} model='{}' request_id='{}' peer={} code={} after {} us: {}",
+                 task.api, task.model_name, task.request_id, task.context->peer(),
                  absl::StatusCodeToString(status.code()), Micros(total), std::string(status.message()));
   } else if (spdlog::should_log(spdlog::level::debug)) {
-    spdlog::debug("request done: model='{}' request_id='{}' peer={} batch_wait={} us compute={} us "
-                  "total={} us",
-                  model, task.proto->request_id(), task.context->peer(), queued_us, computed_us,
+    spdlog::debug("request done: api={} model='{}' request_id='{}' peer={} batch_wait={} us "
+                  "compute={} us total={} us",
+                  task.api, model, task.request_id, task.context->peer(), queued_us, computed_us,
                   Micros(total));
   }
   task.done(status, result);
@@ -250,7 +285,7 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
   // Not admitted only while shutting down, and then Enqueue() refuses it.
   grpc::ServerUnaryReactor* reactor = new UnaryReactor(this, AdmitCall());
   std::unique_ptr<Task> task = NewTask(
-      context, *request,
+      context, FromAttend(*request),
       [reactor, request, response](const absl::Status& status, const AttentionResult* result) {
         if (status.ok()) {
           ToAttendResponse(*result, response);

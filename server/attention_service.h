@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -70,6 +71,37 @@ class AttentionService final : public v1::AttentionService::CallbackService {
                                        const v1::ListModelsRequest* request,
                                        v1::ListModelsResponse* response) override;
 
+  // Receives a request's answer exactly once; `result` is set iff status is OK
+  // and valid only during the call.
+  using Done = std::function<void(const absl::Status& status, const AttentionResult* result)>;
+
+  // One request of another API served on this port (inference_service.h).
+  struct Incoming {
+    std::string_view api;  // the `api` label of its metrics and log lines
+    std::string_view model;
+    std::string_view request_id;
+    // The request (viewing storage the caller keeps until `done` runs), or
+    // why the API's own decoding refused it; checked once the model is
+    // found, so a request gets the code Attend would give it.
+    absl::StatusOr<AttentionRequest> request;
+  };
+  // The entry point of other APIs: answers `incoming` through `done` as
+  // Attend answers its request, with the same credentials (unless
+  // `credentials_checked`, as for a stream checked when it opened), admission,
+  // limits, batching, metrics and logs. The strings `incoming` views must stay
+  // alive until `done` runs.
+  void SubmitIncoming(grpc::CallbackServerContext* context, Incoming incoming,
+                      bool credentials_checked, Done done);
+  // A call counts as open from AdmitCall() (false once StopAccepting() ran:
+  // the call is not admitted) until its reactor's OnDone calls CallDone(),
+  // so drain waits for it.
+  bool AdmitCall();
+  void CallDone();
+  // The bearer-token check of every call (auth.h).
+  absl::Status Authenticate(const grpc::ServerContextBase& context) const;
+  // False once StopAccepting() ran.
+  bool accepting() const { return accepting_.load(); }
+
   // Every call and every request from now on is refused with UNAVAILABLE.
   void StopAccepting();
   // Waits until every call accepted before StopAccepting() is done (gRPC has
@@ -86,9 +118,6 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   struct ModelQueue;
   class UnaryReactor;
   class StreamReactor;
-  // Receives a request's answer exactly once; `result` is set iff status is OK
-  // and valid only during the call.
-  using Done = std::function<void(const absl::Status& status, const AttentionResult* result)>;
 
   AttentionService(const ModelRepository* repository, Engine* engine, ServerMetrics* metrics,
                    ServiceOptions options);
@@ -98,15 +127,11 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   // `request` must stay alive until `done` runs.
   void Submit(grpc::CallbackServerContext* context, const v1::AttendRequest& request, Done done);
   // A request, counted in flight until Answer().
-  std::unique_ptr<Task> NewTask(grpc::CallbackServerContext* context,
-                                const v1::AttendRequest& request, Done done);
+  std::unique_ptr<Task> NewTask(grpc::CallbackServerContext* context, Incoming incoming,
+                                Done done);
   // Answers `task` now when it cannot be computed, or queues it in its
   // model's batcher.
   void Enqueue(std::unique_ptr<Task> task);
-  // A call counts as open from AdmitCall() (false once StopAccepting() ran:
-  // the call is not admitted) until its reactor's OnDone calls CallDone().
-  bool AdmitCall();
-  void CallDone();
   void ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch);
   void DropTask(ModelQueue& queue, std::unique_ptr<Task> task, const absl::Status& why);
   // Counts, logs and answers `task`.

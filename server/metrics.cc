@@ -2,6 +2,7 @@
 #include "server/metrics.h"
 
 #include "absl/status/status.h"
+#include "absl/time/clock.h"
 
 namespace attention::server {
 namespace {
@@ -25,6 +26,13 @@ prometheus::Histogram::BucketBoundaries BatchSizeBuckets(int max_batch_size) {
 
 }  // namespace
 
+void ModelTotals::Count(bool ok, absl::Duration total) {
+  const auto ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(total));
+  (ok ? success_count : fail_count).fetch_add(1, std::memory_order_relaxed);
+  (ok ? success_ns : fail_ns).fetch_add(ns, std::memory_order_relaxed);
+  last_answer_ms.store(absl::ToUnixMillis(absl::Now()), std::memory_order_relaxed);
+}
+
 ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_batch_size,
                              int queue_capacity)
     : registry_(std::make_shared<prometheus::Registry>()) {
@@ -37,6 +45,11 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
                           .Help("AttendStream calls refused before reading a request, by gRPC "
                                 "status code")
                           .Register(*registry_);
+  api_requests_ = &prometheus::BuildCounter()
+                       .Name("attention_api_requests_total")
+                       .Help("Answered attention requests by serving API (attention, inference), "
+                             "model and gRPC status code")
+                       .Register(*registry_);
   auto& request_duration = prometheus::BuildHistogram()
                                .Name("attention_request_duration_seconds")
                                .Help("Time from a request's arrival to its answer")
@@ -68,12 +81,13 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
                    .Add({});
   for (const std::string& model : models) {
     const prometheus::Labels labels{{"model", model}};
+    totals_.push_back(std::make_unique<ModelTotals>());
     models_.emplace(model,
                     ModelMetrics{&request_duration.Add(labels, DurationBuckets()),
                                  &queue_duration.Add(labels, DurationBuckets()),
                                  &compute_duration.Add(labels, DurationBuckets()),
                                  &batch_size.Add(labels, BatchSizeBuckets(max_batch_size)),
-                                 &queue_depth.Add(labels)});
+                                 &queue_depth.Add(labels), totals_.back().get()});
     queue_capacity_gauge.Add(labels).Set(queue_capacity);
   }
 }
@@ -85,6 +99,15 @@ ModelMetrics* ServerMetrics::ForModel(std::string_view model) {
 
 void ServerMetrics::CountRequest(std::string_view model, absl::StatusCode code) {
   requests_->Add({{"model", std::string(model)}, {"code", absl::StatusCodeToString(code)}})
+      .Increment();
+}
+
+void ServerMetrics::CountApiRequest(std::string_view api, std::string_view model,
+                                    absl::StatusCode code) {
+  api_requests_
+      ->Add({{"api", std::string(api)},
+             {"model", std::string(model)},
+             {"code", absl::StatusCodeToString(code)}})
       .Increment();
 }
 

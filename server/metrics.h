@@ -16,12 +16,20 @@
 //                                               read (bad token, or opened
 //                                               while draining), which the
 //                                               requests counter cannot see
+//   attention_api_requests_total{api,model,code}
+//                                               the same count split by the API
+//                                               that served the request:
+//                                               "attention" (attention.v1) or
+//                                               "inference" (Open Inference
+//                                               Protocol); an extension
 //
 // `model` is a served model's name, or empty for a request naming no served
 // model, so clients cannot create label values at will. Durations use buckets
 // from 50 us to 10 s.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -38,6 +46,19 @@
 
 namespace attention::server {
 
+// What a model's ModelStatistics (Open Inference Protocol) reports beyond the
+// series below, which do not split durations by success and failure.
+struct ModelTotals {
+  std::atomic<uint64_t> success_count{0};
+  std::atomic<uint64_t> success_ns{0};
+  std::atomic<uint64_t> fail_count{0};
+  std::atomic<uint64_t> fail_ns{0};
+  std::atomic<int64_t> last_answer_ms{0};  // since the epoch; 0: never
+
+  // One answered request that took `total` from arrival to answer.
+  void Count(bool ok, absl::Duration total);
+};
+
 // The series of one model, created up front so the hot path only observes.
 struct ModelMetrics {
   prometheus::Histogram* request_duration;
@@ -45,6 +66,7 @@ struct ModelMetrics {
   prometheus::Histogram* compute_duration;
   prometheus::Histogram* batch_size;
   prometheus::Gauge* queue_depth;
+  ModelTotals* totals;  // owned by ServerMetrics
 };
 
 class ServerMetrics {
@@ -56,6 +78,8 @@ class ServerMetrics {
   ModelMetrics* ForModel(std::string_view model);
   // Counts one answered request; `model` as in ForModel, or "" for none.
   void CountRequest(std::string_view model, absl::StatusCode code);
+  // Counts it again by the API that served it.
+  void CountApiRequest(std::string_view api, std::string_view model, absl::StatusCode code);
   // Counts one AttendStream call refused before it read a request.
   void CountRefusedStream(absl::StatusCode code);
   prometheus::Gauge& inflight() { return *inflight_; }
@@ -66,8 +90,10 @@ class ServerMetrics {
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Counter>* refused_streams_;
+  prometheus::Family<prometheus::Counter>* api_requests_;
   prometheus::Gauge* inflight_;
   std::map<std::string, ModelMetrics, std::less<>> models_;
+  std::vector<std::unique_ptr<ModelTotals>> totals_;
 };
 
 // Seconds, as Prometheus wants them.

@@ -26,6 +26,7 @@
 #include "prometheus/exposer.h"
 #include "server/attention_service.h"
 #include "server/auth.h"
+#include "server/inference_service.h"
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
@@ -175,6 +176,8 @@ int RunServer(const ServerConfig& config) {
   int port = 0;
   builder.AddListeningPort(config.address, *credentials, &port);
   builder.RegisterService(service->get());
+  InferenceService inference_service(service->get(), &*repository, &metrics);
+  builder.RegisterService(&inference_service);
   builder.SetMaxReceiveMessageSize(config.max_message_bytes);
   // gRPC reads every call a client opens, whether or not the service has
   // taken it yet. Without this cap, a client sending faster than the server

@@ -1,0 +1,405 @@
+// inference_service.cc: the Open Inference Protocol RPC handlers, ModelInfer's
+// reactor and the ModelStreamInfer reactor.
+#include "server/inference_service.h"
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "server/inference_adapter.h"
+#include "server/proto_adapter.h"
+#include "spdlog/spdlog.h"
+
+namespace attention::server {
+namespace {
+
+// The `api` label of Open Inference Protocol requests.
+constexpr std::string_view kInferenceApi = "inference";
+
+// Answers a stream holds at once (computing or waiting to be written), as
+// for AttendStream: beyond, the stream stops reading.
+constexpr size_t kMaxStreamInFlight = 32;
+
+// Extensions of the protocol this server implements, by Triton's names.
+constexpr const char* kExtensions[] = {"model_configuration", "statistics", "parameters"};
+
+inference::StatisticDuration Duration(uint64_t count, double seconds) {
+  inference::StatisticDuration duration;
+  duration.set_count(count);
+  duration.set_ns(static_cast<uint64_t>(seconds * 1e9));
+  return duration;
+}
+
+inference::StatisticDuration FromHistogram(prometheus::Histogram& histogram) {
+  const prometheus::ClientMetric sample = histogram.Collect();
+  return Duration(sample.histogram.sample_count, sample.histogram.sample_sum);
+}
+
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+}  // namespace
+
+InferenceService::InferenceService(AttentionService* attention, const ModelRepository* repository,
+                                   ServerMetrics* metrics)
+    : attention_(attention), repository_(repository), metrics_(metrics) {}
+
+absl::StatusOr<const Model*> InferenceService::FindModel(std::string_view name,
+                                                         std::string_view version) const {
+  const Model* model = repository_->Find(name);
+  if (model == nullptr) {
+    return absl::NotFoundError(absl::StrCat("model: no model named '", std::string(name),
+                                            "' is served (RepositoryIndex lists them)"));
+  }
+  if (!version.empty() && version != kModelVersion) {
+    return absl::NotFoundError(absl::StrCat("model_version: model '", std::string(name),
+                                            "' has version ", kModelVersion, " only, got '",
+                                            std::string(version), "'"));
+  }
+  return model;
+}
+
+void InferenceService::Infer(grpc::CallbackServerContext* context,
+                             const inference::ModelInferRequest& proto,
+                             DecodedInferRequest* decoded, bool credentials_checked,
+                             AttentionService::Done done) {
+  // SubmitIncoming() refuses unauthenticated calls and calls while draining
+  // before it looks at the request, so those are not decoded at all.
+  absl::StatusOr<AttentionRequest> request = AttentionRequest{};
+  if (attention_->accepting() &&
+      (credentials_checked || attention_->Authenticate(*context).ok())) {
+    absl::StatusOr<const Model*> model = FindModel(proto.model_name(), proto.model_version());
+    if (!model.ok() && repository_->Find(proto.model_name()) != nullptr) {
+      request = model.status();  // the model exists, not at that version
+    } else if (absl::Status s = DecodeInferRequest(proto, decoded); !s.ok()) {
+      request = s;
+    } else {
+      request = decoded->request;
+    }
+  }
+  attention_->SubmitIncoming(context,
+                             AttentionService::Incoming{.api = kInferenceApi,
+                                                        .model = proto.model_name(),
+                                                        .request_id = proto.id(),
+                                                        .request = std::move(request)},
+                             credentials_checked, std::move(done));
+}
+
+grpc::ServerUnaryReactor* InferenceService::ServerLive(grpc::CallbackServerContext* context,
+                                                       const inference::ServerLiveRequest*,
+                                                       inference::ServerLiveResponse* response) {
+  response->set_live(true);
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceService::ServerReady(grpc::CallbackServerContext* context,
+                                                        const inference::ServerReadyRequest*,
+                                                        inference::ServerReadyResponse* response) {
+  response->set_ready(attention_->accepting());
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceService::ModelReady(grpc::CallbackServerContext* context,
+                                                       const inference::ModelReadyRequest* request,
+                                                       inference::ModelReadyResponse* response) {
+  if (absl::Status auth = attention_->Authenticate(*context); !auth.ok()) {
+    return Reply(context, auth);
+  }
+  response->set_ready(attention_->accepting() &&
+                      FindModel(request->name(), request->version()).ok());
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceService::ServerMetadata(
+    grpc::CallbackServerContext* context, const inference::ServerMetadataRequest*,
+    inference::ServerMetadataResponse* response) {
+  if (absl::Status auth = attention_->Authenticate(*context); !auth.ok()) {
+    return Reply(context, auth);
+  }
+  response->set_name("attention-server");
+  response->set_version(ATTENTION_VERSION);
+  for (const char* extension : kExtensions) response->add_extensions(extension);
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceService::ModelMetadata(
+    grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
+    inference::ModelMetadataResponse* response) {
+  absl::Status status = attention_->Authenticate(*context);
+  if (status.ok()) {
+    absl::StatusOr<const Model*> model = FindModel(request->name(), request->version());
+    if (model.ok()) {
+      *response = ToModelMetadata(**model);
+    } else {
+      status = model.status();
+    }
+  }
+  return Reply(context, status);
+}
+
+grpc::ServerUnaryReactor* InferenceService::ModelConfig(grpc::CallbackServerContext* context,
+                                                        const inference::ModelConfigRequest* request,
+                                                        inference::ModelConfigResponse* response) {
+  absl::Status status = attention_->Authenticate(*context);
+  if (status.ok()) {
+    absl::StatusOr<const Model*> model = FindModel(request->name(), request->version());
+    if (model.ok()) {
+      *response->mutable_config() = ToModelConfig(**model);
+    } else {
+      status = model.status();
+    }
+  }
+  return Reply(context, status);
+}
+
+grpc::ServerUnaryReactor* InferenceService::ModelStatistics(
+    grpc::CallbackServerContext* context, const inference::ModelStatisticsRequest* request,
+    inference::ModelStatisticsResponse* response) {
+  if (absl::Status auth = attention_->Authenticate(*context); !auth.ok()) {
+    return Reply(context, auth);
+  }
+  if (!request->name().empty()) {
+    if (absl::StatusOr<const Model*> model = FindModel(request->name(), request->version());
+        !model.ok()) {
+      return Reply(context, model.status());
+    }
+  }
+  for (const auto& model : repository_->models()) {
+    if (!request->name().empty() && model->name != request->name()) continue;
+    ModelMetrics* metrics = metrics_->ForModel(model->name);
+    if (metrics == nullptr) continue;
+    const ModelTotals& totals = *metrics->totals;
+    inference::ModelStatistics* stats = response->add_model_stats();
+    stats->set_name(model->name);
+    stats->set_version(std::string(kModelVersion));
+    stats->set_last_inference(static_cast<uint64_t>(totals.last_answer_ms.load()));
+    stats->set_inference_count(totals.success_count.load());
+    stats->set_execution_count(metrics->batch_size->Collect().histogram.sample_count);
+    inference::InferStatistics* infer = stats->mutable_inference_stats();
+    infer->mutable_success()->set_count(totals.success_count.load());
+    infer->mutable_success()->set_ns(totals.success_ns.load());
+    infer->mutable_fail()->set_count(totals.fail_count.load());
+    infer->mutable_fail()->set_ns(totals.fail_ns.load());
+    *infer->mutable_queue() = FromHistogram(*metrics->queue_duration);
+    *infer->mutable_compute_infer() = FromHistogram(*metrics->compute_duration);
+  }
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceService::RepositoryIndex(
+    grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest*,
+    inference::RepositoryIndexResponse* response) {
+  if (absl::Status auth = attention_->Authenticate(*context); !auth.ok()) {
+    return Reply(context, auth);
+  }
+  // Every model the server has is loaded and ready: files that failed to
+  // load are not models (the log names them).
+  for (const auto& model : repository_->models()) {
+    auto* index = response->add_models();
+    index->set_name(model->name);
+    index->set_version(std::string(kModelVersion));
+    index->set_state("READY");
+  }
+  return Reply(context, absl::OkStatus());
+}
+
+// ModelInfer's reactor: holds the decoded request the engine reads, and
+// counts the call as open until gRPC is done with it, as Attend's does.
+class InferenceService::InferReactor final : public grpc::ServerUnaryReactor {
+ public:
+  InferReactor(AttentionService* attention, bool admitted)
+      : attention_(attention), admitted_(admitted) {}
+
+  void OnDone() override {
+    if (admitted_) attention_->CallDone();
+    delete this;
+  }
+
+  DecodedInferRequest decoded;
+
+ private:
+  AttentionService* const attention_;
+  const bool admitted_;
+};
+
+grpc::ServerUnaryReactor* InferenceService::ModelInfer(grpc::CallbackServerContext* context,
+                                                       const inference::ModelInferRequest* request,
+                                                       inference::ModelInferResponse* response) {
+  // Not admitted only while shutting down, and then Submit() refuses it.
+  auto* reactor = new InferReactor(attention_, attention_->AdmitCall());
+  Infer(context, *request, &reactor->decoded, /*credentials_checked=*/false,
+        [reactor, request, response](const absl::Status& status, const AttentionResult* result) {
+          if (status.ok()) EncodeInferResponse(*request, reactor->decoded, *result, response);
+          reactor->Finish(ToGrpcStatus(status));
+        });
+  return reactor;
+}
+
+// One ModelStreamInfer call, run like AttendStream: requests are read one
+// after another and submitted as they come, so several can compute at once;
+// answers are written one at a time in request order, a failed request's as
+// `error_message`. Decisions are taken under mu_ and acted on after it is
+// released (Progress()); once Finish() is decided nothing else touches the
+// reactor, and OnDone() deletes it.
+class InferenceService::StreamReactor final
+    : public grpc::ServerBidiReactor<inference::ModelInferRequest,
+                                     inference::ModelStreamInferResponse> {
+ public:
+  StreamReactor(InferenceService* service, grpc::CallbackServerContext* context)
+      : service_(service), context_(context) {
+    AttentionService& attention = *service_->attention_;
+    if (absl::Status auth = attention.Authenticate(*context); !auth.ok()) {
+      spdlog::warn("ModelStreamInfer refused: peer={}: {}", context->peer(),
+                   std::string(auth.message()));
+      Refuse(auth);
+      return;
+    }
+    admitted_ = attention.AdmitCall();
+    if (!admitted_) {
+      Refuse(absl::UnavailableError("the server is shutting down and takes no new streams"));
+      return;
+    }
+    Progress();
+  }
+
+  void OnReadDone(bool ok) override {
+    Slot* slot = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      if (!ok) {
+        reads_done_ = true;
+        incoming_.reset();
+      } else {
+        slot = incoming_.get();
+        slots_.push_back(std::move(incoming_));
+      }
+    }
+    if (slot != nullptr) {
+      // Credentials were checked once, when the stream opened.
+      service_->Infer(context_, slot->request, &slot->decoded, /*credentials_checked=*/true,
+                      [this, slot](const absl::Status& status, const AttentionResult* result) {
+                        Answered(*slot, status, result);
+                      });
+    }
+    Progress();
+  }
+
+  void OnWriteDone(bool ok) override {
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      slots_.pop_front();
+      if (!ok) broken_ = true;  // the client is gone; answers left are dropped
+    }
+    Progress();
+  }
+
+  void OnCancel() override {
+    {
+      absl::MutexLock lock(&mu_);
+      broken_ = true;
+    }
+    Progress();
+  }
+
+  void OnDone() override {
+    if (admitted_) service_->attention_->CallDone();
+    delete this;
+  }
+
+ private:
+  struct Slot {
+    inference::ModelInferRequest request;
+    DecodedInferRequest decoded;
+    inference::ModelStreamInferResponse response;
+    bool answered = false;  // guarded by mu_
+  };
+
+  // Ends the call before it reads anything; only the constructor calls it.
+  void Refuse(const absl::Status& status) {
+    {
+      absl::MutexLock lock(&mu_);
+      finished_ = true;
+    }
+    Finish(ToGrpcStatus(status));
+  }
+
+  void Answered(Slot& slot, const absl::Status& status, const AttentionResult* result) {
+    inference::ModelInferResponse& answer = *slot.response.mutable_infer_response();
+    if (status.ok()) {
+      EncodeInferResponse(slot.request, slot.decoded, *result, &answer);
+    } else {
+      // The protocol carries no code here, so the message leads with it.
+      slot.response.set_error_message(absl::StrCat(absl::StatusCodeToString(status.code()), ": ",
+                                                   std::string(status.message())));
+      answer.set_model_name(slot.request.model_name());
+      answer.set_id(slot.request.id());
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      slot.answered = true;
+    }
+    Progress();
+  }
+
+  // Starts whatever the state allows: the next write, the next read, or
+  // Finish() once every answer is out.
+  void Progress() {
+    const inference::ModelStreamInferResponse* write = nullptr;
+    inference::ModelInferRequest* read = nullptr;
+    bool finish = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return;
+      if (!writing_) {
+        while (broken_ && !slots_.empty() && slots_.front()->answered) slots_.pop_front();
+        if (!broken_ && !slots_.empty() && slots_.front()->answered) {
+          writing_ = true;
+          write = &slots_.front()->response;
+        }
+      }
+      if (!reading_ && !reads_done_ && !broken_ && slots_.size() < kMaxStreamInFlight) {
+        reading_ = true;
+        incoming_ = std::make_unique<Slot>();
+        read = &incoming_->request;
+      }
+      if (!reading_ && !writing_ && slots_.empty() && (reads_done_ || broken_)) {
+        finished_ = true;
+        finish = true;
+      }
+    }
+    if (write != nullptr) StartWrite(write);
+    if (read != nullptr) StartRead(read);
+    if (finish) Finish(grpc::Status::OK);
+  }
+
+  InferenceService* const service_;
+  grpc::CallbackServerContext* const context_;  // owned by gRPC; alive until OnDone
+  bool admitted_ = false;                       // set before anything can call OnDone
+
+  absl::Mutex mu_;
+  // Requests read, in order, until their answer is written; the front one is
+  // the next to write.
+  std::deque<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Slot> incoming_ ABSL_GUARDED_BY(mu_);  // target of the read in flight
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>*
+InferenceService::ModelStreamInfer(grpc::CallbackServerContext* context) {
+  return new StreamReactor(this, context);
+}
+
+}  // namespace attention::server

@@ -1,0 +1,79 @@
+// inference_service.h: inference.GRPCInferenceService, the Open Inference
+// Protocol (KServe v2, Triton's gRPC API) on attention-server's port.
+//
+// A second front door to the same server, not a second server: every
+// ModelInfer request goes through AttentionService::Submit(), so it is
+// authenticated, admitted, validated, limited, batched (merged with Attend
+// requests for the same model), counted and logged exactly as an Attend
+// request is, and drain waits for its call. What is its own is the mapping
+// of tensors (inference_adapter.h) and the protocol's model descriptions.
+//
+// ServerLive and ServerReady answer without credentials, like
+// grpc.health.v1.Health, so orchestrators can probe them; every other RPC
+// needs the bearer token when the server has tokens.
+#pragma once
+
+#include <string_view>
+
+#include "attention.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "inference/grpc_service.grpc.pb.h"
+#include "server/attention_service.h"
+#include "server/inference_adapter.h"
+#include "server/metrics.h"
+#include "server/model_repository.h"
+
+namespace attention::server {
+
+class InferenceService final : public inference::GRPCInferenceService::CallbackService {
+ public:
+  // Not owned; all must outlive the service.
+  InferenceService(AttentionService* attention, const ModelRepository* repository,
+                   ServerMetrics* metrics);
+
+  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
+                                       const inference::ServerLiveRequest* request,
+                                       inference::ServerLiveResponse* response) override;
+  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context,
+                                        const inference::ServerReadyRequest* request,
+                                        inference::ServerReadyResponse* response) override;
+  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context,
+                                       const inference::ModelReadyRequest* request,
+                                       inference::ModelReadyResponse* response) override;
+  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* context,
+                                           const inference::ServerMetadataRequest* request,
+                                           inference::ServerMetadataResponse* response) override;
+  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context,
+                                          const inference::ModelMetadataRequest* request,
+                                          inference::ModelMetadataResponse* response) override;
+  grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* context,
+                                        const inference::ModelConfigRequest* request,
+                                        inference::ModelConfigResponse* response) override;
+  grpc::ServerUnaryReactor* ModelStatistics(grpc::CallbackServerContext* context,
+                                            const inference::ModelStatisticsRequest* request,
+                                            inference::ModelStatisticsResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryIndex(grpc::CallbackServerContext* context,
+                                            const inference::RepositoryIndexRequest* request,
+                                            inference::RepositoryIndexResponse* response) override;
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
+                                       const inference::ModelInferRequest* request,
+                                       inference::ModelInferResponse* response) override;
+  grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>*
+  ModelStreamInfer(grpc::CallbackServerContext* context) override;
+
+ private:
+  class InferReactor;
+  class StreamReactor;
+
+  // The model `name` at `version` ("" or "1"), or NOT_FOUND naming which.
+  absl::StatusOr<const Model*> FindModel(std::string_view name, std::string_view version) const;
+  // Decodes `proto` into `decoded` and submits it; as for SubmitIncoming().
+  void Infer(grpc::CallbackServerContext* context, const inference::ModelInferRequest& proto,
+             DecodedInferRequest* decoded, bool credentials_checked, AttentionService::Done done);
+
+  AttentionService* const attention_;        // not owned
+  const ModelRepository* const repository_;  // not owned
+  ServerMetrics* const metrics_;             // not owned
+};
+
+}  // namespace attention::server
