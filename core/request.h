@@ -33,7 +33,9 @@ struct AttentionRequest {
 // with a few GiB per model; 0 disables a cap.
 struct Limits {
   // Most float elements in queries + keys + values + output + weights.
-  int64_t max_request_elements = int64_t{1} << 28;  // 1 GiB of float32
+  // 2^26 (256 MiB of float32) is attention-server's documented default for
+  // --max-request-elements (docs/api.md); this is its only definition.
+  int64_t max_request_elements = int64_t{1} << 26;
 };
 
 // The sizes of a request that passed validation, resolved for the engine.

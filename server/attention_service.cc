@@ -63,6 +63,7 @@ struct AttentionService::Task {
 struct AttentionService::ModelQueue {
   const Model* model;     // owned by the repository
   ModelMetrics* metrics;  // owned by ServerMetrics
+  TestGate* gate;         // not owned; nullptr for every model but the test gate's
   std::unique_ptr<Batcher<Task>> batcher;
 };
 
@@ -76,15 +77,14 @@ absl::StatusOr<std::unique_ptr<AttentionService>> AttentionService::Create(
     auto queue = std::make_unique<ModelQueue>();
     queue->model = model.get();
     queue->metrics = metrics->ForModel(model->name);
+    queue->gate = model->name == kTestGateModelName ? o.test_gate : nullptr;
     if (queue->metrics == nullptr) {
       return absl::InternalError(absl::StrCat("no metrics for model ", model->name));
     }
     ModelQueue* q = queue.get();
     AttentionService* s = service.get();
     absl::StatusOr<std::unique_ptr<Batcher<Task>>> batcher = Batcher<Task>::Create(
-        {.max_batch_size = o.max_batch_size,
-         .max_queue_delay_us = o.max_queue_delay_us,
-         .queue_capacity = o.queue_capacity},
+        o.batching,
         [s, q](std::vector<std::unique_ptr<Task>> batch) { s->ProcessBatch(*q, std::move(batch)); },
         [s, q](std::unique_ptr<Task> task, absl::Status why) {
           s->DropTask(*q, std::move(task), why);
@@ -200,6 +200,7 @@ void AttentionService::ProcessBatch(ModelQueue& queue, std::vector<std::unique_p
   std::vector<AttentionResult> results(batch.size());
   absl::Status status;
   try {
+    if (queue.gate != nullptr) queue.gate->Pass();
     engine_->Run(*queue.model, requests, results);
   } catch (const std::exception& e) {
     status = absl::InternalError(absl::StrCat("the engine failed: ", e.what()));

@@ -29,20 +29,25 @@
 #include "core/engine.h"
 #include "core/request.h"
 #include "grpcpp/grpcpp.h"
+#include "server/batcher.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
+#include "server/test_gate.h"
 
 namespace attention::server {
 
+// Defaults are the binary's: each is defined once, in the struct it belongs
+// to (Limits, BatcherOptions).
 struct ServiceOptions {
   // Per-request size caps, checked by validation.
   Limits limits;
-  // Batching, per model (see Batcher::Options).
-  int max_batch_size = 8;
-  int64_t max_queue_delay_us = 1000;
-  int queue_capacity = 256;
+  // Batching, per model.
+  BatcherOptions batching;
   // Accepted bearer tokens; empty: no authentication. Never logged.
   std::vector<std::string> auth_tokens;
+  // For tests only: holds each batch of the model named kTestGateModelName
+  // (test_gate.h). Not owned; must outlive the service. nullptr: no gate.
+  TestGate* test_gate = nullptr;
 };
 
 class AttentionService final : public v1::AttentionService::CallbackService {

@@ -57,24 +57,30 @@ class BatcherClock {
 // The wall clock (absl::Now()). Process-wide; never destroyed.
 BatcherClock* RealBatcherClock();
 
+// How a Batcher batches. The defaults are attention-server's documented
+// defaults (--max-batch-size, --max-queue-delay-us, --queue-capacity; see
+// docs/api.md) and are defined here only: ServerConfig and ServiceOptions
+// hold this struct.
+struct BatcherOptions {
+  // Most tasks merged into one batch; 1 disables batching. Must be >= 1.
+  int max_batch_size = 32;
+  // Longest time the oldest queued task waits for its batch to fill before
+  // the batch runs anyway. Must be >= 0; 0 runs whatever is queued at once.
+  int64_t max_queue_delay_us = 1000;
+  // Most tasks waiting in the queue (tasks in a running batch do not count).
+  // Schedule() returns RESOURCE_EXHAUSTED beyond it. Must be >= 1.
+  int queue_capacity = 512;
+  // For tests. Not owned; must outlive the batcher. nullptr: RealBatcherClock().
+  BatcherClock* clock = nullptr;
+};
+
 // Task needs two thread-safe accessors:
 //   absl::Time deadline() const;  // absl::InfiniteFuture() when there is none
 //   bool cancelled() const;       // the caller no longer wants the answer
 template <typename Task>
 class Batcher {
  public:
-  struct Options {
-    // Most tasks merged into one batch; 1 disables batching. Must be >= 1.
-    int max_batch_size = 8;
-    // Longest time the oldest queued task waits for its batch to fill before
-    // the batch runs anyway. Must be >= 0; 0 runs whatever is queued at once.
-    int64_t max_queue_delay_us = 1000;
-    // Most tasks waiting in the queue (tasks in a running batch do not count).
-    // Schedule() returns RESOURCE_EXHAUSTED beyond it. Must be >= 1.
-    int queue_capacity = 1024;
-    // Not owned; must outlive the batcher. nullptr: RealBatcherClock().
-    BatcherClock* clock = nullptr;
-  };
+  using Options = BatcherOptions;
 
   // Computes one batch of 1..max_batch_size tasks, in arrival order. Runs on
   // the batcher's thread; the next batch fills meanwhile.

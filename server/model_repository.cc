@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <system_error>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "core/model_loader.h"
@@ -47,6 +48,14 @@ absl::StatusOr<ModelRepository> ModelRepository::Load(
     repository.models_.push_back(std::make_unique<Model>(*std::move(model)));
   }
   return repository;
+}
+
+absl::Status ModelRepository::Add(Model model) {
+  if (Find(model.name) != nullptr) {
+    return absl::AlreadyExistsError(absl::StrCat("model name '", model.name, "' is taken"));
+  }
+  models_.push_back(std::make_unique<Model>(std::move(model)));
+  return absl::OkStatus();
 }
 
 const Model* ModelRepository::Find(std::string_view name) const {

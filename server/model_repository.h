@@ -31,13 +31,17 @@ class ModelRepository {
   static absl::StatusOr<ModelRepository> Load(const std::optional<std::filesystem::path>& directory,
                                                bool strict, std::vector<absl::Status>* skipped);
 
+  // Adds `model` after the others; ALREADY_EXISTS when its name is taken.
+  absl::Status Add(Model model);
+
   // nullptr when there is no model of that name.
   const Model* Find(std::string_view name) const;
   // Stable addresses for the repository's lifetime.
   const std::vector<std::unique_ptr<Model>>& models() const { return models_; }
 
  private:
-  std::vector<std::unique_ptr<Model>> models_;  // built-ins first, then files by name
+  // Built-ins first, then files by name, then models added with Add().
+  std::vector<std::unique_ptr<Model>> models_;
 };
 
 }  // namespace attention::server

@@ -32,6 +32,7 @@
 #include "server/logging.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
+#include "server/test_gate.h"
 #include "spdlog/spdlog.h"
 
 namespace attention::server {
@@ -182,11 +183,7 @@ int RunServer(const ServerConfig& config) {
     return 2;
   }
 
-  ServiceOptions service_options;
-  service_options.limits.max_request_elements = config.max_request_elements;
-  service_options.max_batch_size = config.max_batch_size;
-  service_options.max_queue_delay_us = config.max_queue_delay_us;
-  service_options.queue_capacity = config.queue_capacity;
+  ServiceOptions service_options{.limits = config.limits, .batching = config.batching};
   if (!config.auth_token_file.empty()) {
     absl::StatusOr<std::vector<std::string>> tokens = ReadTokens(config.auth_token_file);
     if (!tokens.ok()) return Fail(tokens.status());
@@ -204,10 +201,21 @@ int RunServer(const ServerConfig& config) {
   for (const absl::Status& problem : skipped) {
     spdlog::error("model skipped: {}", std::string(problem.message()));
   }
+  std::unique_ptr<TestGate> test_gate;
+  if (!config.test_gate_fifo.empty()) {
+    absl::StatusOr<std::unique_ptr<TestGate>> opened = TestGate::Open(config.test_gate_fifo);
+    if (!opened.ok()) return Fail(opened.status());
+    test_gate = *std::move(opened);
+    if (absl::Status s = repository->Add(TestGate::GateModel()); !s.ok()) return Fail(s);
+    service_options.test_gate = test_gate.get();
+    spdlog::warn("test gate on: batches of model '{}' wait for bytes on {}", kTestGateModelName,
+                 config.test_gate_fifo);
+  }
 
   std::vector<std::string> model_names;
   for (const auto& model : repository->models()) model_names.push_back(model->name);
-  ServerMetrics metrics(model_names, config.max_batch_size, config.queue_capacity);
+  ServerMetrics metrics(model_names, config.batching.max_batch_size,
+                        config.batching.queue_capacity);
   Engine engine(EngineOptions{.num_threads = config.threads});
   absl::StatusOr<std::unique_ptr<AttentionService>> service =
       AttentionService::Create(&*repository, &engine, &metrics, service_options);
@@ -267,8 +275,9 @@ int RunServer(const ServerConfig& config) {
   if (exposer) spdlog::info("metrics on {}/metrics", metrics_address);
   spdlog::info("batching: --max-batch-size {} --max-queue-delay-us {} --queue-capacity {}; "
                "engine threads {}; --max-message-bytes {} --max-request-elements {}",
-               config.max_batch_size, config.max_queue_delay_us, config.queue_capacity,
-               engine.num_threads(), config.max_message_bytes, config.max_request_elements);
+               config.batching.max_batch_size, config.batching.max_queue_delay_us,
+               config.batching.queue_capacity, engine.num_threads(), config.max_message_bytes,
+               config.limits.max_request_elements);
   spdlog::info("serving {} models:", repository->models().size());
   for (const auto& model : repository->models()) {
     spdlog::info("  model {} ({})", model->name, Describe(*model));
@@ -297,6 +306,8 @@ int RunServer(const ServerConfig& config) {
   (*service)->StopAccepting();
   if (!(*service)->WaitForIdle(grace_end)) {
     spdlog::warn("calls still open after --shutdown-grace-seconds; cancelling them");
+    // A held batch would keep its calls, hence Shutdown(), waiting forever.
+    if (test_gate) test_gate->Stop();
   }
   // Returns once every call is finished; calls still open at the deadline
   // (streams, late requests) are cancelled, which the batchers answer

@@ -1,11 +1,18 @@
 // server_config.h: everything an operator can set on attention-server.
 //
 // Each field is one command-line flag (server_flags.h) and one ATTENTION_*
-// environment variable; the defaults here are the documented defaults.
+// environment variable; the defaults here are the documented defaults
+// (docs/api.md). Settings that belong to a lower layer are that layer's
+// struct, embedded, so that each default is defined once, where it is used:
+// batching in BatcherOptions (server/batcher.h), request size caps in Limits
+// (core/request.h).
 #pragma once
 
 #include <cstdint>
 #include <string>
+
+#include "core/request.h"
+#include "server/batcher.h"
 
 namespace attention::server {
 
@@ -19,15 +26,14 @@ struct ServerConfig {
   // A model file that fails to load stops the server instead of being skipped.
   bool strict = false;
 
-  // Batching, per model.
-  int max_batch_size = 32;
-  int64_t max_queue_delay_us = 1000;
-  int queue_capacity = 512;
+  // Batching, per model: --max-batch-size, --max-queue-delay-us,
+  // --queue-capacity (the clock stays the real one).
+  BatcherOptions batching;
 
   // Largest request message accepted by gRPC.
   int max_message_bytes = 64 << 20;
-  // Most float elements one request may involve (inputs, output and weights).
-  int64_t max_request_elements = int64_t{1} << 26;
+  // --max-request-elements.
+  Limits limits;
   // Engine worker threads; 0 = one per hardware thread.
   int threads = 0;
 
@@ -54,6 +60,10 @@ struct ServerConfig {
   // Once serving, the bound addresses are written here ("grpc HOST:PORT" and
   // "metrics HOST:PORT" lines), for tests and scripts that use port 0.
   std::string port_file;
+
+  // For tests only (test_gate.h): a FIFO whose bytes release the batches of
+  // the extra built-in model `gate`; empty: no such model.
+  std::string test_gate_fifo;
 };
 
 }  // namespace attention::server

@@ -31,18 +31,18 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   app.add_flag("--strict", c->strict, "Exit when a model file fails to load instead of skipping it")
       ->envname(EnvName("--strict"))
       ->capture_default_str();
-  Flag(app, "--max-batch-size", &c->max_batch_size,
+  Flag(app, "--max-batch-size", &c->batching.max_batch_size,
        "Most requests of one model merged into one execution (1: no batching)")
       ->check(CLI::Range(1, 1 << 16));
-  Flag(app, "--max-queue-delay-us", &c->max_queue_delay_us,
+  Flag(app, "--max-queue-delay-us", &c->batching.max_queue_delay_us,
        "Longest wait, in microseconds, for a batch to fill before it runs anyway")
       ->check(CLI::Range(int64_t{0}, int64_t{60'000'000}));
-  Flag(app, "--queue-capacity", &c->queue_capacity,
+  Flag(app, "--queue-capacity", &c->batching.queue_capacity,
        "Most requests waiting per model; beyond it requests get RESOURCE_EXHAUSTED")
       ->check(CLI::Range(1, 1 << 24));
   Flag(app, "--max-message-bytes", &c->max_message_bytes, "Largest request message, in bytes")
       ->check(CLI::Range(1, INT_MAX));
-  Flag(app, "--max-request-elements", &c->max_request_elements,
+  Flag(app, "--max-request-elements", &c->limits.max_request_elements,
        "Most float elements per request in queries, keys, values, output and weights together")
       ->check(CLI::Range(int64_t{1}, INT64_MAX));
   Flag(app, "--threads", &c->threads, "Engine worker threads (0: one per hardware thread)")
@@ -70,6 +70,10 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
        "'authorization: Bearer <token>' (health checks stay open)");
   Flag(app, "--port-file", &c->port_file,
        "Once serving, write the bound addresses here ('grpc HOST:PORT', 'metrics HOST:PORT')");
+  // The empty group keeps this tests-only flag out of --help.
+  Flag(app, "--test-gate-fifo", &c->test_gate_fifo,
+       "For tests: FIFO whose bytes release the batches of the model 'gate'")
+      ->group("");
 }
 
 }  // namespace attention::server
