@@ -17,6 +17,7 @@
 
 #include "health.grpc.pb.h"
 #include "tests/reliability/queue_fixture.h"
+#include "tests/support/gate.h"
 #include "tests/support/metrics.h"
 #include "tests/support/probes.h"
 #include "tests/support/requests.h"
@@ -32,8 +33,10 @@ constexpr int kRequestsPerStream = 8;
 class CancelTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto started = ServerProcess::Start({"--max-batch-size", "4", "--max-queue-delay-us", "0",
-                                         "--threads", "1", "--queue-capacity", "256"});
+    ASSERT_TRUE(gate_.ok()) << "mkfifo failed";
+    auto started = ServerProcess::Start(gate_.Flags({"--max-batch-size", "4",
+                                                     "--max-queue-delay-us", "0", "--threads",
+                                                     "1", "--queue-capacity", "256"}));
     ASSERT_TRUE(started.ok()) << started.status();
     server_ = *std::move(started);
     grpc::ChannelArguments args;
@@ -57,18 +60,19 @@ class CancelTest : public ::testing::Test {
   }
   // Batches started so far (each is observed before it computes).
   std::optional<double> Batches(const std::string& text) {
-    return Metric(text, "attention_batch_size_count", {{"model", "dot_product"}});
+    return Metric(text, "attention_batch_size_count", {{"model", "gate"}});
   }
   std::optional<double> Computed(const std::string& text) {
-    return Metric(text, "attention_batch_size_sum", {{"model", "dot_product"}});
+    return Metric(text, "attention_batch_size_sum", {{"model", "gate"}});
   }
   bool WaitForIdle() {
     return WaitForMetrics([this](const std::string& m) {
       return Metric(m, "attention_inflight_requests") == 0 &&
-             Metric(m, "attention_queue_depth", {{"model", "dot_product"}}) == 0;
+             Metric(m, "attention_queue_depth", {{"model", "gate"}}) == 0;
     });
   }
 
+  TestGate gate_;
   std::unique_ptr<ServerProcess> server_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
 };
@@ -100,34 +104,48 @@ TEST_F(CancelTest, CallsCancelledInTheQueueAreNeverComputedAndTheRestAreRight) {
                            });
   };
 
-  // A slow request occupies the one engine thread; the calls queue behind it.
+  // A request held at the gate occupies the one engine thread; the calls
+  // queue behind it.
   const std::optional<double> batches_before = Batches(Metrics());
   ASSERT_TRUE(batches_before.has_value());
-  AsyncCall slow;
-  slow.request = SelfAttentionRequest(1, 8192, 128, -1);
-  start(slow);
+  AsyncCall held;
+  held.request = GateRequest(1, 16, 8, -1);
+  start(held);
   ASSERT_TRUE(WaitForMetrics([&](const std::string& m) { return Batches(m) == *batches_before + 1; }));
 
   std::vector<std::unique_ptr<AsyncCall>> calls;
   for (int i = 0; i < kCalls; ++i) {
     calls.push_back(std::make_unique<AsyncCall>());
-    calls.back()->request = SelfAttentionRequest(1, 16, 8, i);
+    calls.back()->request = GateRequest(1, 16, 8, i);
     start(*calls.back());
   }
   ASSERT_TRUE(WaitForMetrics([&](const std::string& m) {
-    return Metric(m, "attention_queue_depth", {{"model", "dot_product"}}) == kCalls;
+    return Metric(m, "attention_queue_depth", {{"model", "gate"}}) == kCalls;
   }));
   const std::optional<double> computed_before = Computed(Metrics());
   ASSERT_TRUE(computed_before.has_value());
-  // Every other call gives up while the slow request still computes.
+  // Every other call gives up while the held request still waits; the gate
+  // opens only once all of them have ended.
   for (int i = 0; i < kCalls; i += 2) calls[i]->context.TryCancel();
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    changed.wait(lock, [&] { return pending == 1 + kCalls / 2; });
+  }
+  // The server has seen the cancels (same connection, read in order).
+  {
+    grpc::ClientContext context;
+    v1::AttendResponse response;
+    ASSERT_TRUE(stub_->Attend(&context, SelfAttentionRequest(1, 2, 2, 0), &response).ok());
+  }
+  // One byte per batch: at most the held one and one per call.
+  ASSERT_TRUE(gate_.Release(1 + kCalls));
   {
     std::unique_lock<std::mutex> lock(mu);
     changed.wait(lock, [&] { return pending == 0; });
   }
 
-  ASSERT_TRUE(slow.status.ok()) << slow.status.error_message();
-  EXPECT_EQ(CheckAnswer(slow.request, slow.response), "");
+  ASSERT_TRUE(held.status.ok()) << held.status.error_message();
+  EXPECT_EQ(CheckAnswer(held.request, held.response), "");
   for (int i = 0; i < kCalls; ++i) {
     const AsyncCall& call = *calls[i];
     if (i % 2 == 0) {
@@ -139,11 +157,12 @@ TEST_F(CancelTest, CallsCancelledInTheQueueAreNeverComputedAndTheRestAreRight) {
   }
   ASSERT_TRUE(WaitForIdle()) << server_->Log();
   const std::string metrics = Metrics();
-  // The slow request was counted when its batch started, before the cancels.
+  // The held request was counted when its batch started, before the cancels.
   EXPECT_EQ(Computed(metrics).value_or(-1) - *computed_before, kCalls / 2)
       << "requests of cancelled calls were computed";
   EXPECT_EQ(Metric(metrics, "attention_requests_total", {{"code", "CANCELLED"}}), kCalls / 2);
-  EXPECT_EQ(Metric(metrics, "attention_requests_total", {{"code", "OK"}}), kCalls / 2 + 1);
+  EXPECT_EQ(Metric(metrics, "attention_requests_total", {{"model", "gate"}, {"code", "OK"}}),
+            kCalls / 2 + 1);
   EXPECT_EQ(HealthStatus(server_->Channel()), "SERVING");
 }
 
@@ -154,15 +173,15 @@ TEST_F(CancelTest, StreamsCancelledMidwayLeaveTheOthersWhole) {
     std::vector<v1::AttendRequest> requests;
     int answers_wanted = 0;  // kRequestsPerStream: read everything, then half-close
   };
-  // A slow request first, so the streams' requests wait in the queue and the
-  // streams that read nothing cancel them there.
+  // A request held at the gate first, so the streams' requests wait in the
+  // queue and the streams that read nothing cancel them there.
   const std::optional<double> batches_before = Batches(Metrics());
   ASSERT_TRUE(batches_before.has_value());
-  grpc::Status slow_status;
-  std::thread slow([&] {
+  grpc::Status held_status;
+  std::thread held([&] {
     grpc::ClientContext context;
     v1::AttendResponse response;
-    slow_status = stub_->Attend(&context, SelfAttentionRequest(1, 8192, 128, -1), &response);
+    held_status = stub_->Attend(&context, GateRequest(1, 16, 8, -1), &response);
   });
   ASSERT_TRUE(WaitForMetrics([&](const std::string& m) { return Batches(m) == *batches_before + 1; }));
 
@@ -175,18 +194,33 @@ TEST_F(CancelTest, StreamsCancelledMidwayLeaveTheOthersWhole) {
     stream->answers_wanted = s % 3 == 0 ? kRequestsPerStream : s % kRequestsPerStream;
     stream->rw = stub_->AttendStream(&stream->context);
     for (int r = 0; r < kRequestsPerStream; ++r) {
-      stream->requests.push_back(SelfAttentionRequest(2, 64, 32, s * 100 + r));
+      stream->requests.push_back(GateRequest(2, 64, 32, s * 100 + r));
       ASSERT_TRUE(stream->rw->Write(stream->requests.back())) << "stream " << s;
     }
     streams.push_back(std::move(stream));
   }
 
+  ASSERT_TRUE(WaitForMetrics([&](const std::string& m) {
+    return Metric(m, "attention_queue_depth", {{"model", "gate"}}) == kStreams * kRequestsPerStream;
+  }));
+
   std::vector<std::thread> readers;
   std::vector<std::string> failures(kStreams);
+  std::mutex mu;
+  std::condition_variable changed;
+  int cancelled_unread = 0;  // streams that read nothing and have ended
+  int unread = 0;
+  for (const auto& stream : streams) unread += stream->answers_wanted == 0;
   for (int s = 0; s < kStreams; ++s) {
     readers.emplace_back([&, s] {
       Stream& stream = *streams[s];
       std::string& failure = failures[s];
+      const auto counted = [&] {
+        if (stream.answers_wanted != 0) return;
+        std::lock_guard<std::mutex> lock(mu);
+        ++cancelled_unread;
+        changed.notify_all();
+      };
       for (int r = 0; r < stream.answers_wanted; ++r) {
         v1::AttendResponse response;
         if (!stream.rw->Read(&response)) {
@@ -217,11 +251,20 @@ TEST_F(CancelTest, StreamsCancelledMidwayLeaveTheOthersWhole) {
         failure = "finished with " + CodeName(status.error_code()) + ", expected " +
                   CodeName(expected) + ": " + status.error_message();
       }
+      counted();
     });
   }
+  // The streams that read nothing end while their requests are all queued;
+  // then the gate opens, one byte per batch at most.
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(changed.wait_for(lock, std::chrono::seconds(60),
+                                 [&] { return cancelled_unread == unread; }));
+  }
+  ASSERT_TRUE(gate_.Release(1 + kStreams * kRequestsPerStream));
   for (std::thread& reader : readers) reader.join();
-  slow.join();
-  EXPECT_TRUE(slow_status.ok()) << slow_status.error_message();
+  held.join();
+  EXPECT_TRUE(held_status.ok()) << held_status.error_message();
   for (int s = 0; s < kStreams; ++s) EXPECT_EQ(failures[s], "") << "stream " << s;
 
   ASSERT_TRUE(WaitForIdle()) << "cancelled streams left requests behind\n" << server_->Log();
@@ -240,21 +283,21 @@ TEST_F(CancelTest, StreamsCancelledMidwayLeaveTheOthersWhole) {
 
 TEST_F(QueueTest, CancelledCallIsDroppedFromTheQueue) {
   Start(/*queue_capacity=*/"8");
-  SendSlow(2);
-  ASSERT_TRUE(WaitForInflight(2));
+  SendHeld(2);
 
   grpc::ClientContext context;
   grpc::Status status;
   std::thread call([&] {
     v1::AttendResponse response;
-    status = stub_->Attend(&context, SmallRequest(), &response);
+    status = stub_->Attend(&context, GateRequest(1, 2, 2, 9), &response);
   });
-  ASSERT_TRUE(WaitForInflight(3));  // the small request is queued
+  ASSERT_TRUE(WaitForInflight(3));  // the call is queued
   context.TryCancel();
   call.join();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
+  AwaitCancelsSeen();
 
-  ExpectDroppedAfterTheSlowOnes("CANCELLED");
+  ReleaseAndExpectDroppedAfterTheHeldOnes("CANCELLED");
 }
 
 TEST_F(QueueTest, CancelledStreamDropsItsQueuedRequestsAndTheServerGoesOn) {
@@ -263,21 +306,23 @@ TEST_F(QueueTest, CancelledStreamDropsItsQueuedRequestsAndTheServerGoesOn) {
     grpc::ClientContext context;
     auto stream = stub_->AttendStream(&context);
     for (int i = 0; i < 3; ++i) {
-      ASSERT_TRUE(stream->Write(SlowRequest()));
+      ASSERT_TRUE(stream->Write(GateRequest(1, 2, 2, i)));
     }
-    ASSERT_TRUE(WaitForInflight(3));  // one computing, two queued
+    ASSERT_TRUE(WaitForInflight(3));  // one held in the engine, two queued
     context.TryCancel();
     EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
+  AwaitCancelsSeen();
+  ASSERT_TRUE(gate_.Release());  // the held one only: the others are never computed
   ASSERT_TRUE(WaitForInflight(0)) << server_->Log();
   const std::string metrics = ScrapeMetrics(server_->metrics_address());
-  EXPECT_EQ(MetricValue(metrics, "attention_batch_size_sum", {{"model", "dot_product"}}), 1)
+  EXPECT_EQ(MetricValue(metrics, "attention_batch_size_sum", {{"model", "gate"}}), 1)
       << "requests of a cancelled stream were computed";
   EXPECT_EQ(MetricValue(metrics, "attention_requests_total", {{"code", "CANCELLED"}}), 2);
 
   grpc::ClientContext context;
   v1::AttendResponse response;
-  EXPECT_TRUE(stub_->Attend(&context, SmallRequest(), &response).ok());
+  EXPECT_TRUE(stub_->Attend(&context, SelfAttentionRequest(1, 2, 2, 0), &response).ok());
 }
 
 }  // namespace

@@ -2,16 +2,15 @@
 // whose deadline passes in the queue is answered DEADLINE_EXCEEDED when the
 // server reaches it, and never computed.
 //
-// Slow requests keep the one engine thread busy for three times the short
-// deadline (their number sized by timing one first, so a fast machine gets
-// more of them); behind them wait unary calls with a short deadline, calls
-// with a long one, and a stream with a short deadline. The short ones end
-// with DEADLINE_EXCEEDED and are never computed (the engine's time goes to
-// requests someone still waits for); the long ones get their right answers.
+// A request held at the test gate keeps the one engine thread busy; behind it
+// wait unary calls with a short deadline, calls with a long one, and a stream
+// with a short deadline. The gate opens only once the short ones have ended:
+// they end with DEADLINE_EXCEEDED and are never computed (the engine's time
+// goes to requests someone still waits for); the long ones get their right
+// answers.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -21,6 +20,7 @@
 
 #include "health.grpc.pb.h"
 #include "tests/reliability/queue_fixture.h"
+#include "tests/support/gate.h"
 #include "tests/support/metrics.h"
 #include "tests/support/probes.h"
 #include "tests/support/requests.h"
@@ -32,61 +32,50 @@ namespace {
 constexpr int kShortCalls = 20;
 constexpr int kLongCalls = 20;
 constexpr int kStreamRequests = 4;
-constexpr auto kShortDeadline = std::chrono::seconds(1);
+// Long enough for every call to reach the server before it passes, which the
+// test checks; the gate holds the queue for as long as it takes.
+constexpr auto kShortDeadline = std::chrono::seconds(5);
 constexpr auto kLongDeadline = std::chrono::seconds(300);
+// How much later than the client's a server's deadline can be.
+constexpr auto kDeadlineRounding = std::chrono::seconds(1);
 
 std::chrono::system_clock::time_point In(std::chrono::system_clock::duration d) {
   return std::chrono::system_clock::now() + d;
 }
 
 TEST(DeadlineTest, ShortDeadlinesEndInTheQueueAndTheEngineSkipsThem) {
-  auto server = ServerProcess::Start(
-      {"--max-batch-size", "1", "--max-queue-delay-us", "0", "--threads", "1"});
+  TestGate gate;
+  ASSERT_TRUE(gate.ok()) << "mkfifo failed";
+  auto server = ServerProcess::Start(gate.Flags(
+      {"--max-batch-size", "1", "--max-queue-delay-us", "0", "--threads", "1"}));
   ASSERT_TRUE(server.ok()) << server.status();
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
-  auto stub = v1::AttentionService::NewStub(
-      grpc::CreateCustomChannel((*server)->address(), grpc::InsecureChannelCredentials(), args));
+  auto stub = (*server)->Stub();
   const auto metric = [&](const std::string& name, const std::map<std::string, std::string>& l) {
     return MetricValue(ScrapeMetrics((*server)->metrics_address()), name, l);
   };
   const auto wait_for = [&](const std::function<bool(const std::string&)>& done) {
     return WaitForMetrics((*server)->metrics_address(), done);
   };
-  const std::map<std::string, std::string> model = {{"model", "dot_product"}};
+  const std::map<std::string, std::string> model = {{"model", "gate"}};
 
-  const v1::AttendRequest slow_request = SelfAttentionRequest(1, 8192, 128, -1);
-  const auto started = std::chrono::steady_clock::now();
-  {
+  // The held request: its batch waits at the gate, the others queue behind.
+  grpc::Status held_status;
+  const v1::AttendRequest held_request = GateRequest(1, 16, 8, -1);
+  v1::AttendResponse held_response;
+  std::thread held([&] {
     grpc::ClientContext context;
-    v1::AttendResponse response;
-    ASSERT_TRUE(stub->Attend(&context, slow_request, &response).ok());
-  }
-  const auto slow_time = std::chrono::steady_clock::now() - started;
-  const int num_slow = std::clamp<int>(3 * kShortDeadline / slow_time + 1, 2, 50);
+    held_status = stub->Attend(&context, held_request, &held_response);
+  });
+  ASSERT_TRUE(wait_for(
+      [&](const std::string& m) { return MetricValue(m, "attention_batch_size_count", model) == 1; }));
 
-  // The slow requests, one per batch: the first computes, the others wait at
-  // the head of the queue.
-  std::vector<std::thread> calls;
-  std::vector<grpc::Status> slow_status(num_slow);
-  for (int i = 0; i < num_slow; ++i) {
-    calls.emplace_back([&, i] {
-      grpc::ClientContext context;
-      v1::AttendResponse response;
-      slow_status[i] = stub->Attend(&context, slow_request, &response);
-    });
-  }
-  ASSERT_TRUE(wait_for([&](const std::string& m) {
-    return MetricValue(m, "attention_batch_size_count", model) == 2 &&
-           MetricValue(m, "attention_queue_depth", model) == num_slow - 1;
-  }));
-
+  std::vector<std::thread> short_calls, long_calls;
   std::vector<grpc::Status> short_status(kShortCalls), long_status(kLongCalls);
   std::vector<std::string> long_wrong(kLongCalls);
   for (int i = 0; i < kShortCalls + kLongCalls; ++i) {
-    calls.emplace_back([&, i] {
-      const bool is_short = i % 2 == 0;
-      const v1::AttendRequest request = SelfAttentionRequest(1, 16, 8, i);
+    const bool is_short = i % 2 == 0;
+    (is_short ? short_calls : long_calls).emplace_back([&, i, is_short] {
+      const v1::AttendRequest request = GateRequest(1, 16, 8, i);
       grpc::ClientContext context;
       context.set_deadline(In(is_short ? kShortDeadline : kLongDeadline));
       v1::AttendResponse response;
@@ -100,22 +89,37 @@ TEST(DeadlineTest, ShortDeadlinesEndInTheQueueAndTheEngineSkipsThem) {
     });
   }
   grpc::Status stream_status;
-  calls.emplace_back([&] {
+  short_calls.emplace_back([&] {
     grpc::ClientContext context;
     context.set_deadline(In(kShortDeadline));
     auto stream = stub->AttendStream(&context);
-    for (int r = 0; r < kStreamRequests; ++r) stream->Write(SelfAttentionRequest(1, 8, 4, 100 + r));
+    for (int r = 0; r < kStreamRequests; ++r) stream->Write(GateRequest(1, 8, 4, 100 + r));
     stream->WritesDone();
     v1::AttendResponse response;
     while (stream->Read(&response)) {
     }
     stream_status = stream->Finish();
   });
-  for (std::thread& call : calls) call.join();
+  // Everything reached the server (and waits there) before a deadline passed.
+  const bool all_queued = wait_for([&](const std::string& m) {
+    return MetricValue(m, "attention_inflight_requests") ==
+           1 + kShortCalls + kLongCalls + kStreamRequests;
+  });
+  const auto queued_at = std::chrono::steady_clock::now();
+  for (std::thread& call : short_calls) call.join();
+  ASSERT_TRUE(all_queued) << "calls did not reach the server in time";
+  // The server's deadline of a call can be later than the client's (gRPC sends
+  // the time left rounded up to a coarser unit), and a call whose client gave
+  // up before the server's deadline passed is answered CANCELLED: wait until
+  // every short call's server deadline has passed too.
+  std::this_thread::sleep_until(queued_at + kShortDeadline + kDeadlineRounding);
+  // Only now may the engine go on: the held request, then each long call.
+  ASSERT_TRUE(gate.Release(1 + kLongCalls));
+  for (std::thread& call : long_calls) call.join();
+  held.join();
 
-  for (const grpc::Status& status : slow_status) {
-    EXPECT_TRUE(status.ok()) << status.error_message();
-  }
+  ASSERT_TRUE(held_status.ok()) << held_status.error_message();
+  EXPECT_EQ(CheckAnswer(held_request, held_response), "");
   for (int i = 0; i < kShortCalls; ++i) {
     EXPECT_EQ(short_status[i].error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << "short " << i;
   }
@@ -127,27 +131,38 @@ TEST(DeadlineTest, ShortDeadlinesEndInTheQueueAndTheEngineSkipsThem) {
 
   ASSERT_TRUE(wait_for(
       [](const std::string& m) { return MetricValue(m, "attention_inflight_requests") == 0; }));
-  EXPECT_EQ(metric("attention_batch_size_sum", model), 1 + num_slow + kLongCalls)
+  EXPECT_EQ(metric("attention_batch_size_sum", model), 1 + kLongCalls)
       << "requests whose deadline had passed were computed";
   EXPECT_EQ(metric("attention_requests_total", {{"code", "DEADLINE_EXCEEDED"}}),
             kShortCalls + kStreamRequests);
   EXPECT_EQ(metric("attention_queue_depth", model), 0);
   EXPECT_EQ(HealthStatus((*server)->Channel()), "SERVING");
+  stub.reset();
   EXPECT_EQ((*server)->Stop(), 0) << (*server)->Log();
 }
 
+// One call, queued behind two held ones, whose deadline passes while the gate
+// is closed.
 TEST_F(QueueTest, DeadlinePassedInTheQueueIsAnsweredAndNeverComputed) {
   Start(/*queue_capacity=*/"8");
-  SendSlow(2);
-  ASSERT_TRUE(WaitForInflight(2));
+  SendHeld(2);
 
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(50));
-  v1::AttendResponse response;
-  EXPECT_EQ(stub_->Attend(&context, SmallRequest(), &response).error_code(),
-            grpc::StatusCode::DEADLINE_EXCEEDED);
+  context.set_deadline(std::chrono::system_clock::now() + kShortDeadline);
+  grpc::Status status;
+  std::thread call([&] {
+    v1::AttendResponse response;
+    status = stub_->Attend(&context, GateRequest(1, 2, 2, 9), &response);
+  });
+  const bool queued = WaitForInflight(3);
+  const auto queued_at = std::chrono::steady_clock::now();
+  call.join();
+  ASSERT_TRUE(queued) << "the call did not reach the server before its deadline";
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // Past the server's deadline too (see above).
+  std::this_thread::sleep_until(queued_at + kShortDeadline + kDeadlineRounding);
 
-  ExpectDroppedAfterTheSlowOnes("DEADLINE_EXCEEDED");
+  ReleaseAndExpectDroppedAfterTheHeldOnes("DEADLINE_EXCEEDED");
 }
 
 }  // namespace

@@ -3,12 +3,13 @@
 // waits in the client instead.
 //
 // Far more concurrent clients than the queue holds:
-// One engine thread is kept busy by a slow request while 256 calls arrive
-// over 32 connections at a queue of 8. The promise under test: the excess is
-// refused with RESOURCE_EXHAUSTED at once (before the slow request, which was
-// there first, is answered), every accepted call gets its own correct
-// answer, health stays SERVING throughout, and once warm the server's memory
-// stays flat from wave to wave although each wave refuses 15 MiB of requests.
+// One engine thread is held at the test gate by a request while 256 calls
+// arrive over 32 connections at a queue of 8. The promise under test: the
+// excess is refused with RESOURCE_EXHAUSTED at once (all of it while the held
+// request, which was there first, still waits), every accepted call gets its
+// own correct answer, health stays SERVING throughout, and once warm the
+// server's memory stays flat from wave to wave although each wave refuses
+// 15 MiB of requests.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -26,6 +27,7 @@
 
 #include "health.grpc.pb.h"
 #include "tests/reliability/queue_fixture.h"
+#include "tests/support/gate.h"
 #include "tests/support/metrics.h"
 #include "tests/support/probes.h"
 #include "tests/support/requests.h"
@@ -72,13 +74,19 @@ class CallBatch {
                             std::lock_guard<std::mutex> lock(mu_);
                             call->status = std::move(status);
                             call->finished_as = finished_++;
-                            if (--pending_ == 0) all_done_.notify_all();
+                            --pending_;
+                            all_done_.notify_all();
                           });
   }
 
   void Wait() {
     std::unique_lock<std::mutex> lock(mu_);
     all_done_.wait(lock, [this] { return pending_ == 0; });
+  }
+  // Waits until `count` calls have finished: true then, false after `timeout`.
+  bool WaitUntilFinished(int count, std::chrono::seconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return all_done_.wait_for(lock, timeout, [this, count] { return finished_ >= count; });
   }
 
   const std::vector<std::unique_ptr<Call>>& calls() const { return calls_; }
@@ -105,16 +113,17 @@ bool SanitizedBuild() {
 class OverloadTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    ASSERT_TRUE(gate_.ok()) << "mkfifo failed";
+    // One request per batch: the test releases exactly one batch per request.
     auto started = ServerProcess::Start(
-        {"--max-batch-size", "4", "--max-queue-delay-us", "0", "--threads", "1",
-         "--queue-capacity", std::to_string(kQueueCapacity)});
+        gate_.Flags({"--max-batch-size", "1", "--max-queue-delay-us", "0", "--threads", "1",
+                     "--queue-capacity", std::to_string(kQueueCapacity)}));
     ASSERT_TRUE(started.ok()) << started.status();
     server_ = *std::move(started);
     for (int c = 0; c < kConnections; ++c) {
       // A local subchannel pool gives every channel its own TCP connection.
       grpc::ChannelArguments args;
       args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-      args.SetMaxReceiveMessageSize(-1);  // the slow answer is 4 MiB
       stubs_.push_back(v1::AttentionService::NewStub(grpc::CreateCustomChannel(
           server_->address(), grpc::InsecureChannelCredentials(), args)));
     }
@@ -133,6 +142,7 @@ class OverloadTest : public ::testing::Test {
     return attention::testing::WaitForMetrics(server_->metrics_address(), done);
   }
 
+  TestGate gate_;
   std::unique_ptr<ServerProcess> server_;
   std::vector<std::unique_ptr<v1::AttentionService::Stub>> stubs_;
   pid_t pid_ = 0;
@@ -147,30 +157,35 @@ TEST_F(OverloadTest, ExcessIsRefusedAtOnceAcceptedAreCorrectAndHealthStaysServin
   for (int wave = 0; wave < waves; ++wave) {
     SCOPED_TRACE("wave " + std::to_string(wave));
     const auto batches = [](const std::string& m) {
-      return MetricValue(m, "attention_batch_size_count", {{"model", "dot_product"}});
+      return MetricValue(m, "attention_batch_size_count", {{"model", "gate"}});
     };
     const std::optional<double> batches_before = batches(ScrapeMetrics(server_->metrics_address()));
     ASSERT_TRUE(batches_before.has_value());
-    CallBatch batch;  // call 0 is the slow one
-    batch.Start(stubs_[0].get(), SelfAttentionRequest(1, 4096, 256, -1 - wave));
-    // The slow request's batch has started (it is observed before it runs):
-    // the one engine thread is busy before the wave arrives.
+    CallBatch batch;  // call 0 is the held one
+    batch.Start(stubs_[0].get(), GateRequest(1, kQueries, kQuerySize, -1 - wave));
+    // Its batch has started (it is observed before the gate): the one engine
+    // thread is held before the wave arrives.
     ASSERT_TRUE(WaitForMetrics([&](const std::string& m) {
       return batches(m) == *batches_before + 1 && MetricValue(m, "attention_inflight_requests") == 1;
     }));
 
     for (int i = 0; i < kCalls; ++i) {
       batch.Start(stubs_[i % kConnections].get(),
-                  SelfAttentionRequest(1, kQueries, kQuerySize, wave * kCalls + i));
+                  GateRequest(1, kQueries, kQuerySize, wave * kCalls + i));
     }
+    // Every call beyond the queue is answered while the gate still holds the
+    // first request: a refusal does not wait for the computation ahead of it.
+    ASSERT_TRUE(batch.WaitUntilFinished(kCalls - kQueueCapacity, std::chrono::seconds(120)))
+        << "refusals waited for the held request";
     EXPECT_EQ(HealthStatus(server_->Channel()), "SERVING") << "during the overload";
     peak_rss = std::max(peak_rss, ResidentBytes(pid_));
+    ASSERT_TRUE(gate_.Release(1 + kQueueCapacity));
     batch.Wait();
 
-    const CallBatch::Call& slow_call = *batch.calls()[0];
-    ASSERT_TRUE(slow_call.status.ok()) << slow_call.status.error_message();
-    EXPECT_EQ(CheckAnswer(slow_call.request, slow_call.response), "");
-    int accepted = 0, refused = 0, refused_after_slow = 0;
+    const CallBatch::Call& held_call = *batch.calls()[0];
+    ASSERT_TRUE(held_call.status.ok()) << held_call.status.error_message();
+    EXPECT_EQ(CheckAnswer(held_call.request, held_call.response), "");
+    int accepted = 0, refused = 0;
     for (size_t i = 1; i < batch.calls().size(); ++i) {
       const CallBatch::Call* call = batch.calls()[i].get();
       if (call->status.ok()) {
@@ -182,19 +197,16 @@ TEST_F(OverloadTest, ExcessIsRefusedAtOnceAcceptedAreCorrectAndHealthStaysServin
             << call->status.error_message();
         EXPECT_THAT(call->status.error_message(), ::testing::HasSubstr("queue"));
         ++refused;
-        if (call->finished_as > slow_call.finished_as) ++refused_after_slow;
+        EXPECT_LT(call->finished_as, held_call.finished_as) << "a refusal waited for the held call";
       }
     }
     std::printf("wave %d: %d accepted, %d refused\n", wave, accepted, refused);
-    EXPECT_EQ(accepted + refused, kCalls);
-    // A refusal does not wait for the computation ahead of it.
-    EXPECT_EQ(refused_after_slow, 0) << "refusals waited for the slow request";
-    EXPECT_GE(accepted, kQueueCapacity) << "the queue was not used";
-    EXPECT_GE(refused, kCalls - 4 * kQueueCapacity) << "the excess was not refused";
+    EXPECT_EQ(accepted, kQueueCapacity) << "the queue was not filled exactly";
+    EXPECT_EQ(refused, kCalls - kQueueCapacity) << "the excess was not refused";
 
     ASSERT_TRUE(WaitForMetrics([](const std::string& m) {
       return MetricValue(m, "attention_inflight_requests") == 0 &&
-             MetricValue(m, "attention_queue_depth", {{"model", "dot_product"}}) == 0;
+             MetricValue(m, "attention_queue_depth", {{"model", "gate"}}) == 0;
     }));
     EXPECT_EQ(HealthStatus(server_->Channel()), "SERVING") << "after the overload";
     rss_after_wave.push_back(ResidentBytes(pid_));
@@ -221,21 +233,22 @@ TEST_F(OverloadTest, ExcessIsRefusedAtOnceAcceptedAreCorrectAndHealthStaysServin
 TEST_F(QueueTest, FullQueueAnswersResourceExhaustedAtOnce) {
   Start(/*queue_capacity=*/"2");
   EXPECT_EQ(MetricValue(ScrapeMetrics(server_->metrics_address()), "attention_queue_capacity",
-                        {{"model", "dot_product"}}),
+                        {{"model", "gate"}}),
             2);
-  SendSlow(3);  // one computing, two filling the queue
+  SendHeld(3);  // one held in the engine, two filling the queue
   ASSERT_TRUE(WaitForMetrics([](const std::string& m) {
-    return MetricValue(m, "attention_queue_depth", {{"model", "dot_product"}}) == 2;
+    return MetricValue(m, "attention_queue_depth", {{"model", "gate"}}) == 2;
   }));
 
   grpc::ClientContext context;
   v1::AttendResponse response;
-  const grpc::Status status = stub_->Attend(&context, SmallRequest(), &response);
+  const grpc::Status status = stub_->Attend(&context, GateRequest(1, 2, 2, 99), &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
   EXPECT_THAT(status.error_message(), ::testing::HasSubstr("queue"));
 
-  JoinSlow();
-  EXPECT_THAT(slow_codes_, ::testing::Each(grpc::StatusCode::OK));
+  ASSERT_TRUE(gate_.Release(3));
+  JoinHeld();
+  EXPECT_THAT(held_codes_, ::testing::Each(grpc::StatusCode::OK));
   EXPECT_EQ(Count("RESOURCE_EXHAUSTED"), 1);
   EXPECT_EQ(Count("OK"), 3);
 }
@@ -247,12 +260,20 @@ TEST_F(QueueTest, FullQueueAnswersResourceExhaustedAtOnce) {
 // opens, however far the server is behind.)
 TEST_F(QueueTest, CallsBeyondMaxConcurrentStreamsWaitInTheClient) {
   Start(/*queue_capacity=*/"1", {"--max-concurrent-streams", "2"});
-  SendSlow(3);
+  SendHeld(3, /*at_server=*/2);
   ASSERT_TRUE(WaitForMetrics([](const std::string& m) {
-    return MetricValue(m, "attention_queue_depth", {{"model", "dot_product"}}) == 1;
+    return MetricValue(m, "attention_queue_depth", {{"model", "gate"}}) == 1 &&
+           MetricValue(m, "attention_inflight_requests") == 2;
   }));
-  JoinSlow();
-  EXPECT_THAT(slow_codes_, ::testing::Each(grpc::StatusCode::OK));
+  // Held: the third call has not reached the server, and nothing was refused.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const std::string held = ScrapeMetrics(server_->metrics_address());
+  EXPECT_EQ(MetricValue(held, "attention_inflight_requests"), 2);
+  EXPECT_EQ(MetricValue(held, "attention_requests_total"), std::nullopt)
+      << "a call ended while every call was held";
+  ASSERT_TRUE(gate_.Release(3));
+  JoinHeld();
+  EXPECT_THAT(held_codes_, ::testing::Each(grpc::StatusCode::OK));
   EXPECT_EQ(Count("RESOURCE_EXHAUSTED"), 0);
   EXPECT_EQ(Count("OK"), 3);
 }

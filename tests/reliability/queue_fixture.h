@@ -1,7 +1,8 @@
 // queue_fixture.h: the fixture of the queue tests (overload_test,
 // deadline_test, cancel_test): a server with one engine thread and one request
-// per batch, kept busy by slow requests while a test looks at its queue
-// through /metrics.
+// per batch whose batches of the model gate wait until the test releases them
+// (tests/support/gate.h), so the queue behind them stays put while the test
+// acts and looks at it through /metrics.
 #pragma once
 
 #include <gmock/gmock.h>
@@ -9,66 +10,59 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "tests/support/gate.h"
 #include "tests/support/metrics.h"
+#include "tests/support/requests.h"
 #include "tests/support/server_process.h"
 
 namespace attention::testing {
 
-// Self-attention over n = 4096 keys of size 128: hundreds of milliseconds on
-// one thread, so the queue behind it stays put while the test acts.
-inline v1::AttendRequest SlowRequest() {
-  v1::AttendRequest request;
-  request.set_model("dot_product");
-  request.set_request_id("slow");
-  v1::Tensor* queries = request.mutable_queries();
-  const int n = 4096, d = 128;
-  for (int64_t s : {1, n, d}) queries->add_shape(s);
-  for (int i = 0; i < n * d; ++i) queries->add_data(static_cast<float>(i % 13) * 0.01f);
-  return request;
-}
-
-inline v1::AttendRequest SmallRequest() {
-  v1::AttendRequest request;
-  request.set_model("dot_product");
-  request.set_request_id("small");
-  v1::Tensor* queries = request.mutable_queries();
-  for (int64_t s : {1, 2, 2}) queries->add_shape(s);
-  for (float v : {1.0f, 2.0f, 3.0f, 4.0f}) queries->add_data(v);
-  return request;
-}
-
 class QueueTest : public ::testing::Test {
  protected:
   void Start(const std::string& queue_capacity, std::vector<std::string> more_flags = {}) {
+    ASSERT_TRUE(gate_.ok()) << "mkfifo failed";
     std::vector<std::string> flags = {"--max-batch-size", "1", "--max-queue-delay-us", "0",
                                       "--threads", "1", "--queue-capacity", queue_capacity};
     flags.insert(flags.end(), more_flags.begin(), more_flags.end());
-    auto started = ServerProcess::Start(flags);
+    auto started = ServerProcess::Start(gate_.Flags(flags));
     ASSERT_TRUE(started.ok()) << started.status();
     server_ = *std::move(started);
     stub_ = server_->Stub();
   }
   void TearDown() override {
+    // A test that failed half-way may still hold calls at the gate.
+    if (!background_.empty()) gate_.Release(static_cast<int>(background_.size()));
     for (auto& call : background_) call.join();
     if (server_) {
       EXPECT_EQ(server_->Stop(), 0) << server_->Log();
     }
   }
 
-  // Sends `count` slow requests from background threads; their codes land in
-  // slow_codes_ once answered.
-  void SendSlow(int count) {
-    slow_codes_.resize(count, grpc::StatusCode::UNKNOWN);
+  // Sends `count` requests of the model gate from background threads, one
+  // after the other: the first is held in the engine, the others queue behind
+  // it in order. Their codes land in held_codes_ once the gate lets them
+  // through. Each call is sent once the one before it has reached the server
+  // (or, beyond `at_server`, without waiting: those may wait in the client).
+  void SendHeld(int count, int at_server = -1) {
+    if (at_server < 0) at_server = count;
+    held_codes_.resize(count, grpc::StatusCode::UNKNOWN);
     for (int i = 0; i < count; ++i) {
       background_.emplace_back([this, i] {
         grpc::ClientContext context;
         v1::AttendResponse response;
-        slow_codes_[i] = stub_->Attend(&context, SlowRequest(), &response).error_code();
+        held_codes_[i] =
+            stub_->Attend(&context, GateRequest(1, 2, 2, i), &response).error_code();
       });
+      if (i >= at_server) continue;
+      ASSERT_TRUE(WaitForMetrics([i](const std::string& m) {
+        return MetricValue(m, "attention_inflight_requests") == i + 1 &&
+               MetricValue(m, "attention_batch_size_count", {{"model", "gate"}}) == 1;
+      })) << "held call " << i << " did not reach the server";
     }
   }
 
@@ -81,32 +75,46 @@ class QueueTest : public ::testing::Test {
   }
   std::optional<double> Count(const std::string& code) {
     return MetricValue(ScrapeMetrics(server_->metrics_address()), "attention_requests_total",
-                       {{"model", "dot_product"}, {"code", code}});
+                       {{"model", "gate"}, {"code", code}});
   }
-  void JoinSlow() {
+  // A client's cancel reaches the server on the connection some time after
+  // the client has ended the call. Frames on one connection are read in
+  // order, so once a later call on the same channel has been answered the
+  // server has seen every cancel sent before it.
+  void AwaitCancelsSeen() {
+    grpc::ClientContext context;
+    v1::AttendResponse response;
+    const grpc::Status status =
+        stub_->Attend(&context, SelfAttentionRequest(1, 2, 2, 0), &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+  }
+  void JoinHeld() {
     for (auto& call : background_) call.join();
     background_.clear();
   }
-  // Two slow requests ran ahead of one small request that ended with `code`:
-  // the server answers it when it reaches it, without computing it.
-  void ExpectDroppedAfterTheSlowOnes(const std::string& code) {
-    JoinSlow();
-    EXPECT_THAT(slow_codes_, ::testing::Each(grpc::StatusCode::OK));
+  // Two held requests ran ahead of one request that ended with `code` while
+  // they were held: once released, the server answers it when it reaches it,
+  // without computing it.
+  void ReleaseAndExpectDroppedAfterTheHeldOnes(const std::string& code) {
+    ASSERT_TRUE(gate_.Release(2));
+    JoinHeld();
+    EXPECT_THAT(held_codes_, ::testing::Each(grpc::StatusCode::OK));
     ASSERT_TRUE(WaitForMetrics([&code](const std::string& m) {
       return MetricValue(m, "attention_requests_total", {{"code", code}}) == 1;
     })) << server_->Log();
     const std::string metrics = ScrapeMetrics(server_->metrics_address());
-    EXPECT_EQ(MetricValue(metrics, "attention_batch_size_sum", {{"model", "dot_product"}}), 2)
+    EXPECT_EQ(MetricValue(metrics, "attention_batch_size_sum", {{"model", "gate"}}), 2)
         << "the " << code << " request was computed";
-    EXPECT_EQ(MetricValue(metrics, "attention_queue_depth", {{"model", "dot_product"}}), 0);
+    EXPECT_EQ(MetricValue(metrics, "attention_queue_depth", {{"model", "gate"}}), 0);
     EXPECT_EQ(MetricValue(metrics, "attention_inflight_requests"), 0);
     EXPECT_THAT(server_->Log(), ::testing::HasSubstr("code=" + code));
   }
 
+  TestGate gate_;
   std::unique_ptr<ServerProcess> server_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
   std::vector<std::thread> background_;
-  std::vector<grpc::StatusCode> slow_codes_;
+  std::vector<grpc::StatusCode> held_codes_;
 };
 
 }  // namespace attention::testing
