@@ -11,6 +11,7 @@ retried, odd error codes, answer counts that do not match the requests.
 
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -19,6 +20,7 @@ import tempfile
 import threading
 import time
 import unittest
+import urllib.request
 from concurrent import futures
 
 import grpc
@@ -51,6 +53,24 @@ class Server:
             time.sleep(0.05)
         lines = dict(line.split() for line in read_text(ports).splitlines())
         self.address = lines["grpc"]
+        self.metrics_address = lines["metrics"]
+
+    def metric(self, name, **labels):
+        """Sum of the samples of `name` with these labels; None when the
+        server does not export `name` at all (absent is never 0)."""
+        with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=30) as reply:
+            text = reply.read().decode()
+        if f"# TYPE {name} " not in text:
+            return None
+        total = 0.0
+        for line in text.splitlines():
+            match = re.fullmatch(r"([a-z_]+)(?:\{(.*)\})? (\S+)", line)
+            if not match or match.group(1) != name:
+                continue
+            found = dict(re.findall(r'([a-z_]+)="([^"]*)"', match.group(2) or ""))
+            if all(found.get(key) == value for key, value in labels.items()):
+                total += float(match.group(3))
+        return total
 
     def stop(self, sig=signal.SIGTERM):
         self.process.send_signal(sig)
@@ -376,10 +396,18 @@ class BalancedPythonClientTest(unittest.TestCase):
         servers = [Server(), Server()]
         try:
             target = ",".join(server.address for server in servers)
+            calls = 20
             with attention_client.AttentionClient(target) as client:
-                for _ in range(10):
+                for _ in range(calls):
                     result = client.attend(np.full((1, 1, 2), 2.0))
                     np.testing.assert_allclose(result.output, np.full((1, 1, 2), 2.0))
+                # Round-robin gives each server half; the first calls may go to
+                # the server that connected first, so half of that is required.
+                for index, server in enumerate(servers):
+                    answered = server.metric("attention_requests_total", code="OK")
+                    self.assertIsNotNone(answered, f"server {index} has no request counter")
+                    self.assertGreaterEqual(answered, calls / len(servers) / 2,
+                                            f"server {index} answered too few calls")
                 servers[0].stop(signal.SIGKILL)
                 # The calls go on on the server left (retried on UNAVAILABLE).
                 for _ in range(10):
@@ -388,6 +416,79 @@ class BalancedPythonClientTest(unittest.TestCase):
             for server in servers:
                 if server.process.poll() is None:
                     server.stop()
+
+
+class SecurePythonClientTest(unittest.TestCase):
+    """The client's token and TLS options against a server that requires them.
+    Certificates: tests/support/make_pki.sh, as for the C++ tests."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.pki = tempfile.TemporaryDirectory()
+        subprocess.run(["bash", os.path.join(SOURCE_DIR, "tests", "support", "make_pki.sh"),
+                        cls.pki.name, "ca", "rogue", "--",
+                        "server/ca/DNS:localhost,IP:127.0.0.1", "client/ca", "intruder/rogue"],
+                       check=True)
+        cls.tokens = os.path.join(cls.pki.name, "tokens")
+        with open(cls.tokens, "w") as f:
+            f.write("s3cret\n")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.pki.cleanup()
+
+    def pem(self, name):
+        with open(os.path.join(self.pki.name, name), "rb") as f:
+            return f.read()
+
+    def code(self, server, **options):
+        """The code of one attend with these client options; an answer must be right."""
+        queries = np.array([[[1.0, -2.0], [0.5, 3.0]]], dtype=np.float32)
+        try:
+            with attention_client.AttentionClient(server.address, timeout=10, **options) as client:
+                result = client.attend(queries)
+        except grpc.RpcError as error:
+            return error.code()
+        # Self-attention over two keys: every output row is a convex mix of them.
+        self.assertEqual(result.output.shape, (1, 2, 2))
+        self.assertTrue(np.all(result.output >= queries.min(axis=1) - 1e-6))
+        self.assertTrue(np.all(result.output <= queries.max(axis=1) + 1e-6))
+        return grpc.StatusCode.OK
+
+    def test_token_and_tls_with_a_private_ca(self):
+        server = Server("--tls-cert", os.path.join(self.pki.name, "server.crt"),
+                        "--tls-key", os.path.join(self.pki.name, "server.key"),
+                        "--auth-token-file", self.tokens)
+        try:
+            ca = self.pem("ca.crt")
+            self.assertEqual(self.code(server, root_certificates=ca, token="s3cret"),
+                             grpc.StatusCode.OK)
+            self.assertEqual(self.code(server, root_certificates=ca),
+                             grpc.StatusCode.UNAUTHENTICATED)
+            self.assertEqual(self.code(server, root_certificates=ca, token="wrong"),
+                             grpc.StatusCode.UNAUTHENTICATED)
+            self.assertEqual(self.code(server, root_certificates=self.pem("rogue.crt"),
+                                       token="s3cret"), grpc.StatusCode.UNAVAILABLE)
+            self.assertEqual(self.code(server, token="s3cret"), grpc.StatusCode.UNAVAILABLE)
+        finally:
+            server.stop()
+
+    def test_mutual_tls_presents_the_client_certificate(self):
+        server = Server("--tls-cert", os.path.join(self.pki.name, "server.crt"),
+                        "--tls-key", os.path.join(self.pki.name, "server.key"),
+                        "--tls-client-ca", os.path.join(self.pki.name, "ca.crt"))
+        try:
+            ca = self.pem("ca.crt")
+            self.assertEqual(self.code(server, root_certificates=ca,
+                                       certificate_chain=self.pem("client.crt"),
+                                       private_key=self.pem("client.key")), grpc.StatusCode.OK)
+            self.assertEqual(self.code(server, root_certificates=ca), grpc.StatusCode.UNAVAILABLE)
+            self.assertEqual(self.code(server, root_certificates=ca,
+                                       certificate_chain=self.pem("intruder.crt"),
+                                       private_key=self.pem("intruder.key")),
+                             grpc.StatusCode.UNAVAILABLE)
+        finally:
+            server.stop()
 
 
 if __name__ == "__main__":

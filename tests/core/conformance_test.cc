@@ -188,17 +188,15 @@ TEST_P(ConformanceError, IsRefusedWithItsCode) {
   const json& e = GetParam();
   ParsedRequest parsed(e["request"]);
   const Model* model = FindModel(parsed.model);
-  std::string code = "NOT_FOUND";  // what a server answers for an unknown model
-  std::string message;
-  if (model != nullptr) {
-    absl::StatusOr<AttentionDims> dims = Validate(*model, parsed.request);
-    code = dims.ok() ? "OK" : absl::StatusCodeToString(dims.status().code());
-    if (!dims.ok()) message = std::string(dims.status().message());
+  if (model == nullptr) {
+    // Which models exist is the server's to say: server_conformance_test
+    // sends this entry and checks its code.
+    GTEST_SKIP() << "no model '" << parsed.model << "' in the core; checked over gRPC";
   }
-  EXPECT_EQ(code, e.value("expected_code", "")) << message;
-  if (model != nullptr) {
-    EXPECT_FALSE(message.empty());
-  }
+  absl::StatusOr<AttentionDims> dims = Validate(*model, parsed.request);
+  const std::string code = dims.ok() ? "OK" : absl::StatusCodeToString(dims.status().code());
+  EXPECT_EQ(code, e.value("expected_code", "")) << dims.status();
+  EXPECT_FALSE(dims.ok()) << "an error case was accepted";
 }
 
 INSTANTIATE_TEST_SUITE_P(Conformance, ConformanceError, ::testing::ValuesIn(ErrorCases()),
@@ -209,10 +207,14 @@ class CaseCounter : public ::testing::EmptyTestEventListener {
  public:
   void OnTestEnd(const ::testing::TestInfo& info) override {
     if (std::string(info.test_suite_name()).find("Conformance") == std::string::npos) return;
+    if (info.result()->Skipped()) {
+      ++skipped;
+      return;
+    }
     ++run;
     if (info.result()->Passed()) ++passed;
   }
-  int run = 0, passed = 0;
+  int run = 0, passed = 0, skipped = 0;
 };
 
 }  // namespace
@@ -223,7 +225,7 @@ int main(int argc, char** argv) {
   auto* counter = new attention::CaseCounter;  // owned by the listener list
   ::testing::UnitTest::GetInstance()->listeners().Append(counter);
   const int status = RUN_ALL_TESTS();
-  std::cout << "conformance: " << counter->passed << "/" << counter->run << " cases pass"
-            << std::endl;
+  std::cout << "conformance: " << counter->passed << "/" << counter->run << " cases pass, "
+            << counter->skipped << " left to server_conformance_test" << std::endl;
   return status;
 }

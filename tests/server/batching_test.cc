@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <random>
@@ -15,6 +16,7 @@
 #include "core/model_loader.h"
 #include "server/proto_adapter.h"
 #include "tests/support/metrics.h"
+#include "tests/support/requests.h"
 #include "tests/support/server_process.h"
 
 namespace attention::testing {
@@ -197,11 +199,60 @@ TEST_F(ServerBatchingTest, MetricsCountEveryCallByModelAndCode) {
       MetricValue(metrics, "attention_compute_duration_seconds_count", {{"model", "distance"}}), ok);
   EXPECT_EQ(MetricValue(metrics, "attention_queue_depth", {{"model", "distance"}}), 0);
   EXPECT_EQ(MetricValue(metrics, "attention_inflight_requests"), 0);
+  // Durations are in seconds: small requests on an idle server take well
+  // under 1 s each, and at least half of them under 100 ms (a microsecond or
+  // millisecond slip puts them far above).
+  for (const char* histogram : {"attention_request_duration_seconds",
+                                "attention_queue_duration_seconds",
+                                "attention_compute_duration_seconds"}) {
+    const std::string name = histogram;
+    const std::optional<double> count = MetricValue(metrics, name + "_count", {{"model", "distance"}});
+    const std::optional<double> sum = MetricValue(metrics, name + "_sum", {{"model", "distance"}});
+    const std::optional<double> fast =
+        MetricValue(metrics, name + "_bucket", {{"model", "distance"}, {"le", "0.1"}});
+    ASSERT_TRUE(count.has_value() && sum.has_value() && fast.has_value()) << name;
+    EXPECT_GE(*sum, 0) << name;
+    EXPECT_LT(*sum, *count * 1.0) << name << ": a mean of 1 s or more";
+    EXPECT_GE(*fast, *count / 2) << name << ": most took more than 100 ms";
+  }
+  EXPECT_GT(MetricValue(metrics, "attention_compute_duration_seconds_sum", {{"model", "distance"}}),
+            0)
+      << "computing took no time";
   // The duration histograms span 50 us to 10 s.
   EXPECT_NE(metrics.find("attention_request_duration_seconds_bucket{model=\"distance\",le=\"5e-05\"}"),
             std::string::npos);
   EXPECT_NE(metrics.find("attention_request_duration_seconds_bucket{model=\"distance\",le=\"10\"}"),
             std::string::npos);
+}
+
+// More engine threads than the machine has cores (CI machines have 2): the
+// answers of concurrent calls are still each their own, and right.
+TEST(ServerThreadsTest, MoreEngineThreadsThanCoresAnswerRight) {
+  const int threads = 4 * static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
+  auto server = ServerProcess::Start(
+      {"--threads", std::to_string(threads), "--max-batch-size", "4", "--max-queue-delay-us", "2000"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  constexpr int kClients = 16, kCallsPerClient = 8;
+  std::vector<std::string> wrong(kClients);
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&, c] {
+      auto stub = (*server)->Stub();
+      for (int i = 0; i < kCallsPerClient && wrong[c].empty(); ++i) {
+        // Sizes vary so batches are ragged and split across the threads.
+        const v1::AttendRequest request =
+            SelfAttentionRequest(1 + (c + i) % 3, 8 + 16 * ((c * 7 + i) % 5), 16, c * 100 + i);
+        grpc::ClientContext context;
+        v1::AttendResponse response;
+        const grpc::Status status = stub->Attend(&context, request, &response);
+        wrong[c] = status.ok() ? CheckAnswer(request, response) : status.error_message();
+      }
+    });
+  }
+  for (std::thread& client : clients) client.join();
+  EXPECT_THAT(wrong, ::testing::Each(""));
+  EXPECT_THAT((*server)->Log(), ::testing::HasSubstr("engine threads " + std::to_string(threads)));
+  EXPECT_EQ((*server)->Stop(), 0) << (*server)->Log();
 }
 
 }  // namespace

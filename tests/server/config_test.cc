@@ -6,7 +6,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
+#include <memory>
 #include <fstream>
 #include <map>
 #include <set>
@@ -134,6 +136,42 @@ TEST(ServerConfigTest, MessageAboveMaxMessageBytesIsRefused) {
               grpc::StatusCode::RESOURCE_EXHAUSTED);
   }
   EXPECT_EQ((*server)->Stop(), 0);
+}
+
+// The channel's connection is READY after a call; true when it leaves READY
+// (the server's GOAWAY) within `wait`.
+bool ConnectionEndsWithin(grpc::Channel& channel, std::chrono::seconds wait) {
+  return channel.WaitForStateChange(GRPC_CHANNEL_READY, std::chrono::system_clock::now() + wait);
+}
+
+// --max-connection-age-seconds makes the server close each connection (GOAWAY)
+// after that age, so clients reconnect and a load balancer in front sees new
+// connections; without it a connection stays.
+TEST(ServerConfigTest, MaxConnectionAgeClosesConnectionsAndClientsReconnect) {
+  for (const bool aged : {true, false}) {
+    SCOPED_TRACE(aged ? "--max-connection-age-seconds 1" : "no maximum age");
+    std::vector<std::string> flags;
+    if (aged) flags = {"--max-connection-age-seconds", "1"};
+    auto server = ServerProcess::Start(flags);
+    ASSERT_TRUE(server.ok()) << server.status();
+    const std::shared_ptr<grpc::Channel> channel = (*server)->Channel();
+    auto stub = v1::AttentionService::NewStub(channel);
+    const v1::AttendRequest request = SelfAttentionRequest(1, 2, 2, 0);
+    for (int call = 0; call < 2; ++call) {
+      grpc::ClientContext context;
+      v1::AttendResponse response;
+      const grpc::Status status = stub->Attend(&context, request, &response);
+      ASSERT_TRUE(status.ok()) << "call " << call << ": " << status.error_message();
+      EXPECT_EQ(CheckAnswer(request, response), "");
+      ASSERT_EQ(channel->GetState(false), GRPC_CHANNEL_READY);
+      if (call == 0) {
+        // 1 s of age (+10% jitter) and then some; the control waits 3 s.
+        EXPECT_EQ(ConnectionEndsWithin(*channel, std::chrono::seconds(aged ? 20 : 3)), aged);
+      }
+    }
+    stub.reset();
+    EXPECT_EQ((*server)->Stop(), 0) << (*server)->Log();
+  }
 }
 
 }  // namespace
