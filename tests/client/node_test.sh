@@ -3,7 +3,8 @@
 # attention-server: installs its locked dependencies (npm ci), then checks that
 # example.js lists the models and answers a conformance case correctly, that
 # the module reports a server error with its gRPC code, and runs
-# node_stream_test.js (attendStream) against the same server.
+# node_stream_test.js (attendStream) against the same server, and
+# node_secure_test.js (token and TLS options) against TLS servers.
 # Exits 77 (a skip, for ctest) only when node or npm is missing.
 #
 #   tests/client/node_test.sh SERVER_BINARY
@@ -79,6 +80,33 @@ client.attend({ model: "no_such_model", queries: { shape: [1, 1, 1], data: [1] }
   pass "unknown model rejects with NOT_FOUND"
 else
   fail "unknown model rejects with NOT_FOUND"
+fi
+
+# Token and TLS options, against a TLS server that wants a token and a mutual
+# TLS one (certificates: tests/support/make_pki.sh).
+pki=$CLIENT_TEST_TMP/pki
+mkdir "$pki"
+printf 's3cret\n' >"$pki/tokens"
+if bash "$SOURCE_DIR/tests/support/make_pki.sh" "$pki" ca rogue -- \
+    "server/ca/DNS:localhost,IP:127.0.0.1" client/ca intruder/rogue; then
+  plain_address=$SERVER_ADDRESS
+  start_server "$SERVER_BIN" --tls-cert "$pki/server.crt" --tls-key "$pki/server.key" \
+    --auth-token-file "$pki/tokens"
+  tls_token_address=$SERVER_ADDRESS
+  start_server "$SERVER_BIN" --tls-cert "$pki/server.crt" --tls-key "$pki/server.key" \
+    --tls-client-ca "$pki/ca.crt"
+  mutual_address=$SERVER_ADDRESS
+  SERVER_ADDRESS=$plain_address
+  if node "$SOURCE_DIR/tests/client/node_secure_test.js" "$pki" "$tls_token_address" \
+      "$mutual_address" >"$out" 2>&1; then
+    pass "node_secure_test.js"
+  else
+    cat "$out"
+    fail "node_secure_test.js"
+  fi
+else
+  cat "$pki/openssl.log"
+  fail "make_pki.sh"
 fi
 
 if node "$SOURCE_DIR/tests/client/node_stream_test.js" "$SERVER_ADDRESS" >"$out" 2>&1; then
