@@ -74,7 +74,7 @@ run_asan() {
 run_tsan() {
   local build=${ATTENTION_TSAN_BUILD_DIR:-build-tsan}
   configure "$build" "-fsanitize=thread" || return 1
-  local pattern='^(batcher_test|server_[a-z_]+_test|overload(_[a-z_]+)?_test|fault_[a-z_]+_test|security(_[a-z_]+)?_test|attention-server)$'
+  local pattern='^(server_[a-z_]+_test|reliability_[a-z_]+_test|attention-server)$'
   mapfile -t targets < <(ninja -C "$build" -t targets all | sed -n 's/: phony$//p' | grep -E "$pattern")
   ((${#targets[@]})) || { echo "no TSan targets found in $build"; return 1; }
   nice cmake --build "$build" -j "$jobs" --target "${targets[@]}" || return 1

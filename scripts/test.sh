@@ -12,4 +12,4 @@ cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$build_dir" -j "$jobs"
 ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" --timeout 900
 # The summary line of the conformance suite, for the log.
-"$build_dir"/tests/conformance_test --gtest_brief=1 | tail -n 1
+"$build_dir"/tests/core_conformance_test --gtest_brief=1 | tail -n 1

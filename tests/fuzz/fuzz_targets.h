@@ -3,8 +3,8 @@
 // which replays the committed seeds and every input that once crashed a
 // target through the same code in the ordinary build.
 //
-// A target returns normally on any input the code under test handles as the
-// contract says (an answer, or an error status with the right code); on
+// A target returns normally on any input the code under test handles as
+// docs/api.md says (an answer, or an error status with the right code); on
 // anything else it prints what broke and aborts, which libFuzzer reports as a
 // crash and the regression test as a failed death-free run.
 #pragma once

@@ -14,7 +14,7 @@ namespace {
 
 // A softmax row sums to 1 up to float rounding over at most a few thousand keys.
 constexpr double kWeightSumTolerance = 1e-3;
-// The contract's bound between a batched and an unbatched answer, relative to
+// The bound (docs/api.md) between a batched and an unbatched answer, relative to
 // the answer's magnitude when that is above 1.
 constexpr float kBatchTolerance = 1e-5f;
 

@@ -3,7 +3,7 @@
 //
 // A ProbeRequest is the request a correct model must always be able to
 // answer: sizes taken from the model (2 where it accepts any), values from a
-// fixed pattern in [-1, 1]. CheckAnswer holds what the contract promises of
+// fixed pattern in [-1, 1]. CheckAnswer holds what docs/api.md promises of
 // any valid request, whatever its values: the validated output shape, weight
 // rows that sum to 1, finite numbers for moderate inputs, and the same answer
 // alone as inside a batch.
@@ -42,7 +42,7 @@ float MaxAbs(std::span<const float> values);
 // and aborts if the answer breaks a promise. `moderate` says the request's
 // values, scale and the model's weights are small enough (|x| <= 1e3) that
 // the answer must be finite and batching must change it by at most the
-// contract's 1e-5 (scores of larger inputs may overflow float32).
+// 1e-5 of docs/api.md (scores of larger inputs may overflow float32).
 void CheckAnswer(Engine& engine, const Model& model, const AttentionRequest& request,
                  const AttentionDims& dims, const AttentionRequest& companion, bool moderate);
 

@@ -67,7 +67,7 @@ std::map<std::string, TinyModel> LoadTinyModels() {
 // exactly 0 in float32 (the smallest denormal is exp(-103.3)).
 constexpr double kScoreBoundForZeroMaskedWeight = 9e5;
 
-// Keys query `i` of example `b` may attend to, by the contract's rule,
+// Keys query `i` of example `b` may attend to, by the rule of docs/api.md,
 // computed here apart from the engine.
 int64_t AllowedKeys(const AttentionRequest& request, const AttentionDims& dims, int64_t b,
                     int64_t i) {

@@ -1,5 +1,5 @@
 // seed_corpus.h: the seed inputs of each fuzz target, made from the
-// conformance data in tests/conformance, so the corpus follows the contract
+// conformance data in tests/conformance, so the corpus follows docs/api.md
 // without thousands of committed files.
 //
 //   model_file     every conformance model file

@@ -1,0 +1,495 @@
+"""python_test: the Python client (client/python) against a real
+attention-server: conformance cases through the numpy-in, numpy-out call,
+errors as grpc.RpcError with the server's code, attend_stream (answers in
+order, equal to attend's, a refused request's error in place), and the
+heatmap example writing a valid PNG. Against a scripted service in this
+process (the real server cannot fail a stream on demand): a stream is never
+retried, odd error codes, answer counts that do not match the requests.
+
+    ATTENTION_SERVER_BIN=build/server/attention-server /usr/bin/python3 tests/client/python_test.py
+"""
+
+import json
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+import urllib.request
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFORMANCE = os.path.join(SOURCE_DIR, "tests", "conformance")
+sys.path.insert(0, os.path.join(SOURCE_DIR, "client", "python"))
+import attention_client  # noqa: E402
+
+
+class Server:
+    """attention-server on 127.0.0.1, ports picked by the system."""
+
+    def __init__(self, *flags):
+        self.dir = tempfile.TemporaryDirectory()
+        ports = os.path.join(self.dir.name, "ports")
+        self.log = open(os.path.join(self.dir.name, "log"), "wb")
+        self.process = subprocess.Popen(
+            [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0",
+             "--metrics-address", "127.0.0.1:0", "--port-file", ports, "--threads", "1", *flags],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        give_up = time.monotonic() + 60
+        # The port file appears (atomically) once the server serves.
+        while not os.path.exists(ports):
+            if self.process.poll() is not None or time.monotonic() > give_up:
+                self.stop()
+                raise RuntimeError("attention-server did not start: " +
+                                   read_text(os.path.join(self.dir.name, "log")))
+            time.sleep(0.05)
+        lines = dict(line.split() for line in read_text(ports).splitlines())
+        self.address = lines["grpc"]
+        self.metrics_address = lines["metrics"]
+
+    def metric(self, name, **labels):
+        """Sum of the samples of `name` with these labels; None when the
+        server does not export `name` at all (absent is never 0)."""
+        with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=30) as reply:
+            text = reply.read().decode()
+        if f"# TYPE {name} " not in text:
+            return None
+        total = 0.0
+        for line in text.splitlines():
+            match = re.fullmatch(r"([a-z_]+)(?:\{(.*)\})? (\S+)", line)
+            if not match or match.group(1) != name:
+                continue
+            found = dict(re.findall(r'([a-z_]+)="([^"]*)"', match.group(2) or ""))
+            if all(found.get(key) == value for key, value in labels.items()):
+                total += float(match.group(3))
+        return total
+
+    def stop(self, sig=signal.SIGTERM):
+        self.process.send_signal(sig)
+        self.process.wait(timeout=60)
+        self.log.close()
+        self.dir.cleanup()
+
+
+def read_text(path):
+    with open(path) as f:
+        return f.read()
+
+
+def tensor(t):
+    return np.asarray(t["data"], dtype=np.float32).reshape(t["shape"])
+
+
+def read_case(name):
+    return json.loads(read_text(os.path.join(CONFORMANCE, "cases", name + ".json")))
+
+
+def case_arguments(request):
+    """A conformance case's request as attend's keyword arguments, weights asked."""
+    arguments = {key: tensor(request[key]) for key in ("queries", "keys", "values")
+                 if key in request}
+    arguments.update(model=request["model"], valid_lens=request.get("valid_lens"),
+                     causal=request.get("causal", False), scale=request.get("scale"),
+                     return_attention_weights=True, request_id=request.get("request_id", ""))
+    return arguments
+
+
+# Concurrent requests may be batched; a batched answer may differ this much.
+BATCH_TOLERANCE = 1e-5
+
+
+class PythonClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server("--model-repository", os.path.join(CONFORMANCE, "models"))
+        cls.client = attention_client.AttentionClient(cls.server.address, timeout=30)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+
+    def check_case(self, name):
+        case = read_case(name)
+        result = self.client.attend(**case_arguments(case["request"]))
+        for actual, key in ((result.output, "output"),
+                            (result.attention_weights, "attention_weights")):
+            expected = tensor(case["expected"][key])
+            self.assertIsInstance(actual, np.ndarray)
+            self.assertEqual(actual.dtype, np.float32)
+            self.assertEqual(actual.shape, expected.shape, key)
+            np.testing.assert_allclose(actual, expected, atol=case["atol"], rtol=case["rtol"],
+                                       err_msg=f"{name}: {key}")
+
+    def test_reproduces_the_d2l_toy_cases(self):
+        self.check_case("dot_product_d2l_toy")
+        self.check_case("additive_d2l_toy")
+
+    def test_reproduces_masks_scale_and_self_attention(self):
+        for name in ("dot_product_valid_lens_2d", "dot_product_scale_override",
+                     "self_attention_torch_values_omitted", "multi_head_d2l_causal_bf16"):
+            with self.subTest(case=name):
+                self.check_case(name)
+
+    def test_weights_only_when_asked(self):
+        queries = np.ones((1, 2, 3))
+        result = self.client.attend(queries)
+        self.assertIsNone(result.attention_weights)
+        # Self-attention over equal rows averages equal values: the input.
+        np.testing.assert_allclose(result.output, queries, atol=1e-6)
+
+    def test_lists_models(self):
+        models = {m.name: m for m in self.client.list_models()}
+        self.assertEqual(models["additive_toy"].kind, "additive")
+        self.assertEqual(models["additive_toy"].query_size, 20)
+        self.assertIn("dot_product", models)
+
+    def test_server_errors_keep_their_code(self):
+        with self.assertRaises(grpc.RpcError) as error:
+            self.client.attend(np.ones((1, 1, 2)), model="no_such_model")
+        self.assertEqual(error.exception.code(), grpc.StatusCode.NOT_FOUND)
+        with self.assertRaises(grpc.RpcError) as error:
+            self.client.attend(np.ones((1, 1, 2)), np.ones((1, 3, 5)))
+        self.assertEqual(error.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+
+    def test_bad_input_is_refused_before_sending(self):
+        with self.assertRaisesRegex(ValueError, r"queries must have 3 dimensions .* \(2, 2\)"):
+            self.client.attend(np.ones((2, 2)))
+
+    def test_heatmap_example_writes_a_png(self):
+        with tempfile.TemporaryDirectory() as out:
+            png = os.path.join(out, "heatmaps.png")
+            run = subprocess.run(
+                [sys.executable, os.path.join(SOURCE_DIR, "client", "python", "heatmap_example.py"),
+                 "--target", self.server.address, "--output", png, "--dpi", "80"],
+                capture_output=True, text=True, timeout=120)
+            self.assertEqual(run.returncode, 0, run.stderr)
+            self.assertIn("Additive (additive_toy)", run.stdout)
+            with open(png, "rb") as f:
+                data = f.read()
+        self.assertEqual(data[:8], b"\x89PNG\r\n\x1a\n")
+        self.assertEqual(data[12:16], b"IHDR")
+        width, height = struct.unpack(">II", data[16:24])
+        # Two panels of 3 x 2.5 inches at 80 dpi.
+        self.assertEqual((width, height), (480, 200))
+        self.assertEqual(data[-8:-4], b"IEND")
+        self.assertGreater(len(data), 2000)
+
+
+    def assert_same_answer(self, streamed, unary, what):
+        self.assertIsInstance(streamed, attention_client.AttendResult, what)
+        for key in ("output", "attention_weights"):
+            actual, expected = getattr(streamed, key), getattr(unary, key)
+            self.assertEqual(actual.dtype, np.float32, f"{what}: {key}")
+            self.assertEqual(actual.shape, expected.shape, f"{what}: {key}")
+            self.assertLessEqual(float(np.max(np.abs(actual - expected))), BATCH_TOLERANCE,
+                                 f"{what}: {key}")
+
+    def test_stream_answers_in_order_with_errors_in_place(self):
+        names = ["dot_product_d2l_toy", "additive_d2l_toy", "multi_head_d2l_causal_bf16",
+                 "distance_scale_valid_lens_2d", "bilinear_valid_lens_1d"]
+        requests = [case_arguments(read_case(name)["request"]) for name in names]
+        for i, request in enumerate(requests):
+            request["request_id"] = f"r{i}"
+        unknown_model = dict(queries=np.ones((1, 2, 3)), model="no_such_model", request_id="bad1")
+        # Keys of 5 features for queries of 4: dot_product needs d_q == d_k.
+        wrong_shape = dict(queries=np.ones((1, 2, 4)), keys=np.ones((1, 3, 5)), request_id="bad2")
+        requests.insert(1, unknown_model)
+        requests.insert(4, wrong_shape)
+
+        items = list(self.client.attend_stream(requests))
+
+        self.assertEqual(len(items), len(requests))
+        for index, code in ((1, grpc.StatusCode.NOT_FOUND),
+                            (4, grpc.StatusCode.INVALID_ARGUMENT)):
+            item = items[index]
+            self.assertIsInstance(item, attention_client.AttendError, f"item {index}")
+            self.assertIsInstance(item, grpc.RpcError)
+            self.assertEqual(item.code(), code)
+            self.assertEqual(item.request_id, requests[index]["request_id"])
+        self.assertIn("no_such_model", items[1].details())
+        self.assertIn("keys", items[4].details())
+        for index in (0, 2, 3, 5, 6):
+            self.assert_same_answer(items[index], self.client.attend(**requests[index]),
+                                    requests[index]["request_id"])
+
+    def test_stream_of_many_requests_from_a_generator(self):
+        # More answers (about 6 MB) than the server keeps unwritten and than
+        # HTTP/2's first windows hold: requests must go out while answers are read.
+        rng = np.random.default_rng(7)
+        distinct = [dict(queries=rng.normal(size=(1, 32, 32)), keys=rng.normal(size=(1, 256, 32)),
+                         valid_lens=[200], return_attention_weights=True) for _ in range(3)]
+        count = 150
+        items = list(self.client.attend_stream(distinct[i % 3] for i in range(count)))
+        self.assertEqual(len(items), count)
+        unary = [self.client.attend(**request) for request in distinct]
+        for i, item in enumerate(items):
+            self.assert_same_answer(item, unary[i % 3], f"request {i}")
+
+    def test_stream_request_that_cannot_be_built_ends_the_stream_after_the_others(self):
+        requests = [dict(queries=np.ones((1, 2, 3))), dict(queries=np.full((1, 1, 3), 2.0)),
+                    dict(queries=np.ones((2, 3))), dict(queries=np.ones((1, 2, 3)))]
+        items = []
+        with self.assertRaisesRegex(ValueError, r"queries must have 3 dimensions .* \(2, 3\)"):
+            for item in self.client.attend_stream(requests):
+                items.append(item)
+        self.assertEqual(len(items), 2)
+        np.testing.assert_allclose(items[1].output, np.full((1, 1, 3), 2.0), atol=1e-6)
+
+    def test_stream_stopped_early_leaves_the_client_usable(self):
+        stream = self.client.attend_stream(dict(queries=np.ones((1, 2, 3))) for _ in range(1000))
+        first = next(stream)
+        stream.close()
+        np.testing.assert_allclose(first.output, np.ones((1, 2, 3)), atol=1e-6)
+        self.assertEqual(len(list(self.client.attend_stream([dict(queries=np.ones((1, 1, 2)))]))), 1)
+
+    def test_stream_deadline_fails_the_call(self):
+        with self.assertRaises(grpc.RpcError) as error:
+            list(self.client.attend_stream([dict(queries=np.ones((1, 1, 2)))], timeout=1e-9))
+        self.assertEqual(error.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class ScriptedService:
+    """AttentionService on 127.0.0.1 that follows the n-th script for its n-th
+    AttendStream call (the last one repeats), and answers Attend with
+    UNAVAILABLE first, then as a stream does.
+
+    Scripts: "fail" (UNAVAILABLE before reading), "answer_one_then_fail",
+    "answer_all", "answer_none", "answer_twice". A request whose model is
+    "error:<code>" is answered with an AttendError of that code, any other with
+    its queries as the output."""
+
+    def __init__(self, *scripts):
+        self.scripts = scripts
+        self.stream_calls = 0
+        self.attend_calls = 0
+        self.lock = threading.Lock()
+        pb2 = attention_client.pb2
+        handlers = {
+            "AttendStream": grpc.stream_stream_rpc_method_handler(
+                self.attend_stream, request_deserializer=pb2.AttendRequest.FromString,
+                response_serializer=pb2.AttendResponse.SerializeToString),
+            "Attend": grpc.unary_unary_rpc_method_handler(
+                self.attend, request_deserializer=pb2.AttendRequest.FromString,
+                response_serializer=pb2.AttendResponse.SerializeToString),
+        }
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("attention.v1.AttentionService", handlers),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def stop(self):
+        self.server.stop(grace=None)
+
+    @staticmethod
+    def answer(request):
+        response = attention_client.pb2.AttendResponse(request_id=request.request_id)
+        if not request.model.startswith("error:"):
+            response.output.CopyFrom(request.queries)
+        else:
+            response.error.code = int(request.model[len("error:"):])
+            response.error.message = "scripted error"
+        return response
+
+    def attend(self, request, context):
+        with self.lock:
+            self.attend_calls += 1
+            first = self.attend_calls == 1
+        if first:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure")
+        return self.answer(request)
+
+    def attend_stream(self, requests, context):
+        with self.lock:
+            script = self.scripts[min(self.stream_calls, len(self.scripts) - 1)]
+            self.stream_calls += 1
+        if script == "fail":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure")
+        for request in requests:
+            if script == "answer_none":
+                continue
+            yield self.answer(request)
+            if script == "answer_one_then_fail":
+                context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure")
+            if script == "answer_twice":
+                yield self.answer(request)
+
+
+def id_requests(*models):
+    return [dict(queries=np.ones((1, 1, 1)), model=model, request_id=f"r{i}")
+            for i, model in enumerate(models)]
+
+
+class ScriptedStreamTest(unittest.TestCase):
+    def stream(self, *scripts, models=("m", "m", "m")):
+        """The items of one stream to a service following `scripts`, or the
+        error that ended it, and the service."""
+        service = ScriptedService(*scripts)
+        self.addCleanup(service.stop)
+        with attention_client.AttentionClient(service.address, timeout=30) as client:
+            items = []
+            try:
+                for item in client.attend_stream(id_requests(*models)):
+                    items.append(item)
+            except grpc.RpcError as error:
+                return items, error, service
+            return items, None, service
+
+    def test_unavailable_before_any_answer_is_not_retried(self):
+        items, error, service = self.stream("fail", "answer_all")
+        self.assertIsNotNone(error)
+        self.assertEqual(error.code(), grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(items, [])
+        self.assertEqual(service.stream_calls, 1)
+
+    def test_unavailable_after_an_answer_is_not_retried(self):
+        items, error, service = self.stream("answer_one_then_fail", "answer_all")
+        self.assertIsNotNone(error)
+        self.assertEqual(error.code(), grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(len(items), 1)
+        self.assertEqual(service.stream_calls, 1)
+
+    def test_unary_calls_on_the_same_client_are_still_retried(self):
+        # The stream's exemption must not switch retries off for Attend.
+        service = ScriptedService("answer_all")
+        self.addCleanup(service.stop)
+        with attention_client.AttentionClient(service.address, timeout=30) as client:
+            client.attend(np.ones((1, 1, 1)), model="m")
+        self.assertEqual(service.attend_calls, 2)
+
+    def test_answer_error_codes_become_errors(self):
+        items, error, _ = self.stream("answer_all",
+                                      models=("error:5", "m", "error:0", "error:99", "error:16"))
+        self.assertIsNone(error)
+        self.assertEqual(len(items), 5)
+        self.assertEqual(items[0].code(), grpc.StatusCode.NOT_FOUND)
+        self.assertEqual(items[0].details(), "scripted error")
+        self.assertEqual(items[0].request_id, "r0")
+        self.assertIsInstance(items[1], attention_client.AttendResult)
+        # Not an error code: still an error, naming what came.
+        for index, code in ((2, 0), (3, 99)):
+            self.assertEqual(items[index].code(), grpc.StatusCode.UNKNOWN)
+            self.assertIn(f"code {code}", items[index].details())
+        self.assertEqual(items[4].code(), grpc.StatusCode.UNAUTHENTICATED)
+
+    def test_answer_count_other_than_request_count_is_internal(self):
+        items, error, _ = self.stream("answer_none")
+        self.assertEqual(error.code(), grpc.StatusCode.INTERNAL)
+        self.assertIn("answered 0 of 3", error.details())
+        self.assertEqual(items, [])
+        items, error, _ = self.stream("answer_twice")
+        self.assertEqual(error.code(), grpc.StatusCode.INTERNAL)
+        self.assertRegex(error.details(), r"sent answer \d+ with only \d+ requests sent")
+
+
+class BalancedPythonClientTest(unittest.TestCase):
+    def test_comma_separated_targets_share_the_calls(self):
+        servers = [Server(), Server()]
+        try:
+            target = ",".join(server.address for server in servers)
+            calls = 20
+            with attention_client.AttentionClient(target) as client:
+                for _ in range(calls):
+                    result = client.attend(np.full((1, 1, 2), 2.0))
+                    np.testing.assert_allclose(result.output, np.full((1, 1, 2), 2.0))
+                # Round-robin gives each server half; the first calls may go to
+                # the server that connected first, so half of that is required.
+                for index, server in enumerate(servers):
+                    answered = server.metric("attention_requests_total", code="OK")
+                    self.assertIsNotNone(answered, f"server {index} has no request counter")
+                    self.assertGreaterEqual(answered, calls / len(servers) / 2,
+                                            f"server {index} answered too few calls")
+                servers[0].stop(signal.SIGKILL)
+                # The calls go on on the server left (retried on UNAVAILABLE).
+                for _ in range(10):
+                    client.attend(np.full((1, 1, 2), 2.0))
+        finally:
+            for server in servers:
+                if server.process.poll() is None:
+                    server.stop()
+
+
+class SecurePythonClientTest(unittest.TestCase):
+    """The client's token and TLS options against a server that requires them.
+    Certificates: tests/support/make_pki.sh, as for the C++ tests."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.pki = tempfile.TemporaryDirectory()
+        subprocess.run(["bash", os.path.join(SOURCE_DIR, "tests", "support", "make_pki.sh"),
+                        cls.pki.name, "ca", "rogue", "--",
+                        "server/ca/DNS:localhost,IP:127.0.0.1", "client/ca", "intruder/rogue"],
+                       check=True)
+        cls.tokens = os.path.join(cls.pki.name, "tokens")
+        with open(cls.tokens, "w") as f:
+            f.write("s3cret\n")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.pki.cleanup()
+
+    def pem(self, name):
+        with open(os.path.join(self.pki.name, name), "rb") as f:
+            return f.read()
+
+    def code(self, server, **options):
+        """The code of one attend with these client options; an answer must be right."""
+        queries = np.array([[[1.0, -2.0], [0.5, 3.0]]], dtype=np.float32)
+        try:
+            with attention_client.AttentionClient(server.address, timeout=10, **options) as client:
+                result = client.attend(queries)
+        except grpc.RpcError as error:
+            return error.code()
+        # Self-attention over two keys: every output row is a convex mix of them.
+        self.assertEqual(result.output.shape, (1, 2, 2))
+        self.assertTrue(np.all(result.output >= queries.min(axis=1) - 1e-6))
+        self.assertTrue(np.all(result.output <= queries.max(axis=1) + 1e-6))
+        return grpc.StatusCode.OK
+
+    def test_token_and_tls_with_a_private_ca(self):
+        server = Server("--tls-cert", os.path.join(self.pki.name, "server.crt"),
+                        "--tls-key", os.path.join(self.pki.name, "server.key"),
+                        "--auth-token-file", self.tokens)
+        try:
+            ca = self.pem("ca.crt")
+            self.assertEqual(self.code(server, root_certificates=ca, token="s3cret"),
+                             grpc.StatusCode.OK)
+            self.assertEqual(self.code(server, root_certificates=ca),
+                             grpc.StatusCode.UNAUTHENTICATED)
+            self.assertEqual(self.code(server, root_certificates=ca, token="wrong"),
+                             grpc.StatusCode.UNAUTHENTICATED)
+            self.assertEqual(self.code(server, root_certificates=self.pem("rogue.crt"),
+                                       token="s3cret"), grpc.StatusCode.UNAVAILABLE)
+            self.assertEqual(self.code(server, token="s3cret"), grpc.StatusCode.UNAVAILABLE)
+        finally:
+            server.stop()
+
+    def test_mutual_tls_presents_the_client_certificate(self):
+        server = Server("--tls-cert", os.path.join(self.pki.name, "server.crt"),
+                        "--tls-key", os.path.join(self.pki.name, "server.key"),
+                        "--tls-client-ca", os.path.join(self.pki.name, "ca.crt"))
+        try:
+            ca = self.pem("ca.crt")
+            self.assertEqual(self.code(server, root_certificates=ca,
+                                       certificate_chain=self.pem("client.crt"),
+                                       private_key=self.pem("client.key")), grpc.StatusCode.OK)
+            self.assertEqual(self.code(server, root_certificates=ca), grpc.StatusCode.UNAVAILABLE)
+            self.assertEqual(self.code(server, root_certificates=ca,
+                                       certificate_chain=self.pem("intruder.crt"),
+                                       private_key=self.pem("intruder.key")),
+                             grpc.StatusCode.UNAVAILABLE)
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -1,0 +1,532 @@
+// model_loader_test.cc: LoadModel / ParseModel on the conformance and example
+// models, on each layout and kind built here, and on every way a model file
+// can be wrong.
+#include "core/model_loader.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "tests/support/files.h"
+#include "tests/support/safetensors_builder.h"
+
+namespace attention {
+namespace {
+
+using ::attention::testing::BuildFile;
+using ::attention::testing::F32Tensor;
+using ::attention::testing::HalfTensor;
+using ::attention::testing::ReadFile;
+using ::attention::testing::ReadJson;
+using ::attention::testing::TensorBytes;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+namespace fs = std::filesystem;
+
+const fs::path kConformanceDir = fs::path(ATTENTION_SOURCE_DIR) / "tests" / "conformance";
+const fs::path kExampleModelsDir = fs::path(ATTENTION_SOURCE_DIR) / "models";
+
+using Metadata = std::map<std::string, std::string>;
+
+// `count` distinct values first, first + 1, ... so a misplaced row shows.
+std::vector<float> Sequence(int64_t count, float first = 0.0f) {
+  std::vector<float> values(count);
+  for (int64_t i = 0; i < count; ++i) values[i] = first + static_cast<float>(i);
+  return values;
+}
+
+// An F32 tensor of `shape` holding Sequence(product, first).
+TensorBytes Weight(std::string name, std::vector<int64_t> shape, float first = 0.0f) {
+  int64_t count = 1;
+  for (int64_t dim : shape) count *= dim;
+  return F32Tensor(std::move(name), std::move(shape), Sequence(count, first));
+}
+
+absl::StatusOr<Model> Parse(const std::string& name, const std::vector<TensorBytes>& tensors,
+                            const Metadata& metadata) {
+  return ParseModel(name, BuildFile(tensors, metadata));
+}
+
+// Asserts INVALID_ARGUMENT whose message is "<name>.safetensors: " + a message
+// containing `fragment`.
+void ExpectInvalid(const absl::StatusOr<Model>& model, const std::string& name, const std::string& fragment) {
+  ASSERT_FALSE(model.ok()) << "loaded; expected an error containing: " << fragment;
+  EXPECT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument) << model.status();
+  EXPECT_THAT(std::string(model.status().message()), StartsWith(name + ".safetensors: "));
+  EXPECT_THAT(model.status().message(), HasSubstr(fragment));
+}
+
+void ExpectMatrix(const RowMatrix& matrix, int64_t rows, int64_t cols, const std::vector<float>& values) {
+  ASSERT_EQ(matrix.rows(), rows);
+  ASSERT_EQ(matrix.cols(), cols);
+  EXPECT_EQ(std::vector<float>(matrix.data(), matrix.data() + matrix.size()), values);
+}
+
+void ExpectVector(const Vector& vector, const std::vector<float>& values) {
+  EXPECT_EQ(std::vector<float>(vector.data(), vector.data() + vector.size()), values);
+}
+
+std::vector<fs::path> ModelFiles(const fs::path& dir) {
+  std::vector<fs::path> files;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir)) {
+    if (entry.path().extension() == ".safetensors") files.push_back(entry.path());
+  }
+  return files;
+}
+
+// A fresh directory for files this test writes.
+fs::path TempDir() {
+  const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+  fs::path dir = fs::path(::testing::TempDir()) /
+                 (std::string("model_loader_test_") + test->name() + "_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+TEST(ModelLoaderTest, LoadsEveryConformanceModel) {
+  const std::vector<fs::path> files = ModelFiles(kConformanceDir / "models");
+  ASSERT_FALSE(files.empty());
+  for (const fs::path& file : files) {
+    absl::StatusOr<Model> model = LoadModel(file);
+    ASSERT_TRUE(model.ok()) << model.status();
+    EXPECT_EQ(model->name, file.stem().string());
+  }
+}
+
+// The sizes each conformance case needs, read from its request and expected
+// response, must be the sizes its model reports.
+TEST(ModelLoaderTest, ConformanceModelsFitTheirCases) {
+  int checked = 0;
+  for (const fs::directory_entry& entry : fs::directory_iterator(kConformanceDir / "cases")) {
+    const nlohmann::json test_case = ReadJson(entry.path());
+    const std::string case_name = test_case["name"];
+    const nlohmann::json& request = test_case["request"];
+    const fs::path file = kConformanceDir / "models" / (request["model"].get<std::string>() + ".safetensors");
+    if (!fs::exists(file)) continue;  // a built-in model
+    SCOPED_TRACE(case_name);
+    absl::StatusOr<Model> model = LoadModel(file);
+    ASSERT_TRUE(model.ok()) << model.status();
+
+    const nlohmann::json& queries = request["queries"]["shape"];
+    const nlohmann::json& keys = request.contains("keys") ? request["keys"]["shape"] : queries;
+    const nlohmann::json& values = request.contains("values") ? request["values"]["shape"] : keys;
+    const nlohmann::json& output = test_case["expected"]["output"]["shape"];
+    const nlohmann::json& weights = test_case["expected"]["attention_weights"]["shape"];
+    EXPECT_EQ(model->query_size, queries[2].get<int64_t>());
+    EXPECT_EQ(model->key_size, keys[2].get<int64_t>());
+    if (weights.size() == 4) {
+      EXPECT_EQ(model->kind, Kind::kMultiHead);
+      EXPECT_EQ(model->num_heads, weights[1].get<int64_t>());
+      EXPECT_EQ(model->value_size, values[2].get<int64_t>());
+      EXPECT_EQ(model->output_size, output[2].get<int64_t>());
+      EXPECT_EQ(model->w_o.rows(), model->output_size);
+      EXPECT_EQ(model->b_q.size(), model->output_size);
+    } else {
+      EXPECT_THAT(case_name, StartsWith(std::string(KindName(model->kind))));
+      EXPECT_EQ(model->num_heads, 0);
+      EXPECT_EQ(model->value_size, 0);
+      EXPECT_EQ(model->output_size, 0);
+      EXPECT_EQ(output[2], values[2]);
+    }
+    ++checked;
+  }
+  EXPECT_GE(checked, 10);
+}
+
+// The numbers in a name mean what models/README.md says: `_e` the model width
+// E, `_h` the heads (additive: hidden units), `_d` the query and key size.
+int64_t NumberAfter(const std::string& name, const std::string& tag) {
+  std::smatch match;
+  if (!std::regex_search(name, match, std::regex(tag + "(\\d+)"))) return -1;
+  return std::stoll(match[1]);
+}
+
+TEST(ModelLoaderTest, LoadsEveryExampleModelWithTheSizesItsNameGives) {
+  const std::vector<fs::path> files = ModelFiles(kExampleModelsDir);
+  ASSERT_GE(files.size(), 4u);
+  for (const fs::path& file : files) {
+    const std::string name = file.stem().string();
+    SCOPED_TRACE(name);
+    absl::StatusOr<Model> model = LoadModel(file);
+    ASSERT_TRUE(model.ok()) << model.status();
+    switch (model->kind) {
+      case Kind::kMultiHead:
+        EXPECT_THAT(name, StartsWith("mh_"));
+        EXPECT_EQ(model->output_size, NumberAfter(name, "_e"));
+        EXPECT_EQ(model->num_heads, NumberAfter(name, "_h"));
+        break;
+      case Kind::kAdditive:
+        EXPECT_THAT(name, StartsWith("additive_"));
+        EXPECT_EQ(model->w_q.rows(), NumberAfter(name, "_h"));
+        break;
+      case Kind::kBilinear:
+        EXPECT_THAT(name, StartsWith("bilinear_"));
+        EXPECT_EQ(model->query_size, NumberAfter(name, "_d"));
+        EXPECT_EQ(model->key_size, NumberAfter(name, "_d"));
+        break;
+      default:
+        ADD_FAILURE() << "example models show the kinds with weights, not " << KindName(model->kind);
+    }
+  }
+}
+
+TEST(ModelLoaderTest, LoadsAdditive) {
+  absl::StatusOr<Model> model = Parse(
+      "add",
+      {Weight("W_q.weight", {3, 4}), Weight("W_k.weight", {3, 2}, 100), Weight("w_v.weight", {1, 3}, 200)},
+      {{"kind", "additive"}});
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->name, "add");
+  EXPECT_EQ(model->kind, Kind::kAdditive);
+  EXPECT_EQ(model->query_size, 4);
+  EXPECT_EQ(model->key_size, 2);
+  EXPECT_EQ(model->value_size, 0);
+  EXPECT_EQ(model->output_size, 0);
+  EXPECT_EQ(model->num_heads, 0);
+  ExpectMatrix(model->w_q, 3, 4, Sequence(12));
+  ExpectMatrix(model->w_k, 3, 2, Sequence(6, 100));
+  ExpectMatrix(model->w_v, 1, 3, Sequence(3, 200));
+}
+
+TEST(ModelLoaderTest, LoadsBilinearFromF16) {
+  absl::StatusOr<Model> model = Parse(
+      "bil", {HalfTensor("W_k.weight", "F16", {2, 3}, {0x3C00, 0x4000, 0xC200, 0x0001, 0x3800, 0x0000})},
+      {{"kind", "bilinear"}});
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->kind, Kind::kBilinear);
+  EXPECT_EQ(model->query_size, 2);
+  EXPECT_EQ(model->key_size, 3);
+  EXPECT_EQ(model->value_size, 0);
+  ExpectMatrix(model->w_k, 2, 3, {1.0f, 2.0f, -3.0f, 5.9604644775390625e-08f, 0.5f, 0.0f});
+}
+
+TEST(ModelLoaderTest, LoadsD2lMultiHeadWithoutBiasesAsZeroBiases) {
+  absl::StatusOr<Model> model = Parse("d2l",
+                                      {Weight("W_q.weight", {6, 5}), Weight("W_k.weight", {6, 4}, 100),
+                                       Weight("W_v.weight", {6, 3}, 200), Weight("W_o.weight", {6, 6}, 300)},
+                                      {{"kind", "multi_head"}, {"num_heads", "3"}});
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->kind, Kind::kMultiHead);
+  EXPECT_EQ(model->num_heads, 3);
+  EXPECT_EQ(model->query_size, 5);
+  EXPECT_EQ(model->key_size, 4);
+  EXPECT_EQ(model->value_size, 3);
+  EXPECT_EQ(model->output_size, 6);
+  ExpectMatrix(model->w_q, 6, 5, Sequence(30));
+  ExpectMatrix(model->w_k, 6, 4, Sequence(24, 100));
+  ExpectMatrix(model->w_v, 6, 3, Sequence(18, 200));
+  ExpectMatrix(model->w_o, 6, 6, Sequence(36, 300));
+  for (const Vector* bias : {&model->b_q, &model->b_k, &model->b_v, &model->b_o}) {
+    ExpectVector(*bias, std::vector<float>(6, 0.0f));
+  }
+}
+
+TEST(ModelLoaderTest, LoadsD2lMultiHeadBiasesFromBF16) {
+  std::vector<TensorBytes> tensors;
+  for (const char* projection : {"W_q", "W_k", "W_v", "W_o"}) {
+    tensors.push_back(
+        HalfTensor(std::string(projection) + ".weight", "BF16", {2, 2}, {0x3F80, 0, 0, 0x3F80}));
+    tensors.push_back(HalfTensor(std::string(projection) + ".bias", "BF16", {2}, {0x4040, 0xC000}));
+  }
+  absl::StatusOr<Model> model = Parse("d2l_bf16", tensors, {{"kind", "multi_head"}, {"num_heads", "1"}});
+  ASSERT_TRUE(model.ok()) << model.status();
+  ExpectMatrix(model->w_o, 2, 2, {1, 0, 0, 1});
+  for (const Vector* bias : {&model->b_q, &model->b_k, &model->b_v, &model->b_o})
+    ExpectVector(*bias, {3.0f, -2.0f});
+}
+
+// Rows [0,E) of in_proj_weight are W_q, [E,2E) W_k, [2E,3E) W_v; the bias
+// likewise.
+TEST(ModelLoaderTest, SplitsTorchPackedProjections) {
+  absl::StatusOr<Model> model =
+      Parse("torch",
+            {Weight("in_proj_weight", {12, 4}), Weight("in_proj_bias", {12}, 100),
+             Weight("out_proj.weight", {4, 4}, 200), Weight("out_proj.bias", {4}, 300)},
+            {{"kind", "multi_head"}, {"num_heads", "2"}});
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->num_heads, 2);
+  EXPECT_EQ(model->query_size, 4);
+  EXPECT_EQ(model->key_size, 4);
+  EXPECT_EQ(model->value_size, 4);
+  EXPECT_EQ(model->output_size, 4);
+  ExpectMatrix(model->w_q, 4, 4, Sequence(16));
+  ExpectMatrix(model->w_k, 4, 4, Sequence(16, 16));
+  ExpectMatrix(model->w_v, 4, 4, Sequence(16, 32));
+  ExpectMatrix(model->w_o, 4, 4, Sequence(16, 200));
+  ExpectVector(model->b_q, Sequence(4, 100));
+  ExpectVector(model->b_k, Sequence(4, 104));
+  ExpectVector(model->b_v, Sequence(4, 108));
+  ExpectVector(model->b_o, Sequence(4, 300));
+}
+
+TEST(ModelLoaderTest, LoadsTorchSeparateProjections) {
+  absl::StatusOr<Model> model =
+      Parse("kvdim",
+            {Weight("q_proj_weight", {6, 6}), Weight("k_proj_weight", {6, 2}, 100),
+             Weight("v_proj_weight", {6, 5}, 200), Weight("in_proj_bias", {18}, 300),
+             Weight("out_proj.weight", {6, 6}, 400), Weight("out_proj.bias", {6}, 500)},
+            {{"kind", "multi_head"}, {"num_heads", "3"}});
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->query_size, 6);
+  EXPECT_EQ(model->key_size, 2);
+  EXPECT_EQ(model->value_size, 5);
+  EXPECT_EQ(model->output_size, 6);
+  ExpectMatrix(model->w_k, 6, 2, Sequence(12, 100));
+  ExpectMatrix(model->w_v, 6, 5, Sequence(30, 200));
+  ExpectVector(model->b_v, Sequence(6, 312));
+}
+
+// torch.nn.MultiheadAttention(bias=False) writes neither bias.
+TEST(ModelLoaderTest, LoadsTorchWithoutBiasesAsZeroBiases) {
+  absl::StatusOr<Model> model =
+      Parse("nobias", {Weight("in_proj_weight", {6, 2}), Weight("out_proj.weight", {2, 2})},
+            {{"kind", "multi_head"}, {"num_heads", "2"}});
+  ASSERT_TRUE(model.ok()) << model.status();
+  for (const Vector* bias : {&model->b_q, &model->b_k, &model->b_v, &model->b_o})
+    ExpectVector(*bias, {0.0f, 0.0f});
+}
+
+TEST(ModelLoaderTest, LoadsWeightlessAliasesOfTheBuiltIns) {
+  for (Kind kind : {Kind::kDotProduct, Kind::kDistance}) {
+    absl::StatusOr<Model> model = Parse("alias", {}, {{"kind", std::string(KindName(kind))}});
+    ASSERT_TRUE(model.ok()) << model.status();
+    EXPECT_EQ(model->kind, kind);
+    EXPECT_EQ(model->name, "alias");
+    EXPECT_EQ(model->query_size, 0);
+    EXPECT_EQ(model->key_size, 0);
+    ExpectInvalid(Parse("alias", {Weight("W_k.weight", {2, 2})}, {{"kind", std::string(KindName(kind))}}),
+                  "alias",
+                  "unexpected tensor 'W_k.weight' with shape [2, 2] in a " + std::string(KindName(kind)) +
+                      " model (it has no weights)");
+  }
+}
+
+TEST(ModelLoaderTest, IgnoresOtherMetadata) {
+  absl::StatusOr<Model> model =
+      Parse("bil", {Weight("W_k.weight", {2, 2})}, {{"kind", "bilinear"}, {"format", "pt"}});
+  EXPECT_TRUE(model.ok()) << model.status();
+}
+
+TEST(ModelLoaderTest, RejectsMissingOrUnknownKinds) {
+  ExpectInvalid(Parse("m", {Weight("W_k.weight", {2, 2})}, {}), "m", "__metadata__ has no \"kind\"");
+  ExpectInvalid(Parse("m", {Weight("W_k.weight", {2, 2})}, {{"format", "pt"}}), "m",
+                "__metadata__ has no \"kind\"");
+  ExpectInvalid(Parse("m", {Weight("W_k.weight", {2, 2})}, {{"kind", "Bilinear"}}), "m",
+                "__metadata__ \"kind\" is \"Bilinear\", expected additive, bilinear or multi_head");
+}
+
+TEST(ModelLoaderTest, RejectsBadNumHeads) {
+  const std::vector<TensorBytes> torch = {Weight("in_proj_weight", {24, 8}),
+                                          Weight("out_proj.weight", {8, 8})};
+  ExpectInvalid(Parse("mh", torch, {{"kind", "multi_head"}}), "mh",
+                "multi_head model has no __metadata__ \"num_heads\"");
+  for (const char* heads : {"0", "-2", "+2", " 2", "2 ", "2.0", "0x2", "two", "", "99999999999999999999"}) {
+    ExpectInvalid(Parse("mh", torch, {{"kind", "multi_head"}, {"num_heads", heads}}), "mh",
+                  "\"num_heads\" is \"" + std::string(heads) + "\", expected a positive decimal integer");
+  }
+  ExpectInvalid(Parse("mh", torch, {{"kind", "multi_head"}, {"num_heads", "3"}}), "mh",
+                "num_heads 3 does not divide the model width E = 8");
+  ExpectInvalid(Parse("mh", torch, {{"kind", "multi_head"}, {"num_heads", "16"}}), "mh",
+                "num_heads 16 does not divide the model width E = 8");
+  ExpectInvalid(Parse("add", {Weight("W_k.weight", {2, 2})}, {{"kind", "bilinear"}, {"num_heads", "2"}}),
+                "add", "__metadata__ \"num_heads\" is given, but a bilinear model has no heads");
+}
+
+TEST(ModelLoaderTest, NamesTheTensorAndBothShapesOnAMismatch) {
+  ExpectInvalid(Parse("mh",
+                      {Weight("W_q.weight", {8, 8}), Weight("W_k.weight", {8, 8}),
+                       Weight("W_v.weight", {8, 8}), Weight("W_o.weight", {4, 5})},
+                      {{"kind", "multi_head"}, {"num_heads", "2"}}),
+                "mh", "tensor 'W_o.weight' has shape [4, 5], expected [8, 8]");
+  ExpectInvalid(
+      Parse("add", {Weight("W_q.weight", {7, 4}), Weight("W_k.weight", {6, 4}), Weight("w_v.weight", {1, 7})},
+            {{"kind", "additive"}}),
+      "add", "tensor 'W_k.weight' has shape [6, 4], expected [7, d_k]");
+  ExpectInvalid(
+      Parse("add", {Weight("W_q.weight", {7, 4}), Weight("W_k.weight", {7, 4}), Weight("w_v.weight", {2, 7})},
+            {{"kind", "additive"}}),
+      "add", "tensor 'w_v.weight' has shape [2, 7], expected [1, 7]");
+  ExpectInvalid(
+      Parse("add", {Weight("W_q.weight", {7, 4}), Weight("W_k.weight", {7, 4}), Weight("w_v.weight", {7})},
+            {{"kind", "additive"}}),
+      "add", "tensor 'w_v.weight' has shape [7], expected [1, 7]");
+  ExpectInvalid(Parse("bil", {Weight("W_k.weight", {2, 2, 1})}, {{"kind", "bilinear"}}), "bil",
+                "tensor 'W_k.weight' has shape [2, 2, 1], expected [d_q, d_k]");
+  ExpectInvalid(Parse("bil", {Weight("W_k.weight", {0, 3})}, {{"kind", "bilinear"}}), "bil",
+                "tensor 'W_k.weight' has shape [0, 3], expected [d_q, d_k]");
+}
+
+TEST(ModelLoaderTest, NamesTheExpectedShapeOfAMissingTensor) {
+  ExpectInvalid(
+      Parse("add", {Weight("W_q.weight", {7, 4}), Weight("W_k.weight", {7, 3})}, {{"kind", "additive"}}),
+      "add", "missing tensor 'w_v.weight' (expected shape [1, 7])");
+  ExpectInvalid(Parse("bil", {}, {{"kind", "bilinear"}}), "bil",
+                "missing tensor 'W_k.weight' (expected shape [d_q, d_k])");
+  ExpectInvalid(
+      Parse("t", {Weight("out_proj.weight", {4, 4})}, {{"kind", "multi_head"}, {"num_heads", "2"}}), "t",
+      "missing tensor 'in_proj_weight' (expected shape [12, 4]) or q_proj_weight, k_proj_weight and "
+      "v_proj_weight");
+  ExpectInvalid(Parse("t", {Weight("in_proj_weight", {12, 4}), Weight("in_proj_bias", {12})},
+                      {{"kind", "multi_head"}, {"num_heads", "2"}}),
+                "t", "missing tensor 'out_proj.weight' (expected shape [E, E])");
+  ExpectInvalid(Parse("kv",
+                      {Weight("q_proj_weight", {4, 4}), Weight("v_proj_weight", {4, 3}),
+                       Weight("out_proj.weight", {4, 4})},
+                      {{"kind", "multi_head"}, {"num_heads", "2"}}),
+                "kv", "missing tensor 'k_proj_weight' (expected shape [4, d_k])");
+}
+
+TEST(ModelLoaderTest, RejectsTorchShapeMismatches) {
+  const Metadata metadata = {{"kind", "multi_head"}, {"num_heads", "2"}};
+  ExpectInvalid(Parse("t", {Weight("in_proj_weight", {12, 5}), Weight("out_proj.weight", {4, 4})}, metadata),
+                "t", "tensor 'in_proj_weight' has shape [12, 5], expected [12, 4]");
+  ExpectInvalid(Parse("t",
+                      {Weight("in_proj_weight", {12, 4}), Weight("out_proj.weight", {4, 4}),
+                       Weight("in_proj_bias", {4}), Weight("out_proj.bias", {4})},
+                      metadata),
+                "t", "tensor 'in_proj_bias' has shape [4], expected [12]");
+  ExpectInvalid(Parse("t", {Weight("in_proj_weight", {12, 4}), Weight("out_proj.weight", {4, 6})}, metadata),
+                "t", "tensor 'out_proj.weight' has shape [4, 6], expected [E, E]");
+  ExpectInvalid(Parse("kv",
+                      {Weight("q_proj_weight", {4, 3}), Weight("k_proj_weight", {4, 3}),
+                       Weight("v_proj_weight", {4, 3}), Weight("out_proj.weight", {4, 4})},
+                      metadata),
+                "kv", "tensor 'q_proj_weight' has shape [4, 3], expected [4, 4]");
+}
+
+TEST(ModelLoaderTest, RejectsUnexpectedTensors) {
+  ExpectInvalid(Parse("bil", {Weight("W_k.weight", {2, 2}), Weight("W_k.bias", {2})}, {{"kind", "bilinear"}}),
+                "bil", "unexpected tensor 'W_k.bias' with shape [2] in a bilinear model (W_k.weight)");
+  ExpectInvalid(Parse("add",
+                      {Weight("W_q.weight", {3, 4}), Weight("W_k.weight", {3, 2}),
+                       Weight("w_v.weight", {1, 3}), Weight("W_v.weight", {1, 3})},
+                      {{"kind", "additive"}}),
+                "add", "unexpected tensor 'W_v.weight'");
+  // torch's add_bias_kv appends learned keys: a different model, not ignorable.
+  ExpectInvalid(
+      Parse(
+          "t",
+          {Weight("in_proj_weight", {12, 4}), Weight("out_proj.weight", {4, 4}), Weight("bias_k", {1, 1, 4})},
+          {{"kind", "multi_head"}, {"num_heads", "2"}}),
+      "t",
+      "unexpected tensor 'bias_k' with shape [1, 1, 4] in a torch.nn.MultiheadAttention multi_head model");
+  ExpectInvalid(
+      Parse("d2l",
+            {Weight("W_q.weight", {2, 2}), Weight("W_k.weight", {2, 2}), Weight("W_v.weight", {2, 2}),
+             Weight("W_o.weight", {2, 2}), Weight("W_0.weight", {2, 2})},
+            {{"kind", "multi_head"}, {"num_heads", "1"}}),
+      "d2l", "unexpected tensor 'W_0.weight'");
+}
+
+TEST(ModelLoaderTest, RejectsInconsistentMultiHeadLayouts) {
+  const Metadata metadata = {{"kind", "multi_head"}, {"num_heads", "1"}};
+  const std::vector<TensorBytes> d2l = {Weight("W_q.weight", {2, 2}), Weight("W_k.weight", {2, 2}),
+                                        Weight("W_v.weight", {2, 2}), Weight("W_o.weight", {2, 2})};
+  std::vector<TensorBytes> some_biases = d2l;
+  some_biases.push_back(Weight("W_q.bias", {2}));
+  some_biases.push_back(Weight("W_o.bias", {2}));
+  ExpectInvalid(Parse("d2l", some_biases, metadata), "d2l",
+                "d2l layout has W_q.bias, W_o.bias but not W_k.bias, W_v.bias: give all four biases or none");
+
+  std::vector<TensorBytes> mixed = d2l;
+  mixed.push_back(Weight("out_proj.bias", {2}));
+  ExpectInvalid(
+      Parse("mix", mixed, metadata), "mix",
+      "mixes the d2l layout ('W_q.weight') and the torch.nn.MultiheadAttention layout ('out_proj.bias')");
+
+  ExpectInvalid(Parse("both",
+                      {Weight("in_proj_weight", {6, 2}), Weight("q_proj_weight", {2, 2}),
+                       Weight("out_proj.weight", {2, 2})},
+                      metadata),
+                "both", "has both in_proj_weight and q/k/v_proj_weight");
+  ExpectInvalid(Parse("half",
+                      {Weight("in_proj_weight", {6, 2}), Weight("in_proj_bias", {6}),
+                       Weight("out_proj.weight", {2, 2})},
+                      metadata),
+                "half", "has in_proj_bias but not out_proj.bias");
+  ExpectInvalid(Parse("none", {Weight("weight", {2, 2})}, metadata), "none",
+                "multi_head model has neither the d2l tensors");
+}
+
+TEST(ModelLoaderTest, RejectsNonFiniteWeights) {
+  ExpectInvalid(
+      ParseModel("nan", BuildFile({HalfTensor("W_k.weight", "F16", {2, 2}, {0x3C00, 0x3C00, 0x7E00, 0x3C00})},
+                                  {{"kind", "bilinear"}})),
+      "nan", "tensor 'W_k.weight' has the non-finite value nan at element 2");
+  ExpectInvalid(ParseModel("inf", BuildFile({HalfTensor("W_k.weight", "BF16", {1, 2}, {0x3F80, 0xFF80})},
+                                            {{"kind", "bilinear"}})),
+                "inf", "has the non-finite value -inf at element 1");
+}
+
+TEST(ModelLoaderTest, NamesTheFileOnFormatErrors) {
+  ExpectInvalid(ParseModel("broken", std::vector<uint8_t>{1, 2, 3}), "broken", "file has 3 bytes");
+}
+
+TEST(ModelLoaderTest, LoadModelNamesTheModelAfterTheFileStem) {
+  const fs::path dir = TempDir();
+  const fs::path path = dir / "my_model.safetensors";
+  const std::vector<uint8_t> bytes = BuildFile({Weight("W_k.weight", {2, 3})}, {{"kind", "bilinear"}});
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  absl::StatusOr<Model> model = LoadModel(path);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->name, "my_model");
+  EXPECT_EQ(model->key_size, 3);
+
+  const fs::path bad = dir / "bad.safetensors";
+  std::ofstream(bad, std::ios::binary) << "not a model";
+  absl::StatusOr<Model> broken = LoadModel(bad);
+  ASSERT_FALSE(broken.ok());
+  EXPECT_EQ(broken.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(broken.status().message()), StartsWith(bad.string() + ": header length"));
+  fs::remove_all(dir);
+}
+
+TEST(ModelLoaderTest, LoadModelReportsUnreadablePaths) {
+  const fs::path dir = TempDir();
+  absl::StatusOr<Model> missing = LoadModel(dir / "absent.safetensors");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(missing.status().message(), HasSubstr((dir / "absent.safetensors").string()));
+
+  const fs::path subdir = dir / "dir.safetensors";
+  fs::create_directory(subdir);
+  absl::StatusOr<Model> directory = LoadModel(subdir);
+  ASSERT_FALSE(directory.ok());
+  EXPECT_EQ(directory.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(directory.status().message(), HasSubstr(subdir.string()));
+  fs::remove_all(dir);
+}
+
+// Truncations and inverted header bytes of a real model file are rejected
+// with the file's name, never a crash.
+TEST(ModelLoaderTest, RejectsCorruptedConformanceModel) {
+  const std::string file = ReadFile(kConformanceDir / "models" / "mh_torch_kvdim.safetensors");
+  const std::vector<uint8_t> bytes(file.begin(), file.end());
+  ASSERT_TRUE(ParseModel("kv", bytes).ok());
+  for (size_t size = 0; size < bytes.size(); ++size) {
+    absl::StatusOr<Model> model = ParseModel("kv", std::span(bytes.data(), size));
+    ASSERT_FALSE(model.ok()) << "truncated to " << size;
+    EXPECT_THAT(std::string(model.status().message()), StartsWith("kv.safetensors: "));
+  }
+  const size_t header_end = 8 + (bytes[0] | (bytes[1] << 8));
+  for (size_t position = 0; position < header_end; ++position) {
+    std::vector<uint8_t> corrupted = bytes;
+    corrupted[position] ^= 0xFF;
+    absl::StatusOr<Model> model = ParseModel("kv", corrupted);
+    ASSERT_FALSE(model.ok()) << "byte " << position << " inverted";
+    EXPECT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
+}  // namespace
+}  // namespace attention

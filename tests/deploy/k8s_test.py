@@ -1,0 +1,193 @@
+#!/usr/bin/python3
+"""k8s_test: the Kubernetes manifests in deploy/k8s render with
+`kubectl kustomize`, pass an offline schema check (deploy/validate: the
+Kubernetes and prometheus-operator OpenAPI schemas vendored by npm's
+kubernetes-models), that check rejects type errors, and the rendered objects
+keep the operational promises deploy/README.md makes.
+
+  tests/deploy/k8s_test.py --tools-dir DIR   (npm packages are installed into DIR)
+
+Installs what it lacks, once: kubectl (Debian's kubernetes-client, when no
+kubectl is on PATH), node and npm (Debian's), and the validator's locked npm
+packages.
+"""
+
+import argparse
+import filecmp
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+K8S = os.path.join(REPO, "deploy/k8s")
+VALIDATOR = os.path.join(REPO, "deploy/validate")
+VALIDATOR_FILES = ("package.json", "package-lock.json", "validate-manifests.mjs")
+
+
+def apt_install(packages):
+    if os.geteuid() != 0:
+        sys.exit(f"missing {' '.join(packages)}: install them (apt-get install {' '.join(packages)})")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=600", "update"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "--no-install-recommends",
+                    "-o", "DPkg::Lock::Timeout=600", *packages], check=True, env=env)
+
+
+def ensure_tools(tools_dir):
+    if not shutil.which("kubectl"):
+        apt_install(["kubernetes-client"])
+    if not shutil.which("node") or not shutil.which("npm"):
+        apt_install(["nodejs", "npm"])
+    os.makedirs(tools_dir, exist_ok=True)
+    lock = os.path.join(tools_dir, "package-lock.json")
+    fresh = os.path.isdir(os.path.join(tools_dir, "node_modules")) and os.path.exists(lock) and \
+        filecmp.cmp(lock, os.path.join(VALIDATOR, "package-lock.json"), shallow=False)
+    for name in VALIDATOR_FILES:
+        shutil.copyfile(os.path.join(VALIDATOR, name), os.path.join(tools_dir, name))
+    if not fresh:
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+                       cwd=tools_dir, check=True)
+
+
+def validate(tools_dir, manifests):
+    """Runs the schema check on a YAML string; returns (exit code, output)."""
+    result = subprocess.run(["node", os.path.join(tools_dir, "validate-manifests.mjs"), "-"],
+                            input=manifests, capture_output=True, text=True, timeout=120)
+    return result.returncode, result.stdout + result.stderr
+
+
+class Checks:
+    def __init__(self):
+        self.passed = 0
+        self.failed = 0
+
+    def expect(self, ok, what):
+        if ok:
+            self.passed += 1
+            print(f"ok   {what}")
+        else:
+            self.failed += 1
+            print(f"FAIL {what}")
+
+
+def by_kind(documents, kind, name=None):
+    found = [d for d in documents if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    if len(found) != 1:
+        raise AssertionError(f"expected one {kind} {name or ''}, found {len(found)}")
+    return found[0]
+
+
+def check_promises(documents, checks):
+    """What deploy/README.md promises about the rendered objects."""
+    deployment = by_kind(documents, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    server = next(c for c in pod["containers"] if c["name"] == "attention-server")
+    config = by_kind(documents, "ConfigMap")["data"]
+
+    checks.expect(pod["securityContext"].get("runAsNonRoot") is True, "pod runs as non-root")
+    for container in pod["containers"] + pod.get("initContainers", []):
+        sc = container.get("securityContext", {})
+        checks.expect(sc.get("readOnlyRootFilesystem") is True and sc.get("allowPrivilegeEscalation") is False,
+                      f"container {container['name']}: read-only root file system, no privilege escalation")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        checks.expect(server.get(probe, {}).get("grpc", {}).get("port") == 50051,
+                      f"{probe} is a native gRPC probe on 50051")
+    checks.expect(server["resources"]["requests"].get("cpu") and server["resources"]["limits"].get("memory"),
+                  "server has CPU requests and a memory limit")
+    pre_stop = server["lifecycle"]["preStop"]["exec"]["command"]
+    sleep = int(pre_stop[1]) if pre_stop[0] == "sleep" else None
+    grace = float(config["ATTENTION_SHUTDOWN_GRACE_SECONDS"])
+    checks.expect(sleep is not None and pod["terminationGracePeriodSeconds"] > sleep + grace,
+                  f"terminationGracePeriodSeconds ({pod['terminationGracePeriodSeconds']}) > preStop sleep "
+                  f"({sleep}) + ATTENTION_SHUTDOWN_GRACE_SECONDS ({grace:g})")
+    checks.expect(int(config.get("ATTENTION_MAX_CONNECTION_AGE_SECONDS", 0)) > 0,
+                  "ATTENTION_MAX_CONNECTION_AGE_SECONDS is set, so gRPC connections rebalance")
+    checks.expect(any(ref.get("configMapRef", {}).get("name") == by_kind(documents, "ConfigMap")["metadata"]["name"]
+                      for ref in server.get("envFrom", [])),
+                  "server reads its ATTENTION_* configuration from the generated ConfigMap")
+    mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
+    volumes = {v["name"] for v in pod["volumes"]}
+    checks.expect(mounts.get("/models") in volumes, "models come from a volume mounted at /models")
+
+    headless = by_kind(documents, "Service", "attention-server-headless")
+    cluster_ip = by_kind(documents, "Service", "attention-server")
+    labels = pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    for service in (headless, cluster_ip):
+        checks.expect(all(pod_labels.get(k) == v for k, v in service["spec"]["selector"].items()),
+                      f"Service {service['metadata']['name']} selects the pods")
+    checks.expect(headless["spec"].get("clusterIP") == "None", "headless Service has clusterIP None")
+    checks.expect(cluster_ip["spec"].get("type", "ClusterIP") == "ClusterIP", "ClusterIP Service")
+
+    hpa = by_kind(documents, "HorizontalPodAutoscaler")
+    metrics = {m["type"]: m for m in hpa["spec"]["metrics"]}
+    checks.expect(metrics.get("Resource", {}).get("resource", {}).get("name") == "cpu", "HPA scales on CPU")
+    checks.expect(metrics.get("Pods", {}).get("pods", {}).get("metric", {}).get("name") == "attention_queue_depth",
+                  "HPA scales on the attention_queue_depth custom metric")
+    checks.expect(hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"], "HPA targets the Deployment")
+    with open(os.path.join(K8S, "prometheus-adapter-values.yaml")) as f:
+        adapter_rules = yaml.safe_load(f)["rules"]["custom"]
+    checks.expect(any(r["name"]["as"] == "attention_queue_depth" for r in adapter_rules),
+                  "prometheus-adapter rule exposes attention_queue_depth")
+
+    monitor = by_kind(documents, "PodMonitor")
+    checks.expect(all(labels.get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items()) and
+                  monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics" and
+                  any(p["name"] == "metrics" and p["containerPort"] == 9464 for p in server["ports"]),
+                  "PodMonitor scrapes the metrics port (9464) of the pods")
+    checks.expect(labels.get(monitor["spec"]["jobLabel"]) == "attention-server",
+                  "PodMonitor's job label is attention-server, as the alert rules expect")
+
+
+# Type errors the schema check must reject: (description, pattern, replacement).
+TYPE_ERRORS = [
+    ("string where an integer belongs (HPA minReplicas)", r"minReplicas: 2", 'minReplicas: "2"'),
+    ("string where a port number belongs (containerPort)", r"containerPort: 50051", "containerPort: grpc-port"),
+    ("number where a duration string belongs (PodMonitor interval)", r"interval: 15s", "interval: 15"),
+    ("string where a boolean belongs (readOnlyRootFilesystem)", r"readOnlyRootFilesystem: true",
+     'readOnlyRootFilesystem: "yes"'),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tools-dir", required=True)
+    args = parser.parse_args()
+    ensure_tools(args.tools_dir)
+    checks = Checks()
+
+    render = subprocess.run(["kubectl", "kustomize", K8S], capture_output=True, text=True, timeout=120)
+    checks.expect(render.returncode == 0, "kubectl kustomize deploy/k8s renders" + (f": {render.stderr.strip()}" if render.returncode else ""))
+    if render.returncode != 0:
+        return 1
+    rendered = render.stdout
+
+    code, output = validate(args.tools_dir, rendered)
+    print(output.rstrip())
+    checks.expect(code == 0, "rendered manifests pass the schema check")
+
+    for what, pattern, replacement in TYPE_ERRORS:
+        broken, count = re.subn(pattern, replacement, rendered, count=1)
+        if count != 1:
+            checks.expect(False, f"schema check rejects {what}: '{pattern}' not in the rendered manifests")
+            continue
+        code, output = validate(args.tools_dir, broken)
+        checks.expect(code != 0 and "FAIL" in output, f"schema check rejects {what}")
+
+    checks.expect(validate(args.tools_dir, rendered.replace("kind: PodDisruptionBudget", "kind: PodDisruptionBudgett"))[0] != 0,
+                  "schema check rejects a kind it has no schema for")
+
+    try:
+        check_promises(list(yaml.safe_load_all(rendered)), checks)
+    except (AssertionError, KeyError, StopIteration, TypeError, ValueError) as err:
+        checks.expect(False, f"rendered manifests have the expected shape: {err!r}")
+
+    print(f"{checks.passed} passed, {checks.failed} failed")
+    return 0 if checks.failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+// config_test.cc: how attention-server is set up. Bad model files are
+// skipped with their reason (fatal with --strict); flags come from the command
+// line or ATTENTION_* variables, with documented defaults and ranges; logs can
+// be JSON; size limits refuse a request before any work. (SIGTERM and the
+// drain: tests/reliability/shutdown_test.cc.)
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "nlohmann/json.hpp"
+#include "tests/support/requests.h"
+#include "tests/support/server_process.h"
+
+namespace attention::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+class ServerRepositoryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::filesystem::copy_file(ConformanceDir() / "models" / "bilinear_small.safetensors",
+                               dir_.path() / "good.safetensors");
+    std::ofstream(dir_.path() / "broken.safetensors") << "not a safetensors file";
+    std::ofstream(dir_.path() / "notes.txt") << "ignored: not a model file";
+  }
+  TempDir dir_;
+};
+
+TEST_F(ServerRepositoryTest, BadFileIsLoggedWithItsReasonAndSkipped) {
+  auto server = ServerProcess::Start({"--model-repository", dir_.path().string()});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = (*server)->Stub();
+  grpc::ClientContext context;
+  v1::ListModelsResponse response;
+  ASSERT_TRUE(stub->ListModels(&context, v1::ListModelsRequest(), &response).ok());
+  std::set<std::string> names;
+  for (const auto& model : response.models()) names.insert(model.name());
+  EXPECT_EQ(names, (std::set<std::string>{"dot_product", "distance", "good"}));
+  stub.reset();
+  EXPECT_EQ((*server)->Stop(), 0);
+
+  const std::string log = (*server)->Log();
+  EXPECT_THAT(log, HasSubstr("model skipped"));
+  EXPECT_THAT(log, HasSubstr("broken"));
+  EXPECT_THAT(log, HasSubstr("model good (bilinear, d_q=6 d_k=4)"));
+}
+
+TEST_F(ServerRepositoryTest, StrictMakesABadFileFatal) {
+  std::string output;
+  const int code = ServerProcess::RunToExit(
+      {"--address", "127.0.0.1:0", "--metrics-address", "", "--model-repository",
+       dir_.path().string(), "--strict"},
+      {}, &output);
+  EXPECT_NE(code, 0);
+  EXPECT_THAT(output, HasSubstr("broken"));
+}
+
+TEST(ServerConfigTest, EnvironmentSetsFlagsAndTheCommandLineWins) {
+  auto server = ServerProcess::Start(
+      {"--queue-capacity", "77"},
+      {{"ATTENTION_MAX_BATCH_SIZE", "3"}, {"ATTENTION_QUEUE_CAPACITY", "99"},
+       {"ATTENTION_LOG_FORMAT", "json"}});
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ((*server)->Stop(), 0);
+  const std::string log = (*server)->Log();
+  EXPECT_THAT(log, HasSubstr("--max-batch-size 3 "));
+  EXPECT_THAT(log, HasSubstr("--queue-capacity 77"));
+  EXPECT_THAT(log, Not(HasSubstr("--queue-capacity 99")));
+  // --log-format json (from the environment): every line is one JSON object.
+  int lines = 0;
+  for (absl::string_view line : absl::StrSplit(log, '\n', absl::SkipEmpty())) {
+    const nlohmann::json parsed = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(parsed.is_object()) << line;
+    EXPECT_TRUE(parsed.contains("time") && parsed.contains("level") && parsed.contains("message"));
+    ++lines;
+  }
+  EXPECT_GT(lines, 3);
+}
+
+TEST(ServerConfigTest, HelpDocumentsEveryFlagWithItsDefaultAndVariable) {
+  std::string help;
+  ASSERT_EQ(ServerProcess::RunToExit({"--help"}, {}, &help), 0);
+  for (const char* flag :
+       {"--address", "--metrics-address", "--model-repository", "--strict", "--max-batch-size",
+        "--max-queue-delay-us", "--queue-capacity", "--max-message-bytes",
+        "--max-request-elements", "--threads", "--shutdown-grace-seconds",
+        "--max-connection-age-seconds", "--log-level", "--log-format", "--tls-cert", "--tls-key",
+        "--tls-client-ca", "--auth-token-file"}) {
+    EXPECT_THAT(help, HasSubstr(flag));
+  }
+  EXPECT_THAT(help, HasSubstr("--address TEXT=0.0.0.0:50051"));
+  EXPECT_THAT(help, HasSubstr("--metrics-address TEXT=0.0.0.0:9464"));
+  EXPECT_THAT(help, HasSubstr("ATTENTION_MAX_BATCH_SIZE"));
+}
+
+TEST(ServerConfigTest, OutOfRangeFlagIsRefused) {
+  std::string output;
+  EXPECT_NE(ServerProcess::RunToExit({"--max-batch-size", "0"}, {}, &output), 0);
+  EXPECT_THAT(output, HasSubstr("--max-batch-size"));
+}
+
+TEST(ServerConfigTest, OversizedRequestIsInvalidArgumentBeforeAnyWork) {
+  auto server = ServerProcess::Start({"--max-request-elements", "1000"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  {
+    auto stub = (*server)->Stub();
+    v1::AttendRequest request = SelfAttentionRequest(2, 64, 32, 0);  // 2*64*32 queries alone
+    grpc::ClientContext context;
+    v1::AttendResponse response;
+    const grpc::Status status = stub->Attend(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr("1000"));
+  }
+  EXPECT_EQ((*server)->Stop(), 0);
+}
+
+TEST(ServerConfigTest, MessageAboveMaxMessageBytesIsRefused) {
+  auto server = ServerProcess::Start({"--max-message-bytes", "4096"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  {
+    auto stub = (*server)->Stub();
+    grpc::ClientContext context;
+    v1::AttendResponse response;
+    EXPECT_EQ(stub->Attend(&context, SelfAttentionRequest(2, 64, 32, 0), &response).error_code(),
+              grpc::StatusCode::RESOURCE_EXHAUSTED);
+  }
+  EXPECT_EQ((*server)->Stop(), 0);
+}
+
+// The channel's connection is READY after a call; true when it leaves READY
+// (the server's GOAWAY) within `wait`.
+bool ConnectionEndsWithin(grpc::Channel& channel, std::chrono::seconds wait) {
+  return channel.WaitForStateChange(GRPC_CHANNEL_READY, std::chrono::system_clock::now() + wait);
+}
+
+// --max-connection-age-seconds makes the server close each connection (GOAWAY)
+// after that age, so clients reconnect and a load balancer in front sees new
+// connections; without it a connection stays.
+TEST(ServerConfigTest, MaxConnectionAgeClosesConnectionsAndClientsReconnect) {
+  for (const bool aged : {true, false}) {
+    SCOPED_TRACE(aged ? "--max-connection-age-seconds 1" : "no maximum age");
+    std::vector<std::string> flags;
+    if (aged) flags = {"--max-connection-age-seconds", "1"};
+    auto server = ServerProcess::Start(flags);
+    ASSERT_TRUE(server.ok()) << server.status();
+    const std::shared_ptr<grpc::Channel> channel = (*server)->Channel();
+    auto stub = v1::AttentionService::NewStub(channel);
+    const v1::AttendRequest request = SelfAttentionRequest(1, 2, 2, 0);
+    for (int call = 0; call < 2; ++call) {
+      grpc::ClientContext context;
+      v1::AttendResponse response;
+      const grpc::Status status = stub->Attend(&context, request, &response);
+      ASSERT_TRUE(status.ok()) << "call " << call << ": " << status.error_message();
+      EXPECT_EQ(CheckAnswer(request, response), "");
+      ASSERT_EQ(channel->GetState(false), GRPC_CHANNEL_READY);
+      if (call == 0) {
+        // 1 s of age (+10% jitter) and then some; the control waits 3 s.
+        EXPECT_EQ(ConnectionEndsWithin(*channel, std::chrono::seconds(aged ? 20 : 3)), aged);
+      }
+    }
+    stub.reset();
+    EXPECT_EQ((*server)->Stop(), 0) << (*server)->Log();
+  }
+}
+
+}  // namespace
+}  // namespace attention::testing

@@ -1,0 +1,30 @@
+// files.h: whole-file reading and writing for tests (header-only, so the core
+// tests can use it without linking gRPC).
+#pragma once
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace attention::testing {
+
+// The bytes of `path`; "" when it cannot be read.
+inline std::string ReadFile(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+inline void WriteFile(const std::filesystem::path& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+// `path` parsed as JSON; a discarded value when it is missing or malformed, so
+// a test fails on its first lookup instead of aborting the binary.
+inline nlohmann::json ReadJson(const std::filesystem::path& path) {
+  return nlohmann::json::parse(ReadFile(path), nullptr, /*allow_exceptions=*/false);
+}
+
+}  // namespace attention::testing
