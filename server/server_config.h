@@ -37,7 +37,11 @@ struct ServerConfig {
   // Engine worker threads; 0 = one per hardware thread.
   int threads = 0;
 
-  // Time given to accepted requests after SIGTERM/SIGINT.
+  // After SIGTERM/SIGINT, time during which health says NOT_SERVING and new
+  // calls get UNAVAILABLE before the server waits for accepted calls and
+  // stops; lets load balancers stop sending first.
+  double drain_delay_seconds = 0.0;
+  // Time given to accepted requests after the drain delay.
   double shutdown_grace_seconds = 20.0;
   // Calls one client connection may have open at once (HTTP/2
   // MAX_CONCURRENT_STREAMS); a client's further calls wait on its side.

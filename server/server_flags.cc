@@ -47,8 +47,12 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
       ->check(CLI::Range(int64_t{1}, INT64_MAX));
   Flag(app, "--threads", &c->threads, "Engine worker threads (0: one per hardware thread)")
       ->check(CLI::Range(0, 4096));
+  Flag(app, "--drain-delay-seconds", &c->drain_delay_seconds,
+       "After SIGTERM/SIGINT, time health says NOT_SERVING and new calls get UNAVAILABLE "
+       "before the server finishes accepted calls and stops")
+      ->check(CLI::Range(0.0, 3600.0));
   Flag(app, "--shutdown-grace-seconds", &c->shutdown_grace_seconds,
-       "After SIGTERM/SIGINT, time given to accepted requests before remaining calls are cancelled")
+       "After the drain delay, time given to accepted requests before remaining calls are cancelled")
       ->check(CLI::Range(0.0, 86400.0));
   Flag(app, "--max-concurrent-streams", &c->max_concurrent_streams,
        "Calls one client connection may have open at once; more wait in the client")
