@@ -225,10 +225,12 @@ int RunServer(const ServerConfig& config) {
   }
   if (exposer) spdlog::info("metrics on {}/metrics", metrics_address);
   spdlog::info("batching: --max-batch-size {} --max-queue-delay-us {} --queue-capacity {}; "
-               "engine threads {}; --max-message-bytes {} --max-request-elements {}",
+               "engine threads {}; --max-message-bytes {} --max-request-elements {} "
+               "--max-request-work {} --max-request-scratch-elements {}",
                config.batching.max_batch_size, config.batching.max_queue_delay_us,
                config.batching.queue_capacity, engine.num_threads(), config.max_message_bytes,
-               config.limits.max_request_elements);
+               config.limits.max_request_elements, config.limits.max_request_work,
+               config.limits.max_request_scratch_elements);
   spdlog::info("serving {} models:", repository->models().size());
   for (const auto& model : repository->models()) {
     spdlog::info("  model {} ({})", model->name, Describe(*model));

@@ -45,6 +45,14 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--max-request-elements", &c->limits.max_request_elements,
        "Most float elements per request in queries, keys, values, output and weights together")
       ->check(CLI::Range(int64_t{1}, INT64_MAX));
+  Flag(app, "--max-request-work", &c->limits.max_request_work,
+       "Most work units per request (multiply-adds, plus 16 per score entry); more is refused "
+       "with INVALID_ARGUMENT (0: no cap)")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--max-request-scratch-elements", &c->limits.max_request_scratch_elements,
+       "Most floats of engine scratch per thread one request may need (64 x the sum of its "
+       "feature sizes); more is refused with INVALID_ARGUMENT (0: no cap)")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
   Flag(app, "--threads", &c->threads, "Engine worker threads (0: one per hardware thread)")
       ->check(CLI::Range(0, 4096));
   Flag(app, "--drain-delay-seconds", &c->drain_delay_seconds,
