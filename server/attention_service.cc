@@ -44,6 +44,7 @@ struct AttentionService::Task {
   absl::Time deadline_at = absl::InfiniteFuture();
   std::optional<absl::Duration> queued;    // set once the task left the queue
   std::optional<absl::Duration> computed;  // set once the task was computed
+  int64_t held_bytes = 0;                  // counted in held_bytes_ until answered
   Done done;
 };
 
@@ -141,10 +142,16 @@ void AttentionService::Enqueue(std::unique_ptr<Task> task) {
                   nullptr);
   }
   const v1::AttendRequest& request = *task->proto;
+  for (const auto& [field, value] : {std::pair<absl::string_view, absl::string_view>{
+                                         "model", request.model()},
+                                     {"request_id", request.request_id()}}) {
+    if (absl::Status s = CheckNameLength(field, value); !s.ok()) return Answer(*task, s, nullptr);
+  }
   const std::optional<size_t> model_index = repository_->IndexOf(request.model());
   if (!model_index) {
     return Answer(*task,
-                  absl::NotFoundError(absl::StrCat("model: no model named '", request.model(),
+                  absl::NotFoundError(absl::StrCat("model: no model named '",
+                                                   Printable(request.model()),
                                                    "' is served (ListModels lists them)")),
                   nullptr);
   }
@@ -155,6 +162,19 @@ void AttentionService::Enqueue(std::unique_ptr<Task> task) {
   if (!dims.ok()) return Answer(*task, dims.status(), nullptr);
   task->validated = ValidatedRequest{&task->request, *dims};
 
+  if (options_.max_queued_bytes > 0) {
+    const int64_t bytes = static_cast<int64_t>(request.ByteSizeLong());
+    const int64_t held = held_bytes_.fetch_add(bytes) + bytes;
+    task->held_bytes = bytes;
+    if (held > options_.max_queued_bytes) {
+      return Answer(*task,
+                    absl::ResourceExhaustedError(absl::StrCat(
+                        "the server holds ", held - bytes, " bytes of requests; this one (", bytes,
+                        " bytes) would pass --max-queued-bytes ", options_.max_queued_bytes,
+                        "; retry later")),
+                    nullptr);
+    }
+  }
   ModelQueue& queue = *task->queue;
   task->enqueued = absl::Now();
   queue.metrics->queue_depth->Increment();
@@ -202,6 +222,7 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
   // Before the count, so a scrape that sees the request counted also sees it
   // no longer in flight.
   metrics_->inflight().Decrement();
+  held_bytes_.fetch_sub(task.held_bytes);
   const absl::Duration total = absl::Now() - task.arrived;
   const std::string_view model =
       task.queue != nullptr ? std::string_view(task.queue->model->name) : std::string_view();
@@ -214,15 +235,20 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
   }
   const int64_t queued_us = task.queued ? Micros(*task.queued) : 0;
   const int64_t computed_us = task.computed ? Micros(*task.computed) : 0;
-  if (!status.ok()) {
-    spdlog::warn("request failed: model='{}' request_id='{}' peer={} code={} after {} us: {}",
-                 task.proto->model(), task.proto->request_id(), task.context->peer(),
-                 absl::StatusCodeToString(status.code()), Micros(total), std::string(status.message()));
-  } else if (spdlog::should_log(spdlog::level::debug)) {
+  int64_t suppressed = 0;
+  if (!status.ok() && refusal_log_.Admit(&suppressed)) {
+    spdlog::warn("request failed: model='{}' request_id='{}' peer={} code={} after {} us: {}{}",
+                 Printable(task.proto->model()), Printable(task.proto->request_id()),
+                 task.context->peer(), absl::StatusCodeToString(status.code()), Micros(total),
+                 std::string(status.message()),
+                 suppressed == 0
+                     ? std::string()
+                     : absl::StrCat(" (", suppressed, " more failed requests not logged)"));
+  } else if (status.ok() && spdlog::should_log(spdlog::level::debug)) {
     spdlog::debug("request done: model='{}' request_id='{}' peer={} batch_wait={} us compute={} us "
                   "total={} us",
-                  model, task.proto->request_id(), task.context->peer(), queued_us, computed_us,
-                  Micros(total));
+                  model, Printable(task.proto->request_id()), task.context->peer(), queued_us,
+                  computed_us, Micros(total));
   }
   task.done(status, result);
 }

@@ -33,6 +33,7 @@
 #include "server/batcher.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
+#include "server/request_names.h"
 #include "server/test_gate.h"
 
 namespace attention::server {
@@ -44,6 +45,10 @@ struct ServiceOptions {
   Limits limits;
   // Batching, per model.
   BatcherOptions batching;
+  // Most bytes of request messages the server holds at once, from admission
+  // to answer, over all models; beyond it RESOURCE_EXHAUSTED. 0: no cap.
+  // 2^30 is the documented default of --max-queued-bytes (docs/api.md).
+  int64_t max_queued_bytes = int64_t{1} << 30;
   // Accepted bearer tokens; empty: no authentication. Never logged.
   std::vector<std::string> auth_tokens;
   // For tests only: holds each batch of the model named kTestGateModelName
@@ -53,6 +58,10 @@ struct ServiceOptions {
 
 class AttentionService final : public v1::AttentionService::CallbackService {
  public:
+  // Failed requests beyond this many a second are not logged one by one; the
+  // next line logged says how many were left out (docs/api.md, section 6.2).
+  static constexpr int kRefusalLinesPerSecond = 20;
+
   // Starts one batcher per model of `repository`, which must not change
   // afterwards. `repository`, `engine` and `metrics` are not owned and must
   // outlive the service. INVALID_ARGUMENT for out-of-range batching options.
@@ -117,8 +126,12 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   ServerMetrics* const metrics_;             // not owned
   const ServiceOptions options_;
   std::atomic<bool> accepting_{true};  // written under calls_mu_
+  // Bytes of the requests admitted and not yet answered (max_queued_bytes).
+  std::atomic<int64_t> held_bytes_{0};
   absl::Mutex calls_mu_;
   int64_t open_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // admitted, OnDone not yet run
+  // "request failed" lines: at most kRefusalLinesPerSecond a second.
+  RefusalLogLimiter refusal_log_{kRefusalLinesPerSecond};
   // One per model, in repository order: ModelRepository::IndexOf() indexes it.
   std::vector<std::unique_ptr<ModelQueue>> queues_;
 };

@@ -135,6 +135,7 @@ int RunServer(const ServerConfig& config) {
   ServiceOptions service_options;
   service_options.limits = config.limits;
   service_options.batching = config.batching;
+  service_options.max_queued_bytes = config.max_queued_bytes;
   if (!config.auth_token_file.empty()) {
     absl::StatusOr<std::vector<std::string>> tokens = ReadTokenFile(config.auth_token_file);
     if (!tokens.ok()) return Fail(tokens.status());
@@ -147,7 +148,8 @@ int RunServer(const ServerConfig& config) {
   std::optional<std::filesystem::path> directory;
   if (!config.model_repository.empty()) directory = config.model_repository;
   absl::StatusOr<ModelRepository> repository =
-      ModelRepository::Load(directory, config.strict, &skipped);
+      ModelRepository::Load(directory, config.strict, &skipped,
+                            static_cast<uint64_t>(config.max_model_file_bytes));
   if (!repository.ok()) return Fail(repository.status());
   for (const absl::Status& problem : skipped) {
     spdlog::error("model skipped: {}", std::string(problem.message()));
@@ -226,11 +228,11 @@ int RunServer(const ServerConfig& config) {
   if (exposer) spdlog::info("metrics on {}/metrics", metrics_address);
   spdlog::info("batching: --max-batch-size {} --max-queue-delay-us {} --queue-capacity {}; "
                "engine threads {}; --max-message-bytes {} --max-request-elements {} "
-               "--max-request-work {} --max-request-scratch-elements {}",
+               "--max-request-work {} --max-request-scratch-elements {} --max-queued-bytes {}",
                config.batching.max_batch_size, config.batching.max_queue_delay_us,
                config.batching.queue_capacity, engine.num_threads(), config.max_message_bytes,
                config.limits.max_request_elements, config.limits.max_request_work,
-               config.limits.max_request_scratch_elements);
+               config.limits.max_request_scratch_elements, config.max_queued_bytes);
   spdlog::info("serving {} models:", repository->models().size());
   for (const auto& model : repository->models()) {
     spdlog::info("  model {} ({})", model->name, Describe(*model));

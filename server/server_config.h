@@ -12,6 +12,7 @@
 #include <string>
 
 #include "core/request.h"
+#include "server/attention_service.h"
 #include "server/batcher.h"
 
 namespace attention::server {
@@ -25,6 +26,8 @@ struct ServerConfig {
   std::string model_repository;
   // A model file that fails to load stops the server instead of being skipped.
   bool strict = false;
+  // Model files larger than this are skipped (or fatal with --strict); 0: no cap.
+  int64_t max_model_file_bytes = int64_t{1} << 30;
 
   // Batching, per model: --max-batch-size, --max-queue-delay-us,
   // --queue-capacity (the clock stays the real one).
@@ -32,8 +35,10 @@ struct ServerConfig {
 
   // Largest request message accepted by gRPC.
   int max_message_bytes = 64 << 20;
-  // --max-request-elements.
+  // --max-request-elements, --max-request-work, --max-request-scratch-elements.
   Limits limits;
+  // Most request bytes held at once, all models together; 0: no cap.
+  int64_t max_queued_bytes = ServiceOptions{}.max_queued_bytes;
   // Engine worker threads; 0 = one per hardware thread.
   int threads = 0;
 

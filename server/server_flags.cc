@@ -31,6 +31,9 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   app.add_flag("--strict", c->strict, "Exit when a model file fails to load instead of skipping it")
       ->envname(EnvName("--strict"))
       ->capture_default_str();
+  Flag(app, "--max-model-file-bytes", &c->max_model_file_bytes,
+       "Model files larger than this are skipped as bad files (fatal with --strict); 0: no cap")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
   Flag(app, "--max-batch-size", &c->batching.max_batch_size,
        "Most requests of one model merged into one execution (1: no batching)")
       ->check(CLI::Range(1, 1 << 16));
@@ -52,6 +55,10 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--max-request-scratch-elements", &c->limits.max_request_scratch_elements,
        "Most floats of engine scratch per thread one request may need (64 x the sum of its "
        "feature sizes); more is refused with INVALID_ARGUMENT (0: no cap)")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--max-queued-bytes", &c->max_queued_bytes,
+       "Most bytes of request messages held at once (admitted, not yet answered), all models "
+       "together; beyond it RESOURCE_EXHAUSTED (0: no cap)")
       ->check(CLI::Range(int64_t{0}, INT64_MAX));
   Flag(app, "--threads", &c->threads, "Engine worker threads (0: one per hardware thread)")
       ->check(CLI::Range(0, 4096));
