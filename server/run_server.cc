@@ -24,6 +24,8 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/impl/server_builder_option.h"
+#include "grpcpp/impl/server_builder_plugin.h"
 #include "prometheus/exposer.h"
 #include "server/attention_service.h"
 #include "server/auth.h"
@@ -117,6 +119,18 @@ int WaitForTermination() {
   return termination_signal.load(std::memory_order_relaxed);
 }
 
+// Linking gRPC's reflection library registers its plugin with every
+// ServerBuilder; --reflection false takes it out again.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    std::erase_if(*plugins, [](const std::unique_ptr<grpc::ServerBuilderPlugin>& plugin) {
+      return plugin->name() == "proto_server_reflection";
+    });
+  }
+};
+
 int Fail(const absl::Status& status) {
   spdlog::critical("cannot start: {}", status.ToString());
   return 1;
@@ -180,6 +194,7 @@ int RunServer(const ServerConfig& config) {
   int port = 0;
   builder.AddListeningPort(config.address, *credentials, &port);
   builder.RegisterService(service->get());
+  if (!config.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   builder.SetMaxReceiveMessageSize(config.max_message_bytes);
   // gRPC reads every call a client opens, whether or not the service has
   // taken it yet. Without this cap, a client sending faster than the server

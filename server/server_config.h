@@ -63,6 +63,9 @@ struct ServerConfig {
   std::string tls_cert;
   std::string tls_key;
   std::string tls_client_ca;
+  // Offer gRPC server reflection (service and message descriptions), which
+  // tools like grpcurl use; off hides the API from anonymous callers.
+  bool reflection = true;
   // File of accepted bearer tokens, one per line ('#' starts a comment).
   std::string auth_token_file;
 

@@ -87,6 +87,8 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--auth-token-file", &c->auth_token_file,
        "File of accepted bearer tokens, one per line; requests must send "
        "'authorization: Bearer <token>' (health checks stay open)");
+  Flag(app, "--reflection", &c->reflection,
+       "Offer gRPC server reflection (true/false); it stays open without a token");
   Flag(app, "--port-file", &c->port_file,
        "Once serving, write the bound addresses here ('grpc HOST:PORT', 'metrics HOST:PORT')");
   // The empty group keeps this tests-only flag out of --help.
