@@ -86,7 +86,26 @@ absl::StatusOr<std::unique_ptr<AttentionService>> AttentionService::Create(
 
 AttentionService::AttentionService(const ModelRepository* repository, Engine* engine,
                                    ServerMetrics* metrics, ServiceOptions options)
-    : repository_(repository), engine_(engine), metrics_(metrics), options_(std::move(options)) {}
+    : repository_(repository),
+      engine_(engine),
+      metrics_(metrics),
+      options_(std::move(options)),
+      auth_tokens_(std::make_shared<const std::vector<std::string>>(options_.auth_tokens)) {}
+
+void AttentionService::ReplaceAuthTokens(std::vector<std::string> tokens) {
+  auto replacement = std::make_shared<const std::vector<std::string>>(std::move(tokens));
+  absl::MutexLock lock(&tokens_mu_);
+  auth_tokens_ = std::move(replacement);
+}
+
+absl::Status AttentionService::Authenticate(const grpc::ServerContextBase& context) const {
+  std::shared_ptr<const std::vector<std::string>> tokens;
+  {
+    absl::MutexLock lock(&tokens_mu_);
+    tokens = auth_tokens_;
+  }
+  return CheckBearerToken(context, *tokens);
+}
 
 AttentionService::~AttentionService() { Drain(); }
 
@@ -285,7 +304,7 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
         }
         reactor->Finish(ToGrpcStatus(status));
       });
-  if (absl::Status auth = CheckBearerToken(*context, options_.auth_tokens); !auth.ok()) {
+  if (absl::Status auth = Authenticate(*context); !auth.ok()) {
     Answer(*task, auth, nullptr);
   } else {
     Enqueue(std::move(task));
@@ -297,7 +316,7 @@ grpc::ServerUnaryReactor* AttentionService::ListModels(grpc::CallbackServerConte
                                                        const v1::ListModelsRequest*,
                                                        v1::ListModelsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = CheckBearerToken(*context, options_.auth_tokens);
+  absl::Status status = Authenticate(*context);
   if (status.ok()) {
     for (const auto& model : repository_->models()) {
       *response->add_models() = ToModelInfo(*model);

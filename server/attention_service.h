@@ -50,6 +50,7 @@ struct ServiceOptions {
   // 2^30 is the documented default of --max-queued-bytes (docs/api.md).
   int64_t max_queued_bytes = int64_t{1} << 30;
   // Accepted bearer tokens; empty: no authentication. Never logged.
+  // ReplaceAuthTokens() swaps them while serving.
   std::vector<std::string> auth_tokens;
   // For tests only: holds each batch of the model named kTestGateModelName
   // (test_gate.h). Not owned; must outlive the service. nullptr: no gate.
@@ -79,6 +80,10 @@ class AttentionService final : public v1::AttentionService::CallbackService {
                                        const v1::ListModelsRequest* request,
                                        v1::ListModelsResponse* response) override;
 
+  // Calls authenticated from now on need one of `tokens` (a reloaded
+  // --auth-token-file; non-empty when the service started with tokens).
+  void ReplaceAuthTokens(std::vector<std::string> tokens);
+
   // Every call and every request from now on is refused with UNAVAILABLE.
   void StopAccepting();
   // Waits until every call accepted before StopAccepting() is done (gRPC has
@@ -106,6 +111,8 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   // `done`: now (when it is refused) or from the model's batcher thread.
   // `request` must stay alive until `done` runs.
   void Submit(grpc::CallbackServerContext* context, const v1::AttendRequest& request, Done done);
+  // CheckBearerToken() against the tokens accepted now.
+  absl::Status Authenticate(const grpc::ServerContextBase& context) const;
   // A request, counted in flight until Answer().
   std::unique_ptr<Task> NewTask(grpc::CallbackServerContext* context,
                                 const v1::AttendRequest& request, Done done);
@@ -125,6 +132,8 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   Engine* const engine_;                     // not owned
   ServerMetrics* const metrics_;             // not owned
   const ServiceOptions options_;
+  mutable absl::Mutex tokens_mu_;
+  std::shared_ptr<const std::vector<std::string>> auth_tokens_ ABSL_GUARDED_BY(tokens_mu_);
   std::atomic<bool> accepting_{true};  // written under calls_mu_
   // Bytes of the requests admitted and not yet answered (max_queued_bytes).
   std::atomic<int64_t> held_bytes_{0};

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -82,29 +83,36 @@ std::string Describe(const Model& model) {
   return sizes;
 }
 
-// SIGTERM and SIGINT are caught by a handler rather than blocked and taken
-// with sigwait(): threads that libraries start before main() (OpenBLAS's)
-// do not block them, and the kernel may deliver a process's signal to any
-// thread that does not, whose default action would kill the process.
-// The handler may run on several threads at once (one signal per thread), so
-// the signal number is a lock-free atomic, which is also async-signal-safe;
-// a volatile sig_atomic_t is safe only within one thread.
-sem_t termination_signalled;
+// SIGTERM and SIGINT (stop) and SIGHUP (reload the token file) are caught by
+// a handler rather than blocked and taken with sigwait(): threads that
+// libraries start before main() (OpenBLAS's) do not block them, and the
+// kernel may deliver a process's signal to any thread that does not, whose
+// default action would kill the process. The handler may run on several
+// threads at once (one signal per thread), so what it records is lock-free
+// atomics, which are also async-signal-safe; a volatile sig_atomic_t is safe
+// only within one thread.
+sem_t signalled;
 std::atomic<int> termination_signal{0};
+std::atomic<bool> hangup_pending{false};
 static_assert(std::atomic<int>::is_always_lock_free);
+static_assert(std::atomic<bool>::is_always_lock_free);
 
-void OnTermination(int signal_number) {
-  termination_signal.store(signal_number, std::memory_order_relaxed);
-  sem_post(&termination_signalled);  // async-signal-safe, unlike a condition variable
+void OnSignal(int signal_number) {
+  if (signal_number == SIGHUP) {
+    hangup_pending.store(true, std::memory_order_relaxed);
+  } else {
+    termination_signal.store(signal_number, std::memory_order_relaxed);
+  }
+  sem_post(&signalled);  // async-signal-safe, unlike a condition variable
 }
 
-absl::Status CatchTermination() {
-  sem_init(&termination_signalled, 0, 0);
+absl::Status CatchSignals() {
+  sem_init(&signalled, 0, 0);
   struct sigaction action = {};
-  action.sa_handler = OnTermination;
+  action.sa_handler = OnSignal;
   action.sa_flags = SA_RESTART;
   sigemptyset(&action.sa_mask);
-  for (int signal_number : {SIGTERM, SIGINT}) {
+  for (int signal_number : {SIGTERM, SIGINT, SIGHUP}) {
     if (sigaction(signal_number, &action, nullptr) != 0) {
       return absl::InternalError(absl::StrCat("cannot catch signal ", signal_number));
     }
@@ -112,11 +120,29 @@ absl::Status CatchTermination() {
   return absl::OkStatus();
 }
 
-int WaitForTermination() {
-  while (sem_wait(&termination_signalled) != 0) {
-    // Interrupted (EINTR) by the very signals it waits for: wait again.
+// Runs `on_hangup` for each SIGHUP until SIGTERM or SIGINT, which it returns.
+int WaitForTermination(const std::function<void()>& on_hangup) {
+  for (;;) {
+    while (sem_wait(&signalled) != 0) {
+      // Interrupted (EINTR) by the very signals it waits for: wait again.
+    }
+    if (hangup_pending.exchange(false, std::memory_order_relaxed)) on_hangup();
+    const int signal_number = termination_signal.load(std::memory_order_relaxed);
+    if (signal_number != 0) return signal_number;
   }
-  return termination_signal.load(std::memory_order_relaxed);
+}
+
+// Rereads --auth-token-file; on any problem the tokens in use stay.
+void ReloadTokens(const std::string& path, AttentionService& service) {
+  absl::StatusOr<std::vector<std::string>> tokens = ReadTokenFile(path);
+  if (!tokens.ok()) {
+    spdlog::error("SIGHUP: --auth-token-file not reloaded, the previous tokens stay: {}",
+                  std::string(tokens.status().message()));
+    return;
+  }
+  const size_t count = tokens->size();
+  service.ReplaceAuthTokens(*std::move(tokens));
+  spdlog::info("SIGHUP: --auth-token-file reloaded ({} tokens)", count);
 }
 
 // Linking gRPC's reflection library registers its plugin with every
@@ -139,7 +165,7 @@ int Fail(const absl::Status& status) {
 }  // namespace
 
 int RunServer(const ServerConfig& config) {
-  if (absl::Status s = CatchTermination(); !s.ok()) return Fail(s);
+  if (absl::Status s = CatchSignals(); !s.ok()) return Fail(s);
 
   if (absl::Status s = ConfigureLogging(config.log_level, config.log_format); !s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
@@ -259,7 +285,13 @@ int RunServer(const ServerConfig& config) {
     }
   }
 
-  const int signal_number = WaitForTermination();
+  const int signal_number = WaitForTermination([&] {
+    if (config.auth_token_file.empty()) {
+      spdlog::info("SIGHUP: no --auth-token-file to reload");
+    } else {
+      ReloadTokens(config.auth_token_file, **service);
+    }
+  });
   spdlog::info("{} received: refusing new calls for --drain-delay-seconds {}, then finishing "
                "accepted calls for up to --shutdown-grace-seconds {}",
                signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.drain_delay_seconds,
