@@ -99,6 +99,10 @@ void AttentionService::ReplaceAuthTokens(std::vector<std::string> tokens) {
 }
 
 absl::Status AttentionService::Authenticate(const grpc::ServerContextBase& context) const {
+  if (absl::Status identity = CheckClientIdentity(context, options_.allowed_client_identities);
+      !identity.ok()) {
+    return identity;
+  }
   std::shared_ptr<const std::vector<std::string>> tokens;
   {
     absl::MutexLock lock(&tokens_mu_);

@@ -49,6 +49,9 @@ struct ServiceOptions {
   // to answer, over all models; beyond it RESOURCE_EXHAUSTED. 0: no cap.
   // 2^30 is the documented default of --max-queued-bytes (docs/api.md).
   int64_t max_queued_bytes = int64_t{1} << 30;
+  // Mutual TLS: client certificate names (SAN or CN) allowed to call;
+  // empty: any certificate the CA signed.
+  std::vector<std::string> allowed_client_identities;
   // Accepted bearer tokens; empty: no authentication. Never logged.
   // ReplaceAuthTokens() swaps them while serving.
   std::vector<std::string> auth_tokens;
@@ -111,7 +114,8 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   // `done`: now (when it is refused) or from the model's batcher thread.
   // `request` must stay alive until `done` runs.
   void Submit(grpc::CallbackServerContext* context, const v1::AttendRequest& request, Done done);
-  // CheckBearerToken() against the tokens accepted now.
+  // CheckClientIdentity(), then CheckBearerToken() against the tokens
+  // accepted now.
   absl::Status Authenticate(const grpc::ServerContextBase& context) const;
   // A request, counted in flight until Answer().
   std::unique_ptr<Task> NewTask(grpc::CallbackServerContext* context,

@@ -1,12 +1,15 @@
-// auth.cc: bearer-token files and the per-call token check.
+// auth.cc: bearer-token files, the per-call token check and the client
+// identity allow-list.
 #include "server/auth.h"
 
 #include <string_view>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "server/flag_file.h"
+#include "server/request_names.h"
 
 namespace attention::server {
 namespace {
@@ -55,6 +58,30 @@ absl::Status CheckBearerToken(const grpc::ServerContextBase& context,
   return absl::UnauthenticatedError(
       "missing or unknown credentials: send the metadata 'authorization: Bearer <token>' with a "
       "token the server accepts");
+}
+
+absl::Status CheckClientIdentity(const grpc::ServerContextBase& context,
+                                 const std::vector<std::string>& allowed) {
+  if (allowed.empty()) return absl::OkStatus();
+  std::vector<std::string> names;
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth != nullptr) {
+    for (const char* property : {"x509_subject_alternative_name", "x509_common_name"}) {
+      for (const grpc::string_ref& value : auth->FindPropertyValues(property)) {
+        names.emplace_back(value.data(), value.size());
+      }
+    }
+  }
+  for (const std::string& name : names) {
+    for (const std::string& candidate : allowed) {
+      if (name == candidate) return absl::OkStatus();
+    }
+  }
+  std::vector<std::string> printable;
+  for (const std::string& name : names) printable.push_back(Printable(name));
+  return absl::PermissionDeniedError(absl::StrCat(
+      "the client certificate's identity is not allowed: it names [",
+      absl::StrJoin(printable, ", "), "], none of them in --tls-client-allow"));
 }
 
 }  // namespace attention::server

@@ -1,10 +1,12 @@
-// auth.h: bearer-token authentication of calls (--auth-token-file).
+// auth.h: bearer-token authentication of calls (--auth-token-file), and the
+// mutual-TLS identity allow-list (--tls-client-allow).
 //
 // A call is accepted when its metadata holds `authorization: Bearer <token>`
 // with one of the accepted tokens (docs/api.md). Tokens are never logged.
 //
 //   auto tokens = ReadTokenFile("/etc/attention/tokens");
 //   absl::Status s = CheckBearerToken(*context, *tokens);  // UNAUTHENTICATED or OK
+//   s = CheckClientIdentity(*context, {"client-a", "spiffe://prod/web"});
 #pragma once
 
 #include <string>
@@ -25,5 +27,12 @@ absl::StatusOr<std::vector<std::string>> ReadTokenFile(const std::string& path);
 // them; UNAUTHENTICATED, saying what to send, otherwise.
 absl::Status CheckBearerToken(const grpc::ServerContextBase& context,
                               const std::vector<std::string>& accepted);
+
+// Mutual TLS identity allow-list (--tls-client-allow): OK when `allowed` is
+// empty or one of the client certificate's subject alternative names or its
+// common name is in it; PERMISSION_DENIED naming what the certificate holds
+// (escaped) otherwise.
+absl::Status CheckClientIdentity(const grpc::ServerContextBase& context,
+                                 const std::vector<std::string>& allowed);
 
 }  // namespace attention::server

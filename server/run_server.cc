@@ -18,8 +18,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "core/engine.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -180,6 +182,14 @@ int RunServer(const ServerConfig& config) {
     absl::StatusOr<std::vector<std::string>> tokens = ReadTokenFile(config.auth_token_file);
     if (!tokens.ok()) return Fail(tokens.status());
     service_options.auth_tokens = *std::move(tokens);
+  }
+  for (absl::string_view name : absl::StrSplit(config.tls_client_allow, ',', absl::SkipWhitespace())) {
+    service_options.allowed_client_identities.emplace_back(absl::StripAsciiWhitespace(name));
+  }
+  if (!service_options.allowed_client_identities.empty() && config.tls_client_ca.empty()) {
+    return Fail(absl::InvalidArgumentError(
+        "--tls-client-allow needs --tls-client-ca (mutual TLS): without client certificates "
+        "there is no identity to check"));
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = TlsCredentials(config);
   if (!credentials.ok()) return Fail(credentials.status());

@@ -63,6 +63,9 @@ struct ServerConfig {
   std::string tls_cert;
   std::string tls_key;
   std::string tls_client_ca;
+  // With tls_client_ca: comma-separated client certificate names (SAN or CN)
+  // allowed to call; empty: any certificate the CA signed.
+  std::string tls_client_allow;
   // Offer gRPC server reflection (service and message descriptions), which
   // tools like grpcurl use; off hides the API from anonymous callers.
   bool reflection = true;

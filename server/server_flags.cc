@@ -84,6 +84,9 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--tls-key", &c->tls_key, "PEM private key of --tls-cert");
   Flag(app, "--tls-client-ca", &c->tls_client_ca,
        "PEM CA bundle; clients must present a certificate it signed (mutual TLS)");
+  Flag(app, "--tls-client-allow", &c->tls_client_allow,
+       "With --tls-client-ca: comma-separated client certificate names (subject alternative "
+       "name or common name) allowed to call; others get PERMISSION_DENIED");
   Flag(app, "--auth-token-file", &c->auth_token_file,
        "File of accepted bearer tokens, one per line; requests must send "
        "'authorization: Bearer <token>' (health checks stay open)");

@@ -28,8 +28,10 @@ constexpr int kRequestsPerStream = 8;
 class FaultCancelTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    // The slow request ([1, 8192, 128]) is over the default work budget.
     auto started = ServerProcess::Start({"--max-batch-size", "4", "--max-queue-delay-us", "0",
-                                         "--threads", "1", "--queue-capacity", "256"});
+                                         "--threads", "1", "--queue-capacity", "256",
+                                         "--max-request-work", "0"});
     ASSERT_TRUE(started.ok()) << started.status();
     server_ = *std::move(started);
     grpc::ChannelArguments args;
