@@ -98,17 +98,17 @@ void AttentionService::ReplaceAuthTokens(std::vector<std::string> tokens) {
   auth_tokens_ = std::move(replacement);
 }
 
+std::shared_ptr<const std::vector<std::string>> AttentionService::auth_tokens() const {
+  absl::MutexLock lock(&tokens_mu_);
+  return auth_tokens_;
+}
+
 absl::Status AttentionService::Authenticate(const grpc::ServerContextBase& context) const {
   if (absl::Status identity = CheckClientIdentity(context, options_.allowed_client_identities);
       !identity.ok()) {
     return identity;
   }
-  std::shared_ptr<const std::vector<std::string>> tokens;
-  {
-    absl::MutexLock lock(&tokens_mu_);
-    tokens = auth_tokens_;
-  }
-  return CheckBearerToken(context, *tokens);
+  return CheckBearerToken(context, *auth_tokens());
 }
 
 AttentionService::~AttentionService() { Drain(); }

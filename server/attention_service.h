@@ -83,6 +83,8 @@ class AttentionService final : public v1::AttentionService::CallbackService {
                                        const v1::ListModelsRequest* request,
                                        v1::ListModelsResponse* response) override;
 
+  // The bearer tokens accepted now.
+  std::shared_ptr<const std::vector<std::string>> auth_tokens() const;
   // Calls authenticated from now on need one of `tokens` (a reloaded
   // --auth-token-file; non-empty when the service started with tokens).
   void ReplaceAuthTokens(std::vector<std::string> tokens);
