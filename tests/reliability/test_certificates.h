@@ -33,11 +33,13 @@ class Certificates {
     return text.str();
   }
 
- private:
+  // Runs `command` in the certificates' directory; its output goes to openssl.log.
   bool Run(const std::string& command) {
     return std::system(("cd '" + dir_.path().string() + "' && " + command +
                         " >>openssl.log 2>&1").c_str()) == 0;
   }
+  // <name>.key and <name>.pem, CN=<name>, signed by the CA; `ext` adds
+  // openssl x509 options (e.g. -extfile server.ext for the server's names).
   bool Sign(const std::string& name, const std::string& ext) {
     return Run("openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " +
                name + ".key -out " + name + ".csr -subj /CN=" + name) &&
@@ -45,6 +47,7 @@ class Certificates {
                "-days 2 -out " + name + ".pem " + ext);
   }
 
+ private:
   TempDir dir_;
   bool ok_ = false;
 };
