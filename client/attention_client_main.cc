@@ -14,6 +14,9 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "client/attention_client.h"
 #include "client/commands.h"
 
@@ -29,6 +32,21 @@ absl::StatusOr<std::string> ReadToken(const std::string& path) {
   std::ostringstream text;
   text << file.rdbuf();
   return std::string(absl::StripAsciiWhitespace(text.str()));
+}
+
+// Whether every host of `target` (a HOST:PORT list or a gRPC URI) is this
+// machine, so that a token sent in plaintext never leaves it.
+bool OnlyLoopback(const std::string& target) {
+  for (absl::string_view host : absl::StrSplit(target, ',')) {
+    absl::ConsumePrefix(&host, "ipv4:");
+    absl::ConsumePrefix(&host, "ipv6:");
+    absl::ConsumePrefix(&host, "dns:///");
+    if (!absl::StartsWith(host, "127.") && !absl::StartsWith(host, "localhost") &&
+        !absl::StartsWith(host, "[::1]") && !absl::StartsWith(host, "unix:")) {
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace
@@ -158,6 +176,11 @@ int main(int argc, char** argv) {
       return attention::client::kExitBadInput;
     }
     options.token = *std::move(file_token);
+  }
+  const bool tls = options.tls || !options.tls_ca_file.empty() || !options.tls_cert_file.empty();
+  if (!options.token.empty() && !tls && !OnlyLoopback(options.target)) {
+    std::cerr << "warning: the bearer token travels in plaintext to " << options.target
+              << "; anyone on the path can read it (use --tls)\n";
   }
   absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
   if (!client.ok()) {

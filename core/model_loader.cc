@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <new>
 #include <initializer_list>
 #include <map>
 #include <optional>
@@ -393,19 +394,30 @@ absl::StatusOr<Model> ParseModel(const std::string& name, std::span<const uint8_
   return model;
 }
 
-absl::StatusOr<Model> LoadModel(const std::filesystem::path& path) {
+absl::StatusOr<Model> LoadModel(const std::filesystem::path& path, uint64_t max_file_bytes) {
   const std::string file = path.string();
   std::error_code error;
   const uintmax_t size = std::filesystem::file_size(path, error);
   if (error) return absl::ErrnoToStatus(error.value(), absl::StrCat(file, ": cannot read"));
-  std::vector<uint8_t> bytes(size);
-  std::ifstream stream(path, std::ios::binary);
-  if (!stream.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size))) {
-    return absl::UnavailableError(absl::StrCat(file, ": could not read its ", size, " bytes"));
+  if (max_file_bytes > 0 && size > max_file_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        file, ": ", size, " bytes, more than the model file cap of ", max_file_bytes, " bytes"));
   }
-  absl::StatusOr<Model> model = ParseModelBytes(path.stem().string(), bytes);
-  if (!model.ok()) return WithFile(file, model.status());
-  return model;
+  // A model that does not fit in memory is a bad file for the caller to skip,
+  // not the end of the process.
+  try {
+    std::vector<uint8_t> bytes(size);
+    std::ifstream stream(path, std::ios::binary);
+    if (!stream.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size))) {
+      return absl::UnavailableError(absl::StrCat(file, ": could not read its ", size, " bytes"));
+    }
+    absl::StatusOr<Model> model = ParseModelBytes(path.stem().string(), bytes);
+    if (!model.ok()) return WithFile(file, model.status());
+    return model;
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(file, ": out of memory while loading its ", size, " bytes"));
+  }
 }
 
 }  // namespace attention

@@ -20,8 +20,11 @@
 
 namespace attention {
 
-// Reads and parses `path`; the model's name is the file stem.
-absl::StatusOr<Model> LoadModel(const std::filesystem::path& path);
+// Reads and parses `path`; the model's name is the file stem. A file larger
+// than `max_file_bytes` (0: no cap) is refused unread (RESOURCE_EXHAUSTED),
+// and running out of memory while loading is an error (RESOURCE_EXHAUSTED),
+// not an exception.
+absl::StatusOr<Model> LoadModel(const std::filesystem::path& path, uint64_t max_file_bytes = 0);
 
 // Parses the bytes of a safetensors model file. `name` names the model (and
 // the file in error messages).

@@ -102,7 +102,46 @@ float DefaultScale(const Model& model, const AttentionDims& dims) {
   return 1.0f;
 }
 
+// Query rows an engine thread works on at once; scratch is sized for them.
+constexpr double kQueryBlockRows = 64;
+
+// "12345", or "more than 2^63" for a double too large for int64.
+std::string Count(double value) {
+  if (value >= 9.2e18) return "more than 2^63";
+  return absl::StrCat(static_cast<int64_t>(value));
+}
+
 }  // namespace
+
+double RequestWork(const Model& model, const AttentionDims& dims) {
+  const double b = dims.batch, n_q = dims.num_queries, n_k = dims.num_keys;
+  const double d_q = dims.query_size, d_k = dims.key_size, d_v = dims.value_size;
+  const double scores = b * dims.num_heads * n_q * n_k;
+  switch (model.kind) {
+    case Kind::kDotProduct:
+    case Kind::kDistance:
+      return scores * (d_k + d_v + kSoftmaxWork);
+    case Kind::kAdditive: {
+      const double hidden = static_cast<double>(model.w_q.rows());
+      return b * (n_q * d_q + n_k * d_k) * hidden +
+             scores * (hidden * kAdditiveHiddenWork + d_v + kSoftmaxWork);
+    }
+    case Kind::kBilinear:
+      return b * n_k * d_k * d_q + scores * (d_q + d_v + kSoftmaxWork);
+    case Kind::kMultiHead: {
+      const double e = static_cast<double>(model.output_size);
+      const double head = e / static_cast<double>(dims.num_heads);
+      return b * (n_q * d_q + n_k * d_k + n_k * d_v + n_q * e) * e +
+             scores * (2 * head + kSoftmaxWork);
+    }
+  }
+  return scores * (d_k + d_v + kSoftmaxWork);
+}
+
+double RequestScratch(const AttentionDims& dims) {
+  return kQueryBlockRows * (static_cast<double>(dims.query_size) + dims.key_size +
+                            dims.value_size + dims.output_size);
+}
 
 const TensorView& ResolvedKeys(const AttentionRequest& request) {
   return request.keys ? *request.keys : request.queries;
@@ -233,6 +272,32 @@ absl::StatusOr<AttentionDims> Validate(const Model& model, const AttentionReques
           "request: expected at most ", limits.max_request_elements,
           " float elements in queries, keys, values, output and weights together, got ",
           total ? absl::StrCat(*total) : std::string("more than 2^63")));
+    }
+  }
+
+  // Before the finiteness pass: a request refused for its cost is refused
+  // cheaply.
+  if (limits.max_request_work > 0) {
+    const double work = RequestWork(model, dims);
+    if (work > static_cast<double>(limits.max_request_work)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request: expected at most ", limits.max_request_work,
+          " work units (about one per multiply-add; docs/api.md, section 6.2) for one "
+          "request, got ", Count(work), " (B=", dims.batch,
+          " n_q=", dims.num_queries, " n_k=", dims.num_keys, " d_k=", dims.key_size,
+          " d_v=", dims.value_size, " on ", std::string(KindName(model.kind)),
+          "); split it into smaller requests"));
+    }
+  }
+  if (limits.max_request_scratch_elements > 0) {
+    const double scratch = RequestScratch(dims);
+    if (scratch > static_cast<double>(limits.max_request_scratch_elements)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request: expected at most ", limits.max_request_scratch_elements,
+          " floats of engine scratch per thread, got ", Count(scratch),
+          " (64 query rows x (d_q=", dims.query_size, " + d_k=", dims.key_size,
+          " + d_v=", dims.value_size, " + output ", dims.output_size,
+          ")); feature sizes this wide are refused"));
     }
   }
 

@@ -1,10 +1,10 @@
 // request.h: one attention request as the engine sees it, and its validation.
 //
 // Validate() is the single gate between untrusted input and the kernels: it
-// checks every fault the contract lists (rank, positive sizes, data length
+// checks every fault docs/api.md lists (rank, positive sizes, data length
 // versus product(shape) with overflow-safe arithmetic, non-finite values,
 // batch and key-count agreement, sizes the model needs, valid_lens form and
-// sign, size limits) and returns INVALID_ARGUMENT with a message that names
+// sign, size, work and scratch limits) and returns INVALID_ARGUMENT with a message that names
 // the field, the expected and the actual value. Kernels trust what passed it.
 #pragma once
 
@@ -36,6 +36,14 @@ struct Limits {
   // 2^26 (256 MiB of float32) is attention-server's documented default for
   // --max-request-elements (docs/api.md); this is its only definition.
   int64_t max_request_elements = int64_t{1} << 26;
+  // Most work units one request may cost (RequestWork()): 2^34 is about half
+  // a second of one AVX-512 core for the built-in kinds, a few seconds on the
+  // portable path; the documented default of --max-request-work.
+  int64_t max_request_work = int64_t{1} << 34;
+  // Most floats of engine scratch one request may need per thread
+  // (RequestScratch()): 2^22 (16 MiB), so feature sizes up to about 2^16;
+  // the documented default of --max-request-scratch-elements.
+  int64_t max_request_scratch_elements = int64_t{1} << 22;
 };
 
 // The sizes of a request that passed validation, resolved for the engine.
@@ -54,6 +62,21 @@ struct AttentionDims {
   int64_t output_elements() const { return batch * num_queries * output_size; }
   int64_t weight_elements() const { return batch * num_heads * num_queries * num_keys; }
 };
+
+// Work units of a request with sizes `dims` on `model`: one per
+// multiply-add of the projections and of the scores and weighted sums, plus
+// kSoftmaxWork per score entry (exp and normalisation), and for additive
+// models kAdditiveHiddenWork per score entry and hidden unit (a tanh: 12000
+// queries of additive_h32 took 20.7 s where dot_product of the same work
+// without that weight took 0.5 s). Approximate, and in double so that no
+// shape overflows it; used to refuse requests that would hold the engine for
+// long (Limits::max_request_work).
+inline constexpr double kSoftmaxWork = 16;
+inline constexpr double kAdditiveHiddenWork = 128;
+double RequestWork(const Model& model, const AttentionDims& dims);
+// Floats of per-thread engine scratch the request may need: a block of 64
+// query rows as wide as its feature sizes together.
+double RequestScratch(const AttentionDims& dims);
 
 // The keys and values a request means, after the self-attention shorthand.
 const TensorView& ResolvedKeys(const AttentionRequest& request);

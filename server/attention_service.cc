@@ -34,7 +34,8 @@ AttentionService::Incoming FromAttend(const v1::AttendRequest& request) {
   return AttentionService::Incoming{.api = kAttentionApi,
                                     .model = request.model(),
                                     .request_id = request.request_id(),
-                                    .request = ToAttentionRequest(request)};
+                                    .request = ToAttentionRequest(request),
+                                    .message_bytes = static_cast<int64_t>(request.ByteSizeLong())};
 }
 
 }  // namespace
@@ -57,6 +58,8 @@ struct AttentionService::Task {
   absl::Time deadline_at = absl::InfiniteFuture();
   std::optional<absl::Duration> queued;    // set once the task left the queue
   std::optional<absl::Duration> computed;  // set once the task was computed
+  int64_t message_bytes = 0;               // the request's size on the wire
+  int64_t held_bytes = 0;                  // counted in held_bytes_ until answered
   Done done;
 };
 
@@ -98,7 +101,30 @@ absl::StatusOr<std::unique_ptr<AttentionService>> AttentionService::Create(
 
 AttentionService::AttentionService(const ModelRepository* repository, Engine* engine,
                                    ServerMetrics* metrics, ServiceOptions options)
-    : repository_(repository), engine_(engine), metrics_(metrics), options_(std::move(options)) {}
+    : repository_(repository),
+      engine_(engine),
+      metrics_(metrics),
+      options_(std::move(options)),
+      auth_tokens_(std::make_shared<const std::vector<std::string>>(options_.auth_tokens)) {}
+
+void AttentionService::ReplaceAuthTokens(std::vector<std::string> tokens) {
+  auto replacement = std::make_shared<const std::vector<std::string>>(std::move(tokens));
+  absl::MutexLock lock(&tokens_mu_);
+  auth_tokens_ = std::move(replacement);
+}
+
+std::shared_ptr<const std::vector<std::string>> AttentionService::auth_tokens() const {
+  absl::MutexLock lock(&tokens_mu_);
+  return auth_tokens_;
+}
+
+absl::Status AttentionService::Authenticate(const grpc::ServerContextBase& context) const {
+  if (absl::Status identity = CheckClientIdentity(context, options_.allowed_client_identities);
+      !identity.ok()) {
+    return identity;
+  }
+  return CheckBearerToken(context, *auth_tokens());
+}
 
 AttentionService::~AttentionService() { Drain(); }
 
@@ -144,10 +170,6 @@ void AttentionService::SubmitIncoming(grpc::CallbackServerContext* context, Inco
   Enqueue(std::move(task));
 }
 
-absl::Status AttentionService::Authenticate(const grpc::ServerContextBase& context) const {
-  return CheckBearerToken(context, options_.auth_tokens);
-}
-
 std::unique_ptr<AttentionService::Task> AttentionService::NewTask(
     grpc::CallbackServerContext* context, Incoming incoming, Done done) {
   auto task = std::make_unique<Task>();
@@ -156,6 +178,7 @@ std::unique_ptr<AttentionService::Task> AttentionService::NewTask(
   task->api = incoming.api;
   task->model_name = incoming.model;
   task->request_id = incoming.request_id;
+  task->message_bytes = incoming.message_bytes;
   if (incoming.request.ok()) {
     task->request = *std::move(incoming.request);
   } else {
@@ -173,11 +196,16 @@ void AttentionService::Enqueue(std::unique_ptr<Task> task) {
                   absl::UnavailableError("the server is shutting down and takes no new requests"),
                   nullptr);
   }
+  for (const auto& [field, value] :
+       {std::pair<std::string_view, std::string_view>{"model", task->model_name},
+        {"request_id", task->request_id}}) {
+    if (absl::Status s = CheckNameLength(field, value); !s.ok()) return Answer(*task, s, nullptr);
+  }
   const std::optional<size_t> model_index = repository_->IndexOf(task->model_name);
   if (!model_index) {
     return Answer(*task,
                   absl::NotFoundError(absl::StrCat("model: no model named '",
-                                                   std::string(task->model_name),
+                                                   Printable(task->model_name),
                                                    "' is served (ListModels lists them)")),
                   nullptr);
   }
@@ -188,6 +216,19 @@ void AttentionService::Enqueue(std::unique_ptr<Task> task) {
   if (!dims.ok()) return Answer(*task, dims.status(), nullptr);
   task->validated = ValidatedRequest{&task->request, *dims};
 
+  if (options_.max_queued_bytes > 0) {
+    const int64_t bytes = task->message_bytes;
+    const int64_t held = held_bytes_.fetch_add(bytes) + bytes;
+    task->held_bytes = bytes;
+    if (held > options_.max_queued_bytes) {
+      return Answer(*task,
+                    absl::ResourceExhaustedError(absl::StrCat(
+                        "the server holds ", held - bytes, " bytes of requests; this one (", bytes,
+                        " bytes) would pass --max-queued-bytes ", options_.max_queued_bytes,
+                        "; retry later")),
+                    nullptr);
+    }
+  }
   ModelQueue& queue = *task->queue;
   task->enqueued = absl::Now();
   queue.metrics->queue_depth->Increment();
@@ -235,6 +276,7 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
   // Before the count, so a scrape that sees the request counted also sees it
   // no longer in flight.
   metrics_->inflight().Decrement();
+  held_bytes_.fetch_sub(task.held_bytes);
   const absl::Duration total = absl::Now() - task.arrived;
   const std::string_view model =
       task.queue != nullptr ? std::string_view(task.queue->model->name) : std::string_view();
@@ -249,15 +291,20 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
   }
   const int64_t queued_us = task.queued ? Micros(*task.queued) : 0;
   const int64_t computed_us = task.computed ? Micros(*task.computed) : 0;
-  if (!status.ok()) {
-    spdlog::warn("request failed: api={} model='{}' request_id='{}' peer={} code={} after {} us: {}",
-                 task.api, task.model_name, task.request_id, task.context->peer(),
-                 absl::StatusCodeToString(status.code()), Micros(total), std::string(status.message()));
-  } else if (spdlog::should_log(spdlog::level::debug)) {
+  int64_t suppressed = 0;
+  if (!status.ok() && refusal_log_.Admit(&suppressed)) {
+    spdlog::warn("request failed: api={} model='{}' request_id='{}' peer={} code={} after {} us: {}{}",
+                 task.api, Printable(task.model_name), Printable(task.request_id),
+                 task.context->peer(), absl::StatusCodeToString(status.code()), Micros(total),
+                 std::string(status.message()),
+                 suppressed == 0
+                     ? std::string()
+                     : absl::StrCat(" (", suppressed, " more failed requests not logged)"));
+  } else if (status.ok() && spdlog::should_log(spdlog::level::debug)) {
     spdlog::debug("request done: api={} model='{}' request_id='{}' peer={} batch_wait={} us "
                   "compute={} us total={} us",
-                  task.api, model, task.request_id, task.context->peer(), queued_us, computed_us,
-                  Micros(total));
+                  task.api, model, Printable(task.request_id), task.context->peer(), queued_us,
+                  computed_us, Micros(total));
   }
   task.done(status, result);
 }
@@ -294,7 +341,7 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
         }
         reactor->Finish(ToGrpcStatus(status));
       });
-  if (absl::Status auth = CheckBearerToken(*context, options_.auth_tokens); !auth.ok()) {
+  if (absl::Status auth = Authenticate(*context); !auth.ok()) {
     Answer(*task, auth, nullptr);
   } else {
     Enqueue(std::move(task));
@@ -306,7 +353,7 @@ grpc::ServerUnaryReactor* AttentionService::ListModels(grpc::CallbackServerConte
                                                        const v1::ListModelsRequest*,
                                                        v1::ListModelsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = CheckBearerToken(*context, options_.auth_tokens);
+  absl::Status status = Authenticate(*context);
   if (status.ok()) {
     for (const auto& model : repository_->models()) {
       *response->add_models() = ToModelInfo(*model);

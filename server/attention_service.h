@@ -34,6 +34,7 @@
 #include "server/batcher.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
+#include "server/request_names.h"
 #include "server/test_gate.h"
 
 namespace attention::server {
@@ -45,7 +46,15 @@ struct ServiceOptions {
   Limits limits;
   // Batching, per model.
   BatcherOptions batching;
+  // Most bytes of request messages the server holds at once, from admission
+  // to answer, over all models; beyond it RESOURCE_EXHAUSTED. 0: no cap.
+  // 2^30 is the documented default of --max-queued-bytes (docs/api.md).
+  int64_t max_queued_bytes = int64_t{1} << 30;
+  // Mutual TLS: client certificate names (SAN or CN) allowed to call;
+  // empty: any certificate the CA signed.
+  std::vector<std::string> allowed_client_identities;
   // Accepted bearer tokens; empty: no authentication. Never logged.
+  // ReplaceAuthTokens() swaps them while serving.
   std::vector<std::string> auth_tokens;
   // For tests only: holds each batch of the model named kTestGateModelName
   // (test_gate.h). Not owned; must outlive the service. nullptr: no gate.
@@ -54,6 +63,10 @@ struct ServiceOptions {
 
 class AttentionService final : public v1::AttentionService::CallbackService {
  public:
+  // Failed requests beyond this many a second are not logged one by one; the
+  // next line logged says how many were left out (docs/api.md, section 6.2).
+  static constexpr int kRefusalLinesPerSecond = 20;
+
   // Starts one batcher per model of `repository`, which must not change
   // afterwards. `repository`, `engine` and `metrics` are not owned and must
   // outlive the service. INVALID_ARGUMENT for out-of-range batching options.
@@ -84,6 +97,8 @@ class AttentionService final : public v1::AttentionService::CallbackService {
     // why the API's own decoding refused it; checked once the model is
     // found, so a request gets the code Attend would give it.
     absl::StatusOr<AttentionRequest> request;
+    // Its size on the wire, counted against --max-queued-bytes.
+    int64_t message_bytes = 0;
   };
   // The entry point of other APIs: answers `incoming` through `done` as
   // Attend answers its request, with the same credentials (unless
@@ -97,10 +112,16 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   // so drain waits for it.
   bool AdmitCall();
   void CallDone();
-  // The bearer-token check of every call (auth.h).
+  // The credentials check of every call: CheckClientIdentity(), then
+  // CheckBearerToken() against the tokens accepted now (auth.h).
   absl::Status Authenticate(const grpc::ServerContextBase& context) const;
   // False once StopAccepting() ran.
   bool accepting() const { return accepting_.load(); }
+  // The bearer tokens accepted now.
+  std::shared_ptr<const std::vector<std::string>> auth_tokens() const;
+  // Calls authenticated from now on need one of `tokens` (a reloaded
+  // --auth-token-file; non-empty when the service started with tokens).
+  void ReplaceAuthTokens(std::vector<std::string> tokens);
 
   // Every call and every request from now on is refused with UNAVAILABLE.
   void StopAccepting();
@@ -141,9 +162,15 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   Engine* const engine_;                     // not owned
   ServerMetrics* const metrics_;             // not owned
   const ServiceOptions options_;
+  mutable absl::Mutex tokens_mu_;
+  std::shared_ptr<const std::vector<std::string>> auth_tokens_ ABSL_GUARDED_BY(tokens_mu_);
   std::atomic<bool> accepting_{true};  // written under calls_mu_
+  // Bytes of the requests admitted and not yet answered (max_queued_bytes).
+  std::atomic<int64_t> held_bytes_{0};
   absl::Mutex calls_mu_;
   int64_t open_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // admitted, OnDone not yet run
+  // "request failed" lines: at most kRefusalLinesPerSecond a second.
+  RefusalLogLimiter refusal_log_{kRefusalLinesPerSecond};
   // One per model, in repository order: ModelRepository::IndexOf() indexes it.
   std::vector<std::unique_ptr<ModelQueue>> queues_;
 };

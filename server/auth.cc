@@ -1,17 +1,21 @@
-// auth.cc: bearer-token files and the per-call token check.
+// auth.cc: bearer-token files, the per-call token check and the client
+// identity allow-list.
 #include "server/auth.h"
 
 #include <string_view>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "server/flag_file.h"
+#include "server/request_names.h"
 
 namespace attention::server {
 namespace {
 
 constexpr std::string_view kBearerPrefix = "Bearer ";
+constexpr std::string_view kProtectedPrefix = "/attention.v1.AttentionService/";
 
 // Compares without stopping at the first difference, so the time taken does
 // not tell an attacker how much of a guessed token was right.
@@ -20,6 +24,19 @@ bool SameToken(std::string_view a, std::string_view b) {
   unsigned char difference = 0;
   for (size_t i = 0; i < a.size(); ++i) difference |= static_cast<unsigned char>(a[i] ^ b[i]);
   return difference == 0;
+}
+
+constexpr char kRefusal[] =
+    "missing or unknown credentials: send the metadata 'authorization: Bearer <token>' with a "
+    "token the server accepts";
+
+// Whether `value` is "Bearer <token>" with one of `accepted`.
+bool AcceptedBearer(std::string_view value, const std::vector<std::string>& accepted) {
+  if (value.substr(0, kBearerPrefix.size()) != kBearerPrefix) return false;
+  const std::string_view token = value.substr(kBearerPrefix.size());
+  bool known = false;
+  for (const std::string& candidate : accepted) known |= SameToken(token, candidate);
+  return known;
 }
 
 }  // namespace
@@ -45,16 +62,55 @@ absl::Status CheckBearerToken(const grpc::ServerContextBase& context,
   if (accepted.empty()) return absl::OkStatus();
   const auto [begin, end] = context.client_metadata().equal_range("authorization");
   for (auto it = begin; it != end; ++it) {
-    const std::string_view value(it->second.data(), it->second.size());
-    if (value.substr(0, kBearerPrefix.size()) != kBearerPrefix) continue;
-    const std::string_view token = value.substr(kBearerPrefix.size());
-    bool known = false;
-    for (const std::string& candidate : accepted) known |= SameToken(token, candidate);
-    if (known) return absl::OkStatus();
+    if (AcceptedBearer(std::string_view(it->second.data(), it->second.size()), accepted)) {
+      return absl::OkStatus();
+    }
   }
-  return absl::UnauthenticatedError(
-      "missing or unknown credentials: send the metadata 'authorization: Bearer <token>' with a "
-      "token the server accepts");
+  return absl::UnauthenticatedError(kRefusal);
+}
+
+grpc::Status EarlyTokenCheck::Process(const InputMetadata& auth_metadata, grpc::AuthContext*,
+                                      OutputMetadata*, OutputMetadata*) {
+  // Health checks and reflection stay open (docs/api.md, section 6.3).
+  const auto path = auth_metadata.find(":path");
+  if (path == auth_metadata.end() ||
+      std::string_view(path->second.data(), path->second.size())
+              .substr(0, kProtectedPrefix.size()) != kProtectedPrefix) {
+    return grpc::Status::OK;
+  }
+  const std::shared_ptr<const std::vector<std::string>> accepted = tokens_();
+  if (accepted->empty()) return grpc::Status::OK;
+  const auto [begin, end] = auth_metadata.equal_range("authorization");
+  for (auto it = begin; it != end; ++it) {
+    if (AcceptedBearer(std::string_view(it->second.data(), it->second.size()), *accepted)) {
+      return grpc::Status::OK;
+    }
+  }
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kRefusal);
+}
+
+absl::Status CheckClientIdentity(const grpc::ServerContextBase& context,
+                                 const std::vector<std::string>& allowed) {
+  if (allowed.empty()) return absl::OkStatus();
+  std::vector<std::string> names;
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth != nullptr) {
+    for (const char* property : {"x509_subject_alternative_name", "x509_common_name"}) {
+      for (const grpc::string_ref& value : auth->FindPropertyValues(property)) {
+        names.emplace_back(value.data(), value.size());
+      }
+    }
+  }
+  for (const std::string& name : names) {
+    for (const std::string& candidate : allowed) {
+      if (name == candidate) return absl::OkStatus();
+    }
+  }
+  std::vector<std::string> printable;
+  for (const std::string& name : names) printable.push_back(Printable(name));
+  return absl::PermissionDeniedError(absl::StrCat(
+      "the client certificate's identity is not allowed: it names [",
+      absl::StrJoin(printable, ", "), "], none of them in --tls-client-allow"));
 }
 
 }  // namespace attention::server

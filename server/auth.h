@@ -1,18 +1,24 @@
-// auth.h: bearer-token authentication of calls (--auth-token-file).
+// auth.h: bearer-token authentication of calls (--auth-token-file), and the
+// mutual-TLS identity allow-list (--tls-client-allow).
 //
 // A call is accepted when its metadata holds `authorization: Bearer <token>`
 // with one of the accepted tokens (docs/api.md). Tokens are never logged.
 //
 //   auto tokens = ReadTokenFile("/etc/attention/tokens");
 //   absl::Status s = CheckBearerToken(*context, *tokens);  // UNAUTHENTICATED or OK
+//   s = CheckClientIdentity(*context, {"client-a", "spiffe://prod/web"});
 #pragma once
 
+#include <functional>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/security/auth_metadata_processor.h"
 
 namespace attention::server {
 
@@ -25,5 +31,34 @@ absl::StatusOr<std::vector<std::string>> ReadTokenFile(const std::string& path);
 // them; UNAUTHENTICATED, saying what to send, otherwise.
 absl::Status CheckBearerToken(const grpc::ServerContextBase& context,
                               const std::vector<std::string>& accepted);
+
+// gRPC's auth filter runs this on each call's metadata before the message is
+// read or parsed: calls to attention.v1.AttentionService without an accepted
+// token end UNAUTHENTICATED there, so an unauthenticated client cannot make
+// the server parse a large message first. gRPC 1.51 attaches processors to
+// TLS credentials only; on a plaintext port CheckBearerToken() in the
+// handlers is the only check (it stays on TLS ports too).
+class EarlyTokenCheck final : public grpc::AuthMetadataProcessor {
+ public:
+  // `tokens` returns the tokens accepted now (they may be reloaded).
+  explicit EarlyTokenCheck(
+      std::function<std::shared_ptr<const std::vector<std::string>>()> tokens)
+      : tokens_(std::move(tokens)) {}
+
+  bool IsBlocking() const override { return false; }
+  grpc::Status Process(const InputMetadata& auth_metadata, grpc::AuthContext* context,
+                       OutputMetadata* consumed_auth_metadata,
+                       OutputMetadata* response_metadata) override;
+
+ private:
+  const std::function<std::shared_ptr<const std::vector<std::string>>()> tokens_;
+};
+
+// Mutual TLS identity allow-list (--tls-client-allow): OK when `allowed` is
+// empty or one of the client certificate's subject alternative names or its
+// common name is in it; PERMISSION_DENIED naming what the certificate holds
+// (escaped) otherwise.
+absl::Status CheckClientIdentity(const grpc::ServerContextBase& context,
+                                 const std::vector<std::string>& allowed);
 
 }  // namespace attention::server

@@ -88,7 +88,9 @@ void InferenceService::Infer(grpc::CallbackServerContext* context,
                              AttentionService::Incoming{.api = kInferenceApi,
                                                         .model = proto.model_name(),
                                                         .request_id = proto.id(),
-                                                        .request = std::move(request)},
+                                                        .request = std::move(request),
+                                                        .message_bytes = static_cast<int64_t>(
+                                                            proto.ByteSizeLong())},
                              credentials_checked, std::move(done));
 }
 

@@ -13,7 +13,7 @@ namespace attention::server {
 
 absl::StatusOr<ModelRepository> ModelRepository::Load(
     const std::optional<std::filesystem::path>& directory, bool strict,
-    std::vector<absl::Status>* skipped) {
+    std::vector<absl::Status>* skipped, uint64_t max_file_bytes) {
   ModelRepository repository;
   for (Model built_in : {DotProductModel(), DistanceModel()}) {
     if (absl::Status s = repository.Add(std::move(built_in)); !s.ok()) return s;
@@ -36,7 +36,7 @@ absl::StatusOr<ModelRepository> ModelRepository::Load(
   std::sort(files.begin(), files.end());
 
   for (const auto& file : files) {
-    absl::StatusOr<Model> model = LoadModel(file);
+    absl::StatusOr<Model> model = LoadModel(file, max_file_bytes);
     absl::Status problem = model.status();
     if (model.ok() && repository.Find(model->name) != nullptr) {
       problem = absl::AlreadyExistsError(absl::StrCat(

@@ -29,9 +29,11 @@ class ModelRepository {
   // Built-ins plus every model file of `directory` (none when nullopt), in
   // name order. NOT_FOUND when the directory does not exist. A bad file is
   // appended to `skipped` (its name and reason), or, with `strict`, is the
-  // returned error.
+  // returned error. A file larger than `max_file_bytes` (0: no cap) is a bad
+  // file, and so is one that does not fit in memory.
   static absl::StatusOr<ModelRepository> Load(const std::optional<std::filesystem::path>& directory,
-                                               bool strict, std::vector<absl::Status>* skipped);
+                                               bool strict, std::vector<absl::Status>* skipped,
+                                               uint64_t max_file_bytes = 0);
 
   // Adds `model` after the others; ALREADY_EXISTS when its name is taken.
   absl::Status Add(Model model);

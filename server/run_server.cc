@@ -5,10 +5,12 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -16,13 +18,17 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "core/engine.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/impl/server_builder_option.h"
+#include "grpcpp/impl/server_builder_plugin.h"
 #include "prometheus/exposer.h"
 #include "server/attention_service.h"
 #include "server/auth.h"
@@ -38,6 +44,8 @@ namespace attention::server {
 namespace {
 
 constexpr char kServiceName[] = "attention.v1.AttentionService";
+// Least time from NOT_SERVING to the end of the process (see RunServer).
+constexpr absl::Duration kFlushPause = absl::Milliseconds(100);
 
 // "0.0.0.0:0" with port 51234 bound -> "0.0.0.0:51234".
 std::string WithPort(const std::string& address, int port) {
@@ -78,29 +86,36 @@ std::string Describe(const Model& model) {
   return sizes;
 }
 
-// SIGTERM and SIGINT are caught by a handler rather than blocked and taken
-// with sigwait(): threads that libraries start before main() (OpenBLAS's)
-// do not block them, and the kernel may deliver a process's signal to any
-// thread that does not, whose default action would kill the process.
-// The handler may run on several threads at once (one signal per thread), so
-// the signal number is a lock-free atomic, which is also async-signal-safe;
-// a volatile sig_atomic_t is safe only within one thread.
-sem_t termination_signalled;
+// SIGTERM and SIGINT (stop) and SIGHUP (reload the token file) are caught by
+// a handler rather than blocked and taken with sigwait(): threads that
+// libraries start before main() (OpenBLAS's) do not block them, and the
+// kernel may deliver a process's signal to any thread that does not, whose
+// default action would kill the process. The handler may run on several
+// threads at once (one signal per thread), so what it records is lock-free
+// atomics, which are also async-signal-safe; a volatile sig_atomic_t is safe
+// only within one thread.
+sem_t signalled;
 std::atomic<int> termination_signal{0};
+std::atomic<bool> hangup_pending{false};
 static_assert(std::atomic<int>::is_always_lock_free);
+static_assert(std::atomic<bool>::is_always_lock_free);
 
-void OnTermination(int signal_number) {
-  termination_signal.store(signal_number, std::memory_order_relaxed);
-  sem_post(&termination_signalled);  // async-signal-safe, unlike a condition variable
+void OnSignal(int signal_number) {
+  if (signal_number == SIGHUP) {
+    hangup_pending.store(true, std::memory_order_relaxed);
+  } else {
+    termination_signal.store(signal_number, std::memory_order_relaxed);
+  }
+  sem_post(&signalled);  // async-signal-safe, unlike a condition variable
 }
 
-absl::Status CatchTermination() {
-  sem_init(&termination_signalled, 0, 0);
+absl::Status CatchSignals() {
+  sem_init(&signalled, 0, 0);
   struct sigaction action = {};
-  action.sa_handler = OnTermination;
+  action.sa_handler = OnSignal;
   action.sa_flags = SA_RESTART;
   sigemptyset(&action.sa_mask);
-  for (int signal_number : {SIGTERM, SIGINT}) {
+  for (int signal_number : {SIGTERM, SIGINT, SIGHUP}) {
     if (sigaction(signal_number, &action, nullptr) != 0) {
       return absl::InternalError(absl::StrCat("cannot catch signal ", signal_number));
     }
@@ -108,12 +123,42 @@ absl::Status CatchTermination() {
   return absl::OkStatus();
 }
 
-int WaitForTermination() {
-  while (sem_wait(&termination_signalled) != 0) {
-    // Interrupted (EINTR) by the very signals it waits for: wait again.
+// Runs `on_hangup` for each SIGHUP until SIGTERM or SIGINT, which it returns.
+int WaitForTermination(const std::function<void()>& on_hangup) {
+  for (;;) {
+    while (sem_wait(&signalled) != 0) {
+      // Interrupted (EINTR) by the very signals it waits for: wait again.
+    }
+    if (hangup_pending.exchange(false, std::memory_order_relaxed)) on_hangup();
+    const int signal_number = termination_signal.load(std::memory_order_relaxed);
+    if (signal_number != 0) return signal_number;
   }
-  return termination_signal.load(std::memory_order_relaxed);
 }
+
+// Rereads --auth-token-file; on any problem the tokens in use stay.
+void ReloadTokens(const std::string& path, AttentionService& service) {
+  absl::StatusOr<std::vector<std::string>> tokens = ReadTokenFile(path);
+  if (!tokens.ok()) {
+    spdlog::error("SIGHUP: --auth-token-file not reloaded, the previous tokens stay: {}",
+                  std::string(tokens.status().message()));
+    return;
+  }
+  const size_t count = tokens->size();
+  service.ReplaceAuthTokens(*std::move(tokens));
+  spdlog::info("SIGHUP: --auth-token-file reloaded ({} tokens)", count);
+}
+
+// Linking gRPC's reflection library registers its plugin with every
+// ServerBuilder; --reflection false takes it out again.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    std::erase_if(*plugins, [](const std::unique_ptr<grpc::ServerBuilderPlugin>& plugin) {
+      return plugin->name() == "proto_server_reflection";
+    });
+  }
+};
 
 int Fail(const absl::Status& status) {
   spdlog::critical("cannot start: {}", status.ToString());
@@ -123,7 +168,7 @@ int Fail(const absl::Status& status) {
 }  // namespace
 
 int RunServer(const ServerConfig& config) {
-  if (absl::Status s = CatchTermination(); !s.ok()) return Fail(s);
+  if (absl::Status s = CatchSignals(); !s.ok()) return Fail(s);
 
   if (absl::Status s = ConfigureLogging(config.log_level, config.log_format); !s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
@@ -133,10 +178,19 @@ int RunServer(const ServerConfig& config) {
   ServiceOptions service_options;
   service_options.limits = config.limits;
   service_options.batching = config.batching;
+  service_options.max_queued_bytes = config.max_queued_bytes;
   if (!config.auth_token_file.empty()) {
     absl::StatusOr<std::vector<std::string>> tokens = ReadTokenFile(config.auth_token_file);
     if (!tokens.ok()) return Fail(tokens.status());
     service_options.auth_tokens = *std::move(tokens);
+  }
+  for (absl::string_view name : absl::StrSplit(config.tls_client_allow, ',', absl::SkipWhitespace())) {
+    service_options.allowed_client_identities.emplace_back(absl::StripAsciiWhitespace(name));
+  }
+  if (!service_options.allowed_client_identities.empty() && config.tls_client_ca.empty()) {
+    return Fail(absl::InvalidArgumentError(
+        "--tls-client-allow needs --tls-client-ca (mutual TLS): without client certificates "
+        "there is no identity to check"));
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = TlsCredentials(config);
   if (!credentials.ok()) return Fail(credentials.status());
@@ -145,7 +199,8 @@ int RunServer(const ServerConfig& config) {
   std::optional<std::filesystem::path> directory;
   if (!config.model_repository.empty()) directory = config.model_repository;
   absl::StatusOr<ModelRepository> repository =
-      ModelRepository::Load(directory, config.strict, &skipped);
+      ModelRepository::Load(directory, config.strict, &skipped,
+                            static_cast<uint64_t>(config.max_model_file_bytes));
   if (!repository.ok()) return Fail(repository.status());
   for (const absl::Status& problem : skipped) {
     spdlog::error("model skipped: {}", std::string(problem.message()));
@@ -170,6 +225,11 @@ int RunServer(const ServerConfig& config) {
       AttentionService::Create(&*repository, &engine, &metrics, service_options);
   if (!service.ok()) return Fail(service.status());
 
+  if (!config.tls_cert.empty() && !service_options.auth_tokens.empty()) {
+    AttentionService* const attention = service->get();
+    (*credentials)->SetAuthMetadataProcessor(
+        std::make_shared<EarlyTokenCheck>([attention] { return attention->auth_tokens(); }));
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -178,6 +238,7 @@ int RunServer(const ServerConfig& config) {
   builder.RegisterService(service->get());
   InferenceService inference_service(service->get(), &*repository, &metrics);
   builder.RegisterService(&inference_service);
+  if (!config.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   builder.SetMaxReceiveMessageSize(config.max_message_bytes);
   // gRPC reads every call a client opens, whether or not the service has
   // taken it yet. Without this cap, a client sending faster than the server
@@ -225,10 +286,12 @@ int RunServer(const ServerConfig& config) {
   }
   if (exposer) spdlog::info("metrics on {}/metrics", metrics_address);
   spdlog::info("batching: --max-batch-size {} --max-queue-delay-us {} --queue-capacity {}; "
-               "engine threads {}; --max-message-bytes {} --max-request-elements {}",
+               "engine threads {}; --max-message-bytes {} --max-request-elements {} "
+               "--max-request-work {} --max-request-scratch-elements {} --max-queued-bytes {}",
                config.batching.max_batch_size, config.batching.max_queue_delay_us,
                config.batching.queue_capacity, engine.num_threads(), config.max_message_bytes,
-               config.limits.max_request_elements);
+               config.limits.max_request_elements, config.limits.max_request_work,
+               config.limits.max_request_scratch_elements, config.max_queued_bytes);
   spdlog::info("serving {} models:", repository->models().size());
   for (const auto& model : repository->models()) {
     spdlog::info("  model {} ({})", model->name, Describe(*model));
@@ -240,30 +303,54 @@ int RunServer(const ServerConfig& config) {
     }
   }
 
-  const int signal_number = WaitForTermination();
-  spdlog::info("{} received: draining for up to {} s", signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
+  const int signal_number = WaitForTermination([&] {
+    if (config.auth_token_file.empty()) {
+      spdlog::info("SIGHUP: no --auth-token-file to reload");
+    } else {
+      ReloadTokens(config.auth_token_file, **service);
+    }
+  });
+  spdlog::info("{} received: refusing new calls for --drain-delay-seconds {}, then finishing "
+               "accepted calls for up to --shutdown-grace-seconds {}",
+               signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.drain_delay_seconds,
                config.shutdown_grace_seconds);
   health->SetServingStatus(false);
   health->SetServingStatus(kServiceName, false);
-  const absl::Time grace_end = absl::Now() + absl::Seconds(config.shutdown_grace_seconds);
-  // Two phases. While the accepted calls finish, the server still answers
-  // new calls itself (UNAVAILABLE, and NOT_SERVING to health checks), which
-  // clients can retry elsewhere; gRPC's own shutdown would cancel calls that
-  // are in transit instead. The first phase waits for each call's OnDone,
-  // not just for its answers: with streams still writing when Shutdown()
-  // began, gRPC 1.51 now and then closed their connections with answers
-  // undelivered (clients saw "Connection reset by peer", 3 to 10 shutdowns
-  // in 100 under stream load).
+  const absl::Time not_serving_since = absl::Now();
+  // While accepted calls finish, the server keeps answering new calls itself
+  // (UNAVAILABLE, and NOT_SERVING to health checks), which clients retry
+  // elsewhere. The delay gives load balancers time to see NOT_SERVING before
+  // the listener goes; accepted calls go on computing meanwhile.
   (*service)->StopAccepting();
-  if (!(*service)->WaitForIdle(grace_end)) {
-    spdlog::warn("calls still open after --shutdown-grace-seconds; cancelling them");
-    // A held batch would keep its calls, hence Shutdown(), waiting forever.
-    if (test_gate) test_gate->Stop();
+  absl::SleepFor(absl::Seconds(config.drain_delay_seconds));
+  const absl::Time grace_end = absl::Now() + absl::Seconds(config.shutdown_grace_seconds);
+  // WaitForIdle() waits for each call's OnDone, not just for its answers:
+  // with streams still writing when Shutdown() began, gRPC 1.51 now and then
+  // closed their connections with answers undelivered (clients saw
+  // "Connection reset by peer", 3 to 10 shutdowns in 100 under stream load).
+  if ((*service)->WaitForIdle(grace_end)) {
+    // Every accepted call is answered. gRPC's Shutdown() is not used from
+    // here: a call that reaches it after Shutdown() began (sent before the
+    // client saw the GOAWAY) is dropped by gRPC and the client sees
+    // CANCELLED, which clients do not retry (issue 14: 1 to 29 calls in 6 of
+    // 8 SIGTERMs under closed-loop load). Ending the process closes the
+    // connections instead, and a call in transit then fails UNAVAILABLE.
+    (*service)->Drain();
+    // Health watchers and refused calls are not waited for; a moment lets
+    // gRPC flush their NOT_SERVING and UNAVAILABLE (lost, the client still
+    // sees UNAVAILABLE, from the closed connection).
+    absl::SleepFor(not_serving_since + kFlushPause - absl::Now());
+    spdlog::info("stopped");
+    spdlog::shutdown();
+    std::fflush(nullptr);
+    std::_Exit(0);
   }
-  // Returns once every call is finished; calls still open at the deadline
-  // (streams, late requests) are cancelled, which the batchers answer
-  // without computing.
-  server->Shutdown(absl::ToChronoTime(std::max(grace_end, absl::Now())));
+  spdlog::warn("calls still open after --shutdown-grace-seconds; cancelling them");
+  // A held batch would keep its calls, hence Shutdown(), waiting forever.
+  if (test_gate) test_gate->Stop();
+  // Returns once every call is finished: the calls still open are cancelled,
+  // which the batchers answer without computing.
+  server->Shutdown(absl::ToChronoTime(absl::Now()));
   (*service)->Drain();
   server->Wait();
   spdlog::info("stopped");

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "core/request.h"
+#include "server/attention_service.h"
 #include "server/batcher.h"
 
 namespace attention::server {
@@ -25,6 +26,8 @@ struct ServerConfig {
   std::string model_repository;
   // A model file that fails to load stops the server instead of being skipped.
   bool strict = false;
+  // Model files larger than this are skipped (or fatal with --strict); 0: no cap.
+  int64_t max_model_file_bytes = int64_t{1} << 30;
 
   // Batching, per model: --max-batch-size, --max-queue-delay-us,
   // --queue-capacity (the clock stays the real one).
@@ -32,12 +35,18 @@ struct ServerConfig {
 
   // Largest request message accepted by gRPC.
   int max_message_bytes = 64 << 20;
-  // --max-request-elements.
+  // --max-request-elements, --max-request-work, --max-request-scratch-elements.
   Limits limits;
+  // Most request bytes held at once, all models together; 0: no cap.
+  int64_t max_queued_bytes = ServiceOptions{}.max_queued_bytes;
   // Engine worker threads; 0 = one per hardware thread.
   int threads = 0;
 
-  // Time given to accepted requests after SIGTERM/SIGINT.
+  // After SIGTERM/SIGINT, time during which health says NOT_SERVING and new
+  // calls get UNAVAILABLE before the server waits for accepted calls and
+  // stops; lets load balancers stop sending first.
+  double drain_delay_seconds = 0.0;
+  // Time given to accepted requests after the drain delay.
   double shutdown_grace_seconds = 20.0;
   // Calls one client connection may have open at once (HTTP/2
   // MAX_CONCURRENT_STREAMS); a client's further calls wait on its side.
@@ -54,6 +63,12 @@ struct ServerConfig {
   std::string tls_cert;
   std::string tls_key;
   std::string tls_client_ca;
+  // With tls_client_ca: comma-separated client certificate names (SAN or CN)
+  // allowed to call; empty: any certificate the CA signed.
+  std::string tls_client_allow;
+  // Offer gRPC server reflection (service and message descriptions), which
+  // tools like grpcurl use; off hides the API from anonymous callers.
+  bool reflection = true;
   // File of accepted bearer tokens, one per line ('#' starts a comment).
   std::string auth_token_file;
 

@@ -31,6 +31,9 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   app.add_flag("--strict", c->strict, "Exit when a model file fails to load instead of skipping it")
       ->envname(EnvName("--strict"))
       ->capture_default_str();
+  Flag(app, "--max-model-file-bytes", &c->max_model_file_bytes,
+       "Model files larger than this are skipped as bad files (fatal with --strict); 0: no cap")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
   Flag(app, "--max-batch-size", &c->batching.max_batch_size,
        "Most requests of one model merged into one execution (1: no batching)")
       ->check(CLI::Range(1, 1 << 16));
@@ -45,10 +48,26 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--max-request-elements", &c->limits.max_request_elements,
        "Most float elements per request in queries, keys, values, output and weights together")
       ->check(CLI::Range(int64_t{1}, INT64_MAX));
+  Flag(app, "--max-request-work", &c->limits.max_request_work,
+       "Most work units per request (multiply-adds, plus 16 per score entry); more is refused "
+       "with INVALID_ARGUMENT (0: no cap)")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--max-request-scratch-elements", &c->limits.max_request_scratch_elements,
+       "Most floats of engine scratch per thread one request may need (64 x the sum of its "
+       "feature sizes); more is refused with INVALID_ARGUMENT (0: no cap)")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--max-queued-bytes", &c->max_queued_bytes,
+       "Most bytes of request messages held at once (admitted, not yet answered), all models "
+       "together; beyond it RESOURCE_EXHAUSTED (0: no cap)")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
   Flag(app, "--threads", &c->threads, "Engine worker threads (0: one per hardware thread)")
       ->check(CLI::Range(0, 4096));
+  Flag(app, "--drain-delay-seconds", &c->drain_delay_seconds,
+       "After SIGTERM/SIGINT, time health says NOT_SERVING and new calls get UNAVAILABLE "
+       "before the server finishes accepted calls and stops")
+      ->check(CLI::Range(0.0, 3600.0));
   Flag(app, "--shutdown-grace-seconds", &c->shutdown_grace_seconds,
-       "After SIGTERM/SIGINT, time given to accepted requests before remaining calls are cancelled")
+       "After the drain delay, time given to accepted requests before remaining calls are cancelled")
       ->check(CLI::Range(0.0, 86400.0));
   Flag(app, "--max-concurrent-streams", &c->max_concurrent_streams,
        "Calls one client connection may have open at once; more wait in the client")
@@ -65,9 +84,14 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--tls-key", &c->tls_key, "PEM private key of --tls-cert");
   Flag(app, "--tls-client-ca", &c->tls_client_ca,
        "PEM CA bundle; clients must present a certificate it signed (mutual TLS)");
+  Flag(app, "--tls-client-allow", &c->tls_client_allow,
+       "With --tls-client-ca: comma-separated client certificate names (subject alternative "
+       "name or common name) allowed to call; others get PERMISSION_DENIED");
   Flag(app, "--auth-token-file", &c->auth_token_file,
        "File of accepted bearer tokens, one per line; requests must send "
        "'authorization: Bearer <token>' (health checks stay open)");
+  Flag(app, "--reflection", &c->reflection,
+       "Offer gRPC server reflection (true/false); it stays open without a token");
   Flag(app, "--port-file", &c->port_file,
        "Once serving, write the bound addresses here ('grpc HOST:PORT', 'metrics HOST:PORT')");
   // The empty group keeps this tests-only flag out of --help.

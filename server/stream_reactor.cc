@@ -13,7 +13,7 @@ namespace attention::server {
 AttentionService::StreamReactor::StreamReactor(AttentionService* service,
                                                grpc::CallbackServerContext* context)
     : service_(service), context_(context) {
-  if (absl::Status auth = CheckBearerToken(*context, service_->options_.auth_tokens);
+  if (absl::Status auth = service_->Authenticate(*context);
       !auth.ok()) {
     spdlog::warn("AttendStream refused: peer={}: {}", context->peer(), std::string(auth.message()));
     Refuse(auth);

@@ -1,9 +1,13 @@
-// tls_credentials.cc: plaintext, TLS or mutual TLS, from the --tls-* flags.
+// tls_credentials.cc: plaintext, TLS or mutual TLS, from the --tls-* flags;
+// the certificate, key and client CA files are reread when they change.
 #include "server/tls_credentials.h"
 
 #include <string>
 #include <utility>
 
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/security/tls_certificate_provider.h"
+#include "grpcpp/security/tls_credentials_options.h"
 #include "server/flag_file.h"
 
 namespace attention::server {
@@ -19,20 +23,28 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsCredentials(
     }
     return grpc::InsecureServerCredentials();
   }
-  grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  absl::StatusOr<std::string> key = ReadFlagFile("--tls-key", config.tls_key);
-  if (!key.ok()) return key.status();
-  absl::StatusOr<std::string> cert = ReadFlagFile("--tls-cert", config.tls_cert);
-  if (!cert.ok()) return cert.status();
-  options.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});
-  if (!config.tls_client_ca.empty()) {
-    absl::StatusOr<std::string> ca = ReadFlagFile("--tls-client-ca", config.tls_client_ca);
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *std::move(ca);
-    options.client_certificate_request =
-        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  // Read once here so that a missing or unreadable file stops the start-up
+  // with the flag's name; from then on gRPC's file watcher rereads them.
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--tls-key",
+                                                                              config.tls_key},
+                                   {"--tls-cert", config.tls_cert},
+                                   {"--tls-client-ca", config.tls_client_ca}}) {
+    if (path.empty()) continue;
+    if (absl::StatusOr<std::string> text = ReadFlagFile(flag, path); !text.ok()) {
+      return text.status();
+    }
   }
-  return grpc::SslServerCredentials(options);
+  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      config.tls_key, config.tls_cert, config.tls_client_ca, kCertificateRefreshSeconds);
+  grpc::experimental::TlsServerCredentialsOptions options(provider);
+  options.watch_identity_key_cert_pairs();
+  if (config.tls_client_ca.empty()) {
+    options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  } else {
+    options.watch_root_certs();
+    options.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  }
+  return grpc::experimental::TlsServerCredentials(options);
 }
 
 }  // namespace attention::server

@@ -1,7 +1,11 @@
 // tls_credentials.h: the transport credentials of attention-server.
 //
 // Plaintext unless --tls-cert and --tls-key are given; with --tls-client-ca
-// too, clients must present a certificate that CA signed (mutual TLS).
+// too, clients must present a certificate that CA signed (mutual TLS). The
+// files are reread every kCertificateRefreshSeconds, so that certificates are
+// rotated by replacing them (key before certificate, each atomically):
+// connections made after a change use the new ones; a key that does not match
+// its certificate is not taken.
 #pragma once
 
 #include <memory>
@@ -11,6 +15,8 @@
 #include "server/server_config.h"
 
 namespace attention::server {
+
+inline constexpr unsigned int kCertificateRefreshSeconds = 1;
 
 // INVALID_ARGUMENT for an incomplete combination of the TLS flags, NOT_FOUND
 // naming the flag of a file that cannot be read.

@@ -1,0 +1,94 @@
+// early_auth_test.cc: on a TLS port with bearer tokens, a call without an
+// accepted token is refused from its metadata, before gRPC reads and parses
+// its message (docs/api.md, section 6.3). `repeated int64 shape` sent as
+// 1-byte varints becomes 8 bytes per entry when parsed: a 20 MB message of
+// them is 160 MB of parsed shape, which the server used to build before it
+// looked at the token.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "health.grpc.pb.h"
+#include "tests/reliability/test_certificates.h"
+#include "tests/support/metrics.h"
+#include "tests/support/probes.h"
+#include "tests/support/requests.h"
+#include "tests/support/server_process.h"
+
+namespace attention::testing {
+namespace {
+
+// Peak resident memory of `pid` (VmHWM), in bytes; -1 if unread.
+int64_t PeakRss(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string key;
+  while (status >> key) {
+    if (key == "VmHWM:") {
+      int64_t kib = -1;
+      status >> kib;
+      return kib * 1024;
+    }
+  }
+  return -1;
+}
+
+TEST(EarlyAuthTest, UnauthenticatedHugeShapeListIsRefusedBeforeItIsParsed) {
+  Certificates certificates;
+  ASSERT_TRUE(certificates.ok()) << "openssl failed";
+  TempDir dir;
+  const std::string tokens = (dir.path() / "tokens").string();
+  std::ofstream(tokens) << "right-token\n";
+  auto server = ServerProcess::Start({"--tls-cert", certificates.path("server.pem"), "--tls-key",
+                                      certificates.path("server.key"), "--auth-token-file",
+                                      tokens});
+  ASSERT_TRUE(server.ok()) << server.status();
+  grpc::SslCredentialsOptions tls;
+  tls.pem_root_certs = certificates.Read("ca.pem");
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel((*server)->address(), grpc::SslCredentials(tls), args);
+  auto stub = v1::AttentionService::NewStub(channel);
+
+  v1::AttendRequest huge;
+  huge.set_model("dot_product");
+  huge.mutable_queries()->mutable_shape()->Resize(20'000'000, 1);
+  ASSERT_GT(huge.ByteSizeLong(), 20'000'000u);
+  for (const char* token : {"", "wrong-token"}) {
+    SCOPED_TRACE(token);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    if (*token != '\0') context.AddMetadata("authorization", std::string("Bearer ") + token);
+    v1::AttendResponse response;
+    const grpc::Status refused = stub->Attend(&context, huge, &response);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAUTHENTICATED) << refused.error_message();
+  }
+  const int64_t peak = PeakRss((*server)->pid());
+  std::printf("server peak RSS after two refused 20 MB messages: %lld MiB\n",
+              static_cast<long long>(peak >> 20));
+  EXPECT_GT(peak, 0);
+  EXPECT_LT(peak, int64_t{100} << 20) << "peak RSS " << (peak >> 20) << " MiB";
+
+  // The right token still gets through, and health needs none.
+  v1::AttendRequest small;
+  small.set_model("dot_product");
+  for (int64_t s : {1, 1, 2}) small.mutable_queries()->add_shape(s);
+  small.mutable_queries()->mutable_data()->Resize(2, 1.0f);
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer right-token");
+  v1::AttendResponse response;
+  EXPECT_TRUE(stub->Attend(&context, small, &response).ok());
+  grpc::ClientContext health_context;
+  grpc::health::v1::HealthCheckResponse health;
+  EXPECT_TRUE(grpc::health::v1::Health::NewStub(channel)
+                  ->Check(&health_context, grpc::health::v1::HealthCheckRequest(), &health)
+                  .ok());
+  stub.reset();
+  EXPECT_EQ((*server)->Stop(), 0);
+}
+
+}  // namespace
+}  // namespace attention::testing
