@@ -26,8 +26,6 @@ extern "C" void openblas_set_num_threads(int num_threads);
 namespace attention {
 namespace {
 
-// Query rows per attention task: the kernel's query tile.
-constexpr int64_t kQueryBlock = kFlashQueryTile;
 // Rows per projection task: a GEMM this tall runs near peak.
 constexpr int64_t kProjectionRows = 256;
 // Largest scratch a thread keeps between calls (64 MiB; see GroupScratch).
@@ -155,19 +153,21 @@ std::vector<int64_t> TokenOffsets(std::span<const ValidatedRequest> requests, bo
 }
 
 // The length mask and causal flag of example b, in the kernel's terms.
-void SetMask(const ValidatedRequest& v, int64_t b, FlashProblem& problem) {
+KeyBounds BoundsOf(const ValidatedRequest& v, int64_t b) {
   const AttentionRequest& request = *v.request;
-  problem.causal = request.causal;
+  KeyBounds bounds;
+  bounds.causal = request.causal;
   switch (v.dims.length_mask) {
     case AttentionDims::LengthMask::kNone:
       break;
     case AttentionDims::LengthMask::kPerExample:
-      problem.valid_len = request.valid_lens[b];
+      bounds.valid_len = request.valid_lens[b];
       break;
     case AttentionDims::LengthMask::kPerQuery:
-      problem.valid_lens = request.valid_lens.data() + b * v.dims.num_queries;
+      bounds.valid_lens = request.valid_lens.data() + b * v.dims.num_queries;
       break;
   }
+  return bounds;
 }
 
 // One attention task: rows [begin, end) of a problem, and where its weights go.
@@ -178,8 +178,8 @@ struct AttentionTask {
 };
 
 void AddTasks(const FlashProblem& problem, float* weights, std::vector<AttentionTask>& tasks) {
-  for (int64_t begin = 0; begin < problem.num_queries; begin += kQueryBlock) {
-    tasks.push_back({&problem, weights, begin, std::min(problem.num_queries, begin + kQueryBlock)});
+  for (int64_t begin = 0; begin < problem.num_queries; begin += kFlashQueryTile) {
+    tasks.push_back({&problem, weights, begin, std::min(problem.num_queries, begin + kFlashQueryTile)});
   }
 }
 
@@ -265,7 +265,7 @@ void RunDotProductFamily(ThreadPool& pool, const Model& model,
         p.query_bias = query_norms[r].data() + b * d.num_queries;
         p.key_bias = key_norms[r].data() + b * d.num_keys;
       }
-      SetMask(requests[r], b, p);
+      p.bounds = BoundsOf(requests[r], b);
       problems.push_back(p);
       AddTasks(problems.back(), WeightsOf(results[r], b, d), tasks);
     }
@@ -303,8 +303,8 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
   for (size_t r = 0; r < n; ++r) {
     const AttentionDims& d = requests[r].dims;
     for (int64_t b = 0; b < d.batch; ++b) {
-      for (int64_t begin = 0; begin < d.num_queries; begin += kQueryBlock) {
-        blocks.push_back({r, b, begin, std::min(d.num_queries, begin + kQueryBlock)});
+      for (int64_t begin = 0; begin < d.num_queries; begin += kFlashQueryTile) {
+        blocks.push_back({r, b, begin, std::min(d.num_queries, begin + kFlashQueryTile)});
       }
     }
   }
@@ -326,16 +326,13 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
     MatrixMap output(result.output.data.data() + b * d.num_queries * d.value_size,
                      d.num_queries, d.value_size);
     float* weights = WeightsOf(result, b, d);
-    FlashProblem mask;
-    mask.num_queries = d.num_queries;
-    mask.num_keys = d.num_keys;
-    SetMask(v, b, mask);
+    const KeyBounds bounds = BoundsOf(v, b);
 
     thread_local RowMatrix features;  // (allowed keys x h) tanh features of one query
     thread_local Vector scores;
     scores.resize(d.num_keys);
     for (int64_t i = block.begin; i < block.end; ++i) {
-      const int64_t bound = AllowedKeys(mask, i);
+      const int64_t bound = bounds.Allowed(i, d.num_keys);
       if (bound > 0) {
         features.resize(bound, hidden);
         features = (keys.topRows(bound).rowwise() + queries.row(i)).array().tanh();
@@ -399,7 +396,7 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
         p.num_keys = d.num_keys;
         p.head_size = p.value_size = head_size;
         p.scale = d.scale;
-        SetMask(requests[r], b, p);
+        p.bounds = BoundsOf(requests[r], b);
         problems.push_back(p);
         AddTasks(problems.back(), WeightsOf(results[r], b * heads + h, d), tasks);
       }

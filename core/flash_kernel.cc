@@ -4,28 +4,27 @@
 // one tile of keys at a time; the tile's scores come from one GEMM, an online
 // softmax keeps a running max and sum per row and rescales the unnormalised
 // output, and a second GEMM adds P V. Masking differs from PyTorch's -inf
-// fill: the contract replaces disallowed scores by -1e6, which is the same as
+// fill: docs/api.md replaces disallowed scores by -1e6, which is the same as
 // skipping them exactly when the row's max score is far enough above -1e6
 // (their weight underflows to 0 in float). Rows where that is not so, and the
-// weights path, use an exact path that materialises the row's scores.
+// weights path, take the exact path: the row's scores are materialised and
+// go through MaskedSoftmaxRow (masked_softmax.h), the rule's one home.
 #include "core/flash_kernel.h"
 
-#include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#include "core/masked_softmax.h"
+#include "core/model.h"
+
 namespace attention {
 namespace {
 
-using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using ConstTile = Eigen::Map<const RowMajor, Eigen::Unaligned, Eigen::OuterStride<>>;
-using Tile = Eigen::Map<RowMajor, Eigen::Unaligned, Eigen::OuterStride<>>;
+using ConstTile = Eigen::Map<const RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+using Tile = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
 using RowArray = Eigen::Map<Eigen::ArrayXf>;
-
-// The score the contract gives a disallowed (query, key) pair.
-constexpr float kMaskedScore = -1e6f;
 
 // Keys per key tile: the scores tile (kFlashQueryTile x kKeyTile floats) and
 // a key/value tile of head size 64 stay in L2 across the two GEMMs.
@@ -106,36 +105,25 @@ void ValueMean(const FlashProblem& p, float* mean) {
       ValueRows(p, 0, p.num_keys).colwise().sum() / static_cast<float>(p.num_keys);
 }
 
-// Exact contract path for rows [row, row + rows):
+// Exact path for rows [row, row + rows):
 //   s[i,j] = score(i,j) if j < bound(i) else -1e6;  w = softmax_j(s);  out_i = w_i V
 // `weights` (rows x n_k, row stride weights_stride) receives w.
 void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
                int64_t weights_stride) {
   const int64_t n_k = p.num_keys;
   int64_t key_end = 0;
-  for (int64_t r = 0; r < rows; ++r) key_end = std::max(key_end, AllowedKeys(p, row + r));
+  for (int64_t r = 0; r < rows; ++r) key_end = std::max(key_end, p.AllowedKeys(row + r));
   if (key_end > 0) {
     ScoreTile(p, row, rows, 0, key_end, Tile(weights, rows, key_end, Eigen::OuterStride<>(weights_stride)));
   }
   // Columns of w that can be nonzero, for the final GEMM.
   int64_t weighted_keys = key_end;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t bound = AllowedKeys(p, row + r);
-    RowArray allowed(weights + r * weights_stride, bound);
-    if (p.query_bias != nullptr) allowed += p.query_bias[row + r];
-    // Subtracting the row max keeps exp in range for scores like +-100.
-    float max = bound < n_k ? kMaskedScore : -std::numeric_limits<float>::infinity();
-    if (bound > 0) max = std::max(max, allowed.maxCoeff());
-    // std::exp, not Eigen's exp: it flushes to exactly 0 where the weight
-    // of a disallowed key vanishes.
-    // No masked key, no masked weight: exp(-1e6 - max) overflows to inf when
-    // every allowed score is below -1e6 - 88, and 0 * inf would be NaN.
-    const float masked = bound < n_k ? std::exp(kMaskedScore - max) : 0.0f;
-    allowed = (allowed - max).exp();
-    const float sum = allowed.sum() + static_cast<float>(n_k - bound) * masked;
-    allowed /= sum;
-    RowArray(weights + r * weights_stride + bound, n_k - bound).setConstant(masked / sum);
-    if (bound < n_k && masked != 0.0f) weighted_keys = n_k;
+    const int64_t bound = p.AllowedKeys(row + r);
+    float* scores = weights + r * weights_stride;
+    if (p.query_bias != nullptr) RowArray(scores, bound) += p.query_bias[row + r];
+    weighted_keys = std::max(
+        weighted_keys, MaskedSoftmaxRow({scores, static_cast<size_t>(n_k)}, bound));
   }
   Tile w(weights, rows, weighted_keys, Eigen::OuterStride<>(weights_stride));
   OutputRows(p, row, rows).noalias() = w * ValueRows(p, 0, weighted_keys);
@@ -170,7 +158,7 @@ void FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   int64_t* bounds = scratch.bounds.data();
   int64_t key_end = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    bounds[r] = AllowedKeys(p, row + r);
+    bounds[r] = p.AllowedKeys(row + r);
     key_end = std::max(key_end, bounds[r]);
   }
   float* row_max = scratch.row_max.data();
@@ -215,12 +203,10 @@ void FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
 
 }  // namespace
 
-int64_t AllowedKeys(const FlashProblem& problem, int64_t query) {
-  int64_t bound = problem.num_keys;
-  const int64_t valid_len =
-      problem.valid_lens != nullptr ? problem.valid_lens[query] : problem.valid_len;
-  bound = std::min(bound, std::max<int64_t>(valid_len, 0));
-  if (problem.causal) bound = std::min(bound, query + 1);
+int64_t KeyBounds::Allowed(int64_t query, int64_t num_keys) const {
+  const int64_t length = valid_lens != nullptr ? valid_lens[query] : valid_len;
+  int64_t bound = std::min(num_keys, std::max<int64_t>(length, 0));
+  if (causal) bound = std::min(bound, query + 1);
   return bound;
 }
 

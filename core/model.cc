@@ -7,7 +7,7 @@
 namespace attention {
 namespace {
 
-// The contract's names, one per Kind; the only place they are spelled.
+// The names of docs/api.md, one per Kind; the only place they are spelled.
 constexpr std::array<std::pair<Kind, std::string_view>, 5> kKindNames = {{
     {Kind::kDotProduct, "dot_product"},
     {Kind::kDistance, "distance"},

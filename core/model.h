@@ -22,7 +22,7 @@ using Vector = Eigen::VectorXf;
 
 enum class Kind { kDotProduct, kDistance, kAdditive, kBilinear, kMultiHead };
 
-// The contract's name of a kind: "dot_product", "distance", "additive",
+// The name of a kind in docs/api.md: "dot_product", "distance", "additive",
 // "bilinear", "multi_head".
 std::string_view KindName(Kind kind);
 std::optional<Kind> KindFromName(std::string_view name);

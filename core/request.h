@@ -1,7 +1,7 @@
 // request.h: one attention request as the engine sees it, and its validation.
 //
 // Validate() is the single gate between untrusted input and the kernels: it
-// checks every fault the contract lists (rank, positive sizes, data length
+// checks every fault docs/api.md lists (rank, positive sizes, data length
 // versus product(shape) with overflow-safe arithmetic, non-finite values,
 // batch and key-count agreement, sizes the model needs, valid_lens form and
 // sign, size limits) and returns INVALID_ARGUMENT with a message that names
