@@ -15,13 +15,11 @@
 #include <cmath>
 #include <vector>
 
+#include "core/blas.h"
 #include "core/flash_kernel.h"
 #include "core/masked_softmax.h"
 #include "core/thread_pool.h"
 
-// OpenBLAS's own threads would fight the pool: every BLAS call runs on the
-// thread that makes it.
-extern "C" void openblas_set_num_threads(int num_threads);
 
 namespace attention {
 namespace {
@@ -78,12 +76,18 @@ void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections
     const int64_t rows = block.end - block.begin;
     ConstMatrixMap in(p.in + block.begin * p.in_cols(), rows, p.in_cols());
     MatrixMap out(p.out + block.begin * p.out_cols(), rows, p.out_cols());
-    if (p.transposed) {
-      out.noalias() = in * p.weight->transpose();
+    // The bias is written first and the product added to it (BLAS beta = 1),
+    // so the output is not read and written again after the product.
+    if (p.bias) {
+      out.rowwise() = p.bias->transpose();
     } else {
-      out.noalias() = in * *p.weight;
+      out.setZero();
     }
-    if (p.bias) out.rowwise() += p.bias->transpose();
+    if (p.transposed) {
+      out.noalias() += in * p.weight->transpose();
+    } else {
+      out.noalias() += in * *p.weight;
+    }
   });
 }
 
@@ -359,19 +363,36 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
 
   // (tokens x E) projections of every request, stacked like the inputs, the
   // concatenated heads and, for more than one request, their stacked output.
+  // Self-attention (keys and values omitted) of a packed model: Q, K and V
+  // side by side in one (tokens x 3E) product, stored where q, k and v
+  // (consecutive, tokens x E each) would be.
+  const bool self_attention =
+      model.w_qkv.size() > 0 &&
+      std::all_of(requests.begin(), requests.end(), [](const ValidatedRequest& r) {
+        return !r.request->keys.has_value() && !r.request->values.has_value();
+      });
   std::vector<float> once;
   const auto [q, k, v, concat, stacked_output, stacked_queries, stacked_keys, stacked_values] =
       GroupScratch<8>({total_queries * width, total_keys * width, total_keys * width,
                        total_queries * width, n == 1 ? 0 : total_queries * width,
-                       StackedFloats(requests, QueriesOf), StackedFloats(requests, KeysOf),
-                       StackedFloats(requests, ValuesOf)},
+                       StackedFloats(requests, QueriesOf),
+                       self_attention ? 0 : StackedFloats(requests, KeysOf),
+                       self_attention ? 0 : StackedFloats(requests, ValuesOf)},
                       once);
-  RunProjections(pool, {{StackRows(requests, QueriesOf, stacked_queries), q, total_queries,
-                         &model.w_q, &model.b_q},
-                        {StackRows(requests, KeysOf, stacked_keys), k, total_keys, &model.w_k,
-                         &model.b_k},
-                        {StackRows(requests, ValuesOf, stacked_values), v, total_keys,
-                         &model.w_v, &model.b_v}});
+  const int64_t qkv_stride = self_attention ? 3 * width : width;
+  const float* const projected_keys = self_attention ? q + width : k;
+  const float* const projected_values = self_attention ? q + 2 * width : v;
+  if (self_attention) {
+    RunProjections(pool, {{StackRows(requests, QueriesOf, stacked_queries), q, total_queries,
+                           &model.w_qkv, &model.b_qkv}});
+  } else {
+    RunProjections(pool, {{StackRows(requests, QueriesOf, stacked_queries), q, total_queries,
+                           &model.w_q, &model.b_q},
+                          {StackRows(requests, KeysOf, stacked_keys), k, total_keys, &model.w_k,
+                           &model.b_k},
+                          {StackRows(requests, ValuesOf, stacked_values), v, total_keys,
+                           &model.w_v, &model.b_v}});
+  }
 
   // Tasks point into `problems`: reserve it whole so it never reallocates.
   std::vector<FlashProblem> problems;
@@ -387,11 +408,12 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
       for (int64_t h = 0; h < heads; ++h) {
         FlashProblem p;
         const int64_t column = h * head_size;
-        p.queries = q + query_row * width + column;
-        p.keys = k + key_row * width + column;
-        p.values = v + key_row * width + column;
+        p.queries = q + query_row * qkv_stride + column;
+        p.keys = projected_keys + key_row * qkv_stride + column;
+        p.values = projected_values + key_row * qkv_stride + column;
         p.output = concat + query_row * width + column;
-        p.query_stride = p.key_stride = p.value_stride = p.output_stride = width;
+        p.query_stride = p.key_stride = p.value_stride = qkv_stride;
+        p.output_stride = width;
         p.num_queries = d.num_queries;
         p.num_keys = d.num_keys;
         p.head_size = p.value_size = head_size;
@@ -447,7 +469,7 @@ void RunGroup(ThreadPool& pool, const Model& model, std::span<const ValidatedReq
 Engine::Engine(EngineOptions options)
     : pool_(std::make_unique<ThreadPool>(options.num_threads)),
       max_group_floats_(options.max_group_floats > 0 ? options.max_group_floats : kGroupFloats) {
-  openblas_set_num_threads(1);
+  RunBlasOnCallingThread();
 }
 
 Engine::~Engine() = default;

@@ -1,21 +1,23 @@
-// flash_kernel.cc: the fused attention kernel (tiled GEMMs + online softmax).
+// flash_kernel.cc: the fused attention kernel (online softmax over key tiles).
 //
-// The design follows PyTorch's CPU flash attention: a tile of query rows meets
-// one tile of keys at a time; the tile's scores come from one GEMM, an online
-// softmax keeps a running max and sum per row and rescales the unnormalised
-// output, and a second GEMM adds P V. Masking differs from PyTorch's -inf
-// fill: docs/api.md replaces disallowed scores by -1e6, which is the same as
-// skipping them exactly when the row's max score is far enough above -1e6
-// (their weight underflows to 0 in float). Rows where that is not so, and the
-// weights path, take the exact path: the row's scores are materialised and
-// go through MaskedSoftmaxRow (masked_softmax.h), the rule's one home.
+// A tile of query rows meets one tile of keys at a time; the tile kernel of
+// the active path (flash_tile.h) computes the tile's scores, keeps a running
+// max and sum per row, rescales the unnormalised output and adds P V, all on
+// data in L1. Masking differs from PyTorch's -inf fill: docs/api.md replaces
+// disallowed scores by -1e6, which is the same as skipping them exactly when
+// the row's max score is far enough above -1e6 (their weight underflows to 0
+// in float). Rows where that is not so, and the weights path, take the exact
+// path: the row's scores are materialised and go through MaskedSoftmaxRow
+// (masked_softmax.h), the rule's one home.
 #include "core/flash_kernel.h"
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
+#include <memory>
+#include <new>
 #include <vector>
 
+#include "core/flash_tile.h"
 #include "core/masked_softmax.h"
 #include "core/model.h"
 
@@ -26,39 +28,48 @@ using ConstTile = Eigen::Map<const RowMatrix, Eigen::Unaligned, Eigen::OuterStri
 using Tile = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
 using RowArray = Eigen::Map<Eigen::ArrayXf>;
 
-// Keys per key tile: the scores tile (kFlashQueryTile x kKeyTile floats) and
-// a key/value tile of head size 64 stay in L2 across the two GEMMs.
-constexpr int64_t kKeyTile = 256;
-
 // float exp(x) is exactly 0 for x < -104 (below the smallest denormal). If a
 // row's max allowed score m is at least this far above -1e6, every disallowed
 // key's weight exp(-1e6 - m) / sum is exactly 0 in float, so skipping those
 // keys is exact; otherwise the row takes the exact path.
 constexpr float kMaskedWeightVanishes = 128.0f;
 
-// Per-thread scratch, grown to the largest problem seen and then reused, so
-// no tile allocates.
-struct Scratch {
-  std::vector<float> scores;       // kFlashQueryTile x kKeyTile: S, then P in place
-  std::vector<float> accumulator;  // kFlashQueryTile x value_size: unnormalised output
-  std::vector<float> row_max;      // kFlashQueryTile: running max of the allowed scores
-  std::vector<float> row_sum;      // kFlashQueryTile: running sum of exp(s - row_max)
-  std::vector<int64_t> bounds;     // kFlashQueryTile: allowed keys per row
-  std::vector<float> exact_row;    // n_k: one row's scores / weights on the exact path
-  std::vector<float> value_mean;   // value_size: output of a row with no allowed key
-
-  void Reserve(const FlashProblem& p) {
-    Grow(scores, kFlashQueryTile * kKeyTile);
-    Grow(accumulator, kFlashQueryTile * p.value_size);
-    Grow(row_max, kFlashQueryTile);
-    Grow(row_sum, kFlashQueryTile);
-    Grow(exact_row, p.num_keys);
-    Grow(value_mean, p.value_size);
-    if (static_cast<int64_t>(bounds.size()) < kFlashQueryTile) bounds.resize(kFlashQueryTile);
+// Floats aligned to a cache line, so the tile kernel's vectors never split one.
+class AlignedFloats {
+ public:
+  float* data() const { return data_.get(); }
+  void Grow(int64_t size) {
+    if (size <= size_) return;
+    data_.reset(static_cast<float*>(
+        ::operator new(static_cast<size_t>(size) * sizeof(float), std::align_val_t{64})));
+    size_ = size;
   }
 
-  static void Grow(std::vector<float>& buffer, int64_t size) {
-    if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+ private:
+  struct Free {
+    void operator()(float* p) const { ::operator delete(p, std::align_val_t{64}); }
+  };
+  std::unique_ptr<float, Free> data_;
+  int64_t size_ = 0;
+};
+
+// Per-thread scratch, grown to the largest problem seen and then reused, so
+// no tile allocates. Lane-major buffers hold kFlashQueryTile floats per row.
+struct Scratch {
+  AlignedFloats queries_t;    // head_size x lanes: scale * Q^T of the tile
+  AlignedFloats accumulator;  // value_size x lanes: unnormalised output
+  AlignedFloats scores;       // kFlashKeyTile x lanes: S, then P in place
+  AlignedFloats lanes;        // 4 x lanes: bounds, row max, row sum, rescale
+  std::vector<float> exact_row;   // n_k: one row's scores / weights on the exact path
+  std::vector<float> value_mean;  // value_size: output of a row with no allowed key
+
+  void Reserve(const FlashProblem& p) {
+    queries_t.Grow(p.head_size * kFlashQueryTile);
+    accumulator.Grow(p.value_size * kFlashQueryTile);
+    scores.Grow(kFlashKeyTile * kFlashQueryTile);
+    lanes.Grow(4 * kFlashQueryTile);
+    if (static_cast<int64_t>(exact_row.size()) < p.num_keys) exact_row.resize(p.num_keys);
+    if (static_cast<int64_t>(value_mean.size()) < p.value_size) value_mean.resize(p.value_size);
   }
 };
 
@@ -129,74 +140,63 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
   OutputRows(p, row, rows).noalias() = w * ValueRows(p, 0, weighted_keys);
 }
 
-// Online softmax over one key tile for row r, scores s = S[r, :keys] of which
-// the first `allowed` are allowed:
-//   m' = max(m, max_j s_j);  P_j = exp(s_j - m') (0 if disallowed);
-//   l' = exp(m - m') l + sum_j P_j;  acc *= exp(m - m')
-void OnlineSoftmaxRow(float* s, int64_t keys, int64_t allowed, float& row_max, float& row_sum,
-                      float* accumulator, int64_t value_size) {
-  RowArray tile(s, keys);
-  if (allowed == 0) {
-    tile.setZero();
-    return;
-  }
-  tile.tail(keys - allowed).setZero();
-  auto scores = tile.head(allowed);
-  const float new_max = std::max(row_max, scores.maxCoeff());
-  // The first allowed tile has row_max = -inf: the factor is exp(-inf) = 0,
-  // and new_max is finite, so no inf - inf = NaN arises.
-  const float rescale = std::exp(row_max - new_max);
-  scores = (scores - new_max).exp();
-  row_sum = row_sum * rescale + scores.sum();
-  if (rescale != 1.0f) RowArray(accumulator, value_size) *= rescale;
-  row_max = new_max;
-}
-
-// FlashAttention for at most kFlashQueryTile rows starting at `row`.
+// FlashAttention for at most kFlashQueryTile rows starting at `row`: the
+// path's tile kernel (flash_tile.h) on the tile's queries, then each row
+// normalised, or handed to the value mean or the exact path.
 void FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& scratch) {
   const int64_t dv = p.value_size;
-  int64_t* bounds = scratch.bounds.data();
-  int64_t key_end = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    bounds[r] = p.AllowedKeys(row + r);
-    key_end = std::max(key_end, bounds[r]);
+  FlashTile tile;
+  float* bounds = scratch.lanes.data();
+  tile.bounds = bounds;
+  tile.row_max = bounds + kFlashQueryTile;
+  tile.row_sum = bounds + 2 * kFlashQueryTile;
+  tile.rescale = bounds + 3 * kFlashQueryTile;
+  int64_t key_end = 0, min_bound = p.num_keys;
+  for (int64_t r = 0; r < kFlashQueryTile; ++r) {
+    const int64_t bound = r < rows ? p.AllowedKeys(row + r) : 0;
+    bounds[r] = static_cast<float>(bound);
+    key_end = std::max(key_end, bound);
+    if (r < rows) min_bound = std::min(min_bound, bound);
   }
-  float* row_max = scratch.row_max.data();
-  float* row_sum = scratch.row_sum.data();
-  std::fill_n(row_max, rows, -std::numeric_limits<float>::infinity());
-  std::fill_n(row_sum, rows, 0.0f);
-  // acc: (rows x dv), unnormalised output.
-  Tile acc(scratch.accumulator.data(), rows, dv, Eigen::OuterStride<>(dv));
-  acc.setZero();
-
-  for (int64_t key = 0; key < key_end; key += kKeyTile) {
-    const int64_t keys = std::min(kKeyTile, key_end - key);
-    // S: (rows x keys), scores of this tile; becomes P in place.
-    Tile scores(scratch.scores.data(), rows, keys, Eigen::OuterStride<>(kKeyTile));
-    ScoreTile(p, row, rows, key, keys, scores);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t allowed = std::clamp<int64_t>(bounds[r] - key, 0, keys);
-      OnlineSoftmaxRow(&scores(r, 0), keys, allowed, row_max[r], row_sum[r], &acc(r, 0), dv);
-    }
-    // acc += P V_tile: (rows x keys) (keys x dv).
-    acc.noalias() += scores * ValueRows(p, key, keys);
+  // Q^T, scaled; padding lanes are zero so they stay finite.
+  float* queries_t = scratch.queries_t.data();
+  for (int64_t c = 0; c < p.head_size; ++c) {
+    float* lane = queries_t + c * kFlashQueryTile;
+    for (int64_t r = 0; r < rows; ++r) lane[r] = p.scale * p.queries[(row + r) * p.query_stride + c];
+    std::fill(lane + rows, lane + kFlashQueryTile, 0.0f);
   }
+  tile.queries_t = queries_t;
+  tile.keys = p.keys;
+  tile.key_bias = p.key_bias;
+  tile.values = p.values;
+  tile.key_stride = p.key_stride;
+  tile.value_stride = p.value_stride;
+  tile.head_size = p.head_size;
+  tile.value_size = dv;
+  tile.rows = rows;
+  tile.key_end = key_end;
+  tile.min_bound = min_bound;
+  tile.accumulator_t = scratch.accumulator.data();
+  tile.scores = scratch.scores.data();
+  FlashTileKernelFor(ActiveIsa())(tile);
 
-  Tile out = OutputRows(p, row, rows);
   bool have_mean = false;
   for (int64_t r = 0; r < rows; ++r) {
+    float* out = p.output + (row + r) * p.output_stride;
     // The query bias cancels in the softmax over allowed keys; it matters
     // only when comparing the true max score with -1e6.
-    const float true_max = row_max[r] + (p.query_bias != nullptr ? p.query_bias[row + r] : 0.0f);
+    const float true_max =
+        tile.row_max[r] + (p.query_bias != nullptr ? p.query_bias[row + r] : 0.0f);
     if (bounds[r] == 0) {
       if (!have_mean) ValueMean(p, scratch.value_mean.data());
       have_mean = true;
-      out.row(r) = Eigen::Map<const Eigen::RowVectorXf>(scratch.value_mean.data(), dv);
+      std::copy_n(scratch.value_mean.data(), dv, out);
     } else if (bounds[r] < p.num_keys && true_max < kMaskedScore + kMaskedWeightVanishes) {
       // Allowed scores near or below -1e6: disallowed keys carry weight.
       ExactRows(p, row + r, 1, scratch.exact_row.data(), p.num_keys);
     } else {
-      out.row(r) = acc.row(r) / row_sum[r];
+      const float inverse = 1.0f / tile.row_sum[r];
+      for (int64_t c = 0; c < dv; ++c) out[c] = tile.accumulator_t[c * kFlashQueryTile + r] * inverse;
     }
   }
 }

@@ -39,6 +39,18 @@ Model DotProductModel() {
   return model;
 }
 
+void PackSelfAttention(Model& model) {
+  if (model.kind != Kind::kMultiHead || model.w_q.cols() != model.w_k.cols() ||
+      model.w_q.cols() != model.w_v.cols()) {
+    return;
+  }
+  const int64_t width = model.w_q.rows();
+  model.w_qkv.resize(3 * width, model.w_q.cols());
+  model.w_qkv << model.w_q, model.w_k, model.w_v;
+  model.b_qkv.resize(3 * width);
+  model.b_qkv << model.b_q, model.b_k, model.b_v;
+}
+
 Model DistanceModel() {
   Model model;
   model.name = std::string(KindName(Kind::kDistance));

@@ -374,6 +374,7 @@ absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const u
       break;
   }
   if (!status.ok()) return status;
+  PackSelfAttention(model);
   return model;
 }
 
