@@ -1,6 +1,7 @@
 // flash_tile.cc: the fused tile kernel (flash_tile.h), compiled by Highway
 // once per vector path: AVX-512 (HWY_AVX3), AVX2 (HWY_AVX2) and the portable
-// one-lane path (HWY_SCALAR, any x86-64). FlashTileKernelFor picks among them.
+// path (the compiler's baseline target, any x86-64). FlashTileKernelFor picks
+// among them.
 #include "core/flash_tile.h"
 
 #include <cstddef>
@@ -184,7 +185,9 @@ FlashTileKernel FlashTileKernelFor(Isa isa) {
     case Isa::kPortable:
       break;
   }
-  return &N_SCALAR::FlashTileImpl;
+  // The baseline every x86-64 runs: HWY_SCALAR with GCC 12.2, EMU128 (SSE2)
+  // with Clang.
+  return &HWY_STATIC_DISPATCH(FlashTileImpl);
 }
 
 }  // namespace attention
