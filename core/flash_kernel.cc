@@ -152,18 +152,26 @@ void FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   tile.row_sum = bounds + 2 * kFlashQueryTile;
   tile.rescale = bounds + 3 * kFlashQueryTile;
   int64_t key_end = 0, min_bound = p.num_keys;
-  for (int64_t r = 0; r < kFlashQueryTile; ++r) {
-    const int64_t bound = r < rows ? p.AllowedKeys(row + r) : 0;
+  // Lanes the kernel reads: rows rounded up to its group of two vectors,
+  // which divides kFlashPaddedLanes on every path.
+  const int64_t lanes = (rows + kFlashPaddedLanes - 1) / kFlashPaddedLanes * kFlashPaddedLanes;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t bound = p.AllowedKeys(row + r);
     bounds[r] = static_cast<float>(bound);
     key_end = std::max(key_end, bound);
-    if (r < rows) min_bound = std::min(min_bound, bound);
+    min_bound = std::min(min_bound, bound);
   }
-  // Q^T, scaled; padding lanes are zero so they stay finite.
+  std::fill(bounds + rows, bounds + lanes, 0.0f);
+  // Q^T, scaled, read row by row; padding lanes are zero so they stay finite.
   float* queries_t = scratch.queries_t.data();
-  for (int64_t c = 0; c < p.head_size; ++c) {
-    float* lane = queries_t + c * kFlashQueryTile;
-    for (int64_t r = 0; r < rows; ++r) lane[r] = p.scale * p.queries[(row + r) * p.query_stride + c];
-    std::fill(lane + rows, lane + kFlashQueryTile, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* query = p.queries + (row + r) * p.query_stride;
+    for (int64_t c = 0; c < p.head_size; ++c) queries_t[c * kFlashQueryTile + r] = p.scale * query[c];
+  }
+  if (rows < lanes) {
+    for (int64_t c = 0; c < p.head_size; ++c) {
+      std::fill(queries_t + c * kFlashQueryTile + rows, queries_t + c * kFlashQueryTile + lanes, 0.0f);
+    }
   }
   tile.queries_t = queries_t;
   tile.keys = p.keys;

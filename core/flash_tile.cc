@@ -27,6 +27,8 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 using D = hn::ScalableTag<float>;
 using V = hn::Vec<D>;
+static_assert(kFlashPaddedLanes % (2 * HWY_LANES(float)) == 0 &&
+              kFlashQueryTile % kFlashPaddedLanes == 0);
 
 // Key rows per score micro-kernel and value columns per P V micro-kernel.
 // Each works on two query vectors, so it holds 2 x this many accumulators,

@@ -28,8 +28,14 @@ namespace attention {
 // value rows it reads stay in a 32 KiB L1 next to the accumulator.
 inline constexpr int64_t kFlashKeyTile = 64;
 
+// A multiple of every path's micro-kernel width (two vectors: 32 lanes on
+// AVX-512, 16 on AVX2, 2 or 8 on the portable baseline): lanes the caller
+// pads with zeros up to the next multiple of it, and no further.
+inline constexpr int64_t kFlashPaddedLanes = 32;
+
 // Lane-major buffers have kFlashQueryTile floats per row, lane r = query row
-// r of the tile. Lanes at or past `rows` are padding: their bound is 0.
+// r of the tile. Lanes at or past `rows` (up to a multiple of
+// kFlashPaddedLanes) are padding: their bound is 0.
 struct FlashTile {
   const float* queries_t = nullptr;  // (head_size x lanes): scale * q, transposed
   const float* keys = nullptr;       // row-major, row stride key_stride
