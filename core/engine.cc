@@ -349,6 +349,55 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
   });
 }
 
+// Keys example b of a request needs projected: [0, max_i bound(i)). Scores
+// stop at each query's bound, and the two cases where masked keys carry
+// weight (no key allowed, e.g. valid length 0; allowed scores near -1e6)
+// read values, not keys. So key rows at or past the largest bound of their
+// example are not projected (none when no query of it has an allowed key).
+// Values are projected whole: those masked keys' weights reach them.
+int64_t KeysRead(const ValidatedRequest& v, int64_t b) {
+  const KeyBounds bounds = BoundsOf(v, b);
+  int64_t read = 0;
+  for (int64_t i = 0; i < v.dims.num_queries && read < v.dims.num_keys; ++i) {
+    read = std::max(read, bounds.Allowed(i, v.dims.num_keys));
+  }
+  return read;
+}
+
+// The key projection of a group, as few products as the rule above allows:
+// consecutive examples whose keys are all read make one product.
+void AddKeyProjections(std::span<const ValidatedRequest> requests,
+                       const std::vector<int64_t>& key_rows, const float* stacked_keys,
+                       float* projected_keys, const Model& model,
+                       std::vector<Projection>& projections) {
+  const int64_t in_cols = model.w_k.cols(), out_cols = model.w_k.rows();
+  int64_t run_begin = 0, run_end = 0;  // stacked key rows of the current product
+  auto flush = [&] {
+    if (run_end > run_begin) {
+      projections.push_back({stacked_keys + run_begin * in_cols,
+                             projected_keys + run_begin * out_cols, run_end - run_begin,
+                             &model.w_k, &model.b_k});
+    }
+  };
+  for (size_t r = 0; r < requests.size(); ++r) {
+    const AttentionDims& d = requests[r].dims;
+    for (int64_t b = 0; b < d.batch; ++b) {
+      const int64_t first = key_rows[r] + b * d.num_keys;
+      const int64_t read = KeysRead(requests[r], b);
+      if (first != run_end) {
+        flush();
+        run_begin = first;
+      }
+      run_end = first + read;
+      if (read < d.num_keys) {
+        flush();
+        run_begin = run_end = first + d.num_keys;
+      }
+    }
+  }
+  flush();
+}
+
 // multi_head: project, attend per head on column slices, project the concat.
 // Each of the four projections is one GEMM over the tokens of every request.
 void RunMultiHead(ThreadPool& pool, const Model& model,
@@ -386,12 +435,12 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
     RunProjections(pool, {{StackRows(requests, QueriesOf, stacked_queries), q, total_queries,
                            &model.w_qkv, &model.b_qkv}});
   } else {
-    RunProjections(pool, {{StackRows(requests, QueriesOf, stacked_queries), q, total_queries,
-                           &model.w_q, &model.b_q},
-                          {StackRows(requests, KeysOf, stacked_keys), k, total_keys, &model.w_k,
-                           &model.b_k},
-                          {StackRows(requests, ValuesOf, stacked_values), v, total_keys,
-                           &model.w_v, &model.b_v}});
+    std::vector<Projection> projections = {
+        {StackRows(requests, QueriesOf, stacked_queries), q, total_queries, &model.w_q, &model.b_q},
+        {StackRows(requests, ValuesOf, stacked_values), v, total_keys, &model.w_v, &model.b_v}};
+    AddKeyProjections(requests, key_rows, StackRows(requests, KeysOf, stacked_keys), k, model,
+                      projections);
+    RunProjections(pool, projections);
   }
 
   // Tasks point into `problems`: reserve it whole so it never reallocates.
