@@ -11,6 +11,8 @@
 // (masked_softmax.h), the rule's one home.
 #include "core/flash_kernel.h"
 
+#include <xmmintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -140,6 +142,37 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
   OutputRows(p, row, rows).noalias() = w * ValueRows(p, 0, weighted_keys);
 }
 
+// to[c * to_stride + r] = from[r * from_stride + c] * factor(c) for r < rows,
+// c < cols, where factor(c) = column_factors[c], or `factor` if that is null.
+// In 4 x 4 blocks through SSE registers (every x86-64 has SSE): the query
+// tile's transpose and the output's cost rows x width per tile, as much as
+// the tile kernel itself when rows see only a few dozen keys.
+void TransposeScaled(const float* from, int64_t from_stride, float* to, int64_t to_stride,
+                     int64_t rows, int64_t cols, const float* column_factors, float factor) {
+  auto factor_of = [&](int64_t c) { return column_factors ? column_factors[c] : factor; };
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    int64_t c = 0;
+    for (; c + 4 <= cols; c += 4) {
+      __m128 a0 = _mm_loadu_ps(from + r * from_stride + c);
+      __m128 a1 = _mm_loadu_ps(from + (r + 1) * from_stride + c);
+      __m128 a2 = _mm_loadu_ps(from + (r + 2) * from_stride + c);
+      __m128 a3 = _mm_loadu_ps(from + (r + 3) * from_stride + c);
+      _MM_TRANSPOSE4_PS(a0, a1, a2, a3);
+      _mm_storeu_ps(to + c * to_stride + r, _mm_mul_ps(a0, _mm_set1_ps(factor_of(c))));
+      _mm_storeu_ps(to + (c + 1) * to_stride + r, _mm_mul_ps(a1, _mm_set1_ps(factor_of(c + 1))));
+      _mm_storeu_ps(to + (c + 2) * to_stride + r, _mm_mul_ps(a2, _mm_set1_ps(factor_of(c + 2))));
+      _mm_storeu_ps(to + (c + 3) * to_stride + r, _mm_mul_ps(a3, _mm_set1_ps(factor_of(c + 3))));
+    }
+    for (; c < cols; ++c) {
+      for (int64_t k = r; k < r + 4; ++k) to[c * to_stride + k] = from[k * from_stride + c] * factor_of(c);
+    }
+  }
+  for (; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) to[c * to_stride + r] = from[r * from_stride + c] * factor_of(c);
+  }
+}
+
 // FlashAttention for at most kFlashQueryTile rows starting at `row`: the
 // path's tile kernel (flash_tile.h) on the tile's queries, then each row
 // normalised, or handed to the value mean or the exact path.
@@ -162,12 +195,10 @@ void FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
     min_bound = std::min(min_bound, bound);
   }
   std::fill(bounds + rows, bounds + lanes, 0.0f);
-  // Q^T, scaled, read row by row; padding lanes are zero so they stay finite.
+  // Q^T, scaled; padding lanes are zero so they stay finite.
   float* queries_t = scratch.queries_t.data();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* query = p.queries + (row + r) * p.query_stride;
-    for (int64_t c = 0; c < p.head_size; ++c) queries_t[c * kFlashQueryTile + r] = p.scale * query[c];
-  }
+  TransposeScaled(p.queries + row * p.query_stride, p.query_stride, queries_t, kFlashQueryTile,
+                  rows, p.head_size, nullptr, p.scale);
   if (rows < lanes) {
     for (int64_t c = 0; c < p.head_size; ++c) {
       std::fill(queries_t + c * kFlashQueryTile + rows, queries_t + c * kFlashQueryTile + lanes, 0.0f);
@@ -188,6 +219,14 @@ void FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   tile.scores = scratch.scores.data();
   FlashTileKernelFor(ActiveIsa())(tile);
 
+  // Every row normalised, out_i = acc_i / l_i (if any key was visited);
+  // the rows below that need another answer overwrite theirs.
+  if (key_end > 0) {
+    float* inverse_sum = tile.rescale;  // free once the kernel is done
+    for (int64_t r = 0; r < rows; ++r) inverse_sum[r] = 1.0f / tile.row_sum[r];
+    TransposeScaled(tile.accumulator_t, kFlashQueryTile, p.output + row * p.output_stride,
+                    p.output_stride, dv, rows, inverse_sum, 1.0f);
+  }
   bool have_mean = false;
   for (int64_t r = 0; r < rows; ++r) {
     float* out = p.output + (row + r) * p.output_stride;
@@ -202,9 +241,6 @@ void FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
     } else if (bounds[r] < p.num_keys && true_max < kMaskedScore + kMaskedWeightVanishes) {
       // Allowed scores near or below -1e6: disallowed keys carry weight.
       ExactRows(p, row + r, 1, scratch.exact_row.data(), p.num_keys);
-    } else {
-      const float inverse = 1.0f / tile.row_sum[r];
-      for (int64_t c = 0; c < dv; ++c) out[c] = tile.accumulator_t[c * kFlashQueryTile + r] * inverse;
     }
   }
 }
