@@ -1,12 +1,12 @@
 # Container image for attention-server (with attention-client for health checks).
 #
-# One image for every x86-64 CPU with AVX2: the build stage compiles the server
-# twice, for x86-64-v3 (AVX2/FMA) and x86-64-v4 (AVX-512), and
-# /usr/local/bin/attention-server is a small dispatcher that execs the AVX-512
-# build when /proc/cpuinfo has the x86-64-v4 flags, else the AVX2 one. The
-# tests run once, on the x86-64-v3 build, because the build machine may lack
-# AVX-512. Configuration is through ATTENTION_* variables (see deploy/README.md);
-# models are read from /models, which holds the example models by default.
+# One build for every x86-64 CPU: the kernels choose their vector path (avx512,
+# avx2 or portable) from CPUID at startup, and OpenBLAS is kept to kernels that
+# match the CPU (core/cpu_features.h, core/blas.h), so nothing here depends on
+# the build machine's CPU and nothing needs to be set at run time. The tests
+# run in the build stage, each kernel path the build machine has included.
+# Configuration is through ATTENTION_* variables (see deploy/README.md); models
+# are read from /models, which holds the example models by default.
 
 FROM debian:bookworm AS build
 WORKDIR /src
@@ -15,16 +15,11 @@ RUN scripts/install-deps.sh && rm -rf /var/lib/apt/lists/*
 COPY . .
 # The deploy tests need Prometheus, kubectl and npm, and the Node client test
 # installs packages from the npm registry; they run in CI, not here.
-RUN cmake -S . -B /build/avx2 -G Ninja -DATTENTION_ARCH=x86-64-v3 -DATTENTION_BUILD_BENCHMARKS=OFF \
- && ninja -C /build/avx2 -j 2 \
- && ctest --test-dir /build/avx2 --output-on-failure -j 2 -LE "deploy|npm"
-RUN cmake -S . -B /build/avx512 -G Ninja -DATTENTION_ARCH=x86-64-v4 \
-      -DATTENTION_BUILD_TESTS=OFF -DATTENTION_BUILD_BENCHMARKS=OFF \
- && ninja -C /build/avx512 -j 2 attention-server
-RUN install -D -m 0755 /build/avx2/server/attention-server /out/attention-server-avx2 \
- && install -D -m 0755 /build/avx512/server/attention-server /out/attention-server-avx512 \
- && install -D -m 0755 /build/avx2/client/attention-client /out/attention-client \
- && install -D -m 0755 deploy/attention-server-dispatch.sh /out/attention-server
+RUN cmake -S . -B /build -G Ninja -DATTENTION_BUILD_BENCHMARKS=OFF \
+ && ninja -C /build -j 2 \
+ && ctest --test-dir /build --output-on-failure -j 2 -LE "deploy|npm"
+RUN install -D -m 0755 /build/server/attention-server /out/attention-server \
+ && install -D -m 0755 /build/client/attention-client /out/attention-client
 
 FROM debian:bookworm-slim
 COPY scripts/install-deps.sh /tmp/install-deps.sh

@@ -37,6 +37,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
@@ -45,6 +46,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/engine.h"
 #include "core/model.h"
 #include "core/request.h"
@@ -89,6 +91,7 @@ Model MultiHeadModel(int64_t width, int64_t heads, std::mt19937& rng) {
     std::vector<float> data = RandomData(width, rng);
     *b = Eigen::Map<Vector>(data.data(), width) * bound;
   }
+  PackSelfAttention(model);  // as LoadModel does
   return model;
 }
 
@@ -457,6 +460,14 @@ void RegisterAll() {
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  // ATTENTION_ISA forces a lower kernel path; the context names what ran.
+  if (const absl::Status status = attention::SelectIsaFromEnvironment(); !status.ok()) {
+    std::fprintf(stderr, "attention-bench: %s\n", std::string(status.message()).c_str());
+    return 2;
+  }
+  benchmark::AddCustomContext("isa", std::string(attention::IsaName(attention::ActiveIsa())));
+  benchmark::AddCustomContext("cpu_isa", std::string(attention::IsaName(attention::DetectedIsa())));
+  benchmark::AddCustomContext("blas_core", attention::BlasCoreName());
   attention::RegisterAll();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

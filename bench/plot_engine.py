@@ -40,9 +40,23 @@ from matplotlib.ticker import NullFormatter  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "bench", "results")
 FIGURES = os.path.join(REPO, "bench", "figures")
-MACHINE = ("AMD EPYC Zen 3 (family 25 model 1), KVM guest, 2 cores, AVX2 + FMA, no AVX-512; "
-           "FP32 peak 78 GFLOP/s per core")
-FP32_PEAK_PER_CORE = 78.0
+
+
+def machine():
+    """lscpu's model name, family/model, CPU count and vector flags."""
+    fields = {}
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    flags = set(fields.get("Flags", "").split())
+    vector = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                          "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile") if f in flags]
+    return (f"{fields.get('Model name', '?')} (family {fields.get('CPU family', '?')} model "
+            f"{fields.get('Model', '?')}), {fields.get('CPU(s)', '?')} CPUs; {' '.join(vector)}")
+
+# What the caller set for the engine, before compare_torch sets OpenMP's wait
+# policy for PyTorch in this process.
+CALLER_ENVIRONMENT = {k: v for k, v in os.environ.items() if k.startswith(("OPENBLAS_", "ATTENTION_"))}
 TORCH_LINE = re.compile(r"^torch_(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$")
 
 
@@ -91,12 +105,13 @@ def measure(args):
                  f"--benchmark_repetitions={args.repetitions}"]
     torch_cmd = ["/usr/bin/python3", os.path.join(REPO, "bench", "compare_torch.py"),
                  f"--min-time={args.min_time}", f"--repetitions={args.repetitions}"]
-    engine, torch, d2l, loads = {}, {}, {}, []
+    engine, torch, d2l, loads, context = {}, {}, {}, [], {}
     start = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     for round_index in range(args.rounds):
         loads.append(os.getloadavg())
         report = json.loads(subprocess.run(bench_cmd, check=True, capture_output=True,
                                            text=True).stdout)
+        context = {k: report["context"].get(k) for k in ("isa", "cpu_isa", "blas_core")}
         for b in report["benchmarks"]:
             if b.get("run_type") != "iteration" or "GFLOPS" not in b:
                 continue
@@ -118,12 +133,14 @@ def measure(args):
         "rounds": args.rounds,
         "date_utc": f"{start} to {time.strftime('%H:%M', time.gmtime())}",
         "load_averages": loads,
-        "machine": MACHINE,
+        "machine": machine(),
+        "engine_context": context,
+        "environment": CALLER_ENVIRONMENT,
         "engine": engine,
         "torch": torch,
         "torch_d2l_dot_product": d2l,
     }
-    with open(os.path.join(RESULTS, "engine.json"), "w") as f:
+    with open(os.path.join(RESULTS, args.output), "w") as f:
         json.dump(result, f, indent=1)
 
 
@@ -172,8 +189,6 @@ def plot_gflops(result, path):
         ax.axhline(gemm[threads][counter], color="k", ls="--",
                    label=f"GEMM 2048^3 (OpenBLAS), {threads} thread(s), same run: "
                          f"{gemm[threads][counter]:.0f}")
-        peak = FP32_PEAK_PER_CORE * threads
-        ax.axhline(peak, color="gray", ls=":", label=f"FP32 peak at nominal 2.45 GHz: {peak:.0f}")
         ax.set_ylabel(counter)
         ax.set_title(title, fontsize=10)
     if d2l:
@@ -273,7 +288,7 @@ def plot_scaling(scaling, path):
     figure.suptitle("Cost scaling of Engine::Attend (no weights requested; keys and values are "
                     "their own tensor)")
     loads = [scaling["load_average_before"], scaling["load_average_after"]]
-    footer(figure, [f"{MACHINE}. {load_text(loads)}; {scaling['date_utc']} UTC.",
+    footer(figure, [f"{scaling.get('machine', machine())}. {load_text(loads)}; {scaling['date_utc']} UTC.",
                     "Measured by: /usr/bin/python3 bench/cost_scaling.py, which runs: "
                     + scaling["command"],
                     "Drawn by: /usr/bin/python3 bench/plot_engine.py"])
@@ -288,11 +303,16 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--min-time", type=float, default=0.5)
+    parser.add_argument("--output", default="engine.json",
+                        help="results file in bench/results (the figures use engine.json)")
+    parser.add_argument("--no-plot", action="store_true", help="measure only")
     args = parser.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
     os.makedirs(FIGURES, exist_ok=True)
     if args.measure:
         measure(args)
+    if args.no_plot:
+        return
     with open(os.path.join(RESULTS, "engine.json")) as f:
         result = json.load(f)
     plot_gflops(result, os.path.join(FIGURES, "engine_gflops.png"))

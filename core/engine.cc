@@ -15,19 +15,15 @@
 #include <cmath>
 #include <vector>
 
+#include "core/blas.h"
 #include "core/flash_kernel.h"
 #include "core/masked_softmax.h"
 #include "core/thread_pool.h"
 
-// OpenBLAS's own threads would fight the pool: every BLAS call runs on the
-// thread that makes it.
-extern "C" void openblas_set_num_threads(int num_threads);
 
 namespace attention {
 namespace {
 
-// Query rows per attention task: the kernel's query tile.
-constexpr int64_t kQueryBlock = kFlashQueryTile;
 // Rows per projection task: a GEMM this tall runs near peak.
 constexpr int64_t kProjectionRows = 256;
 // Largest scratch a thread keeps between calls (64 MiB; see GroupScratch).
@@ -80,12 +76,18 @@ void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections
     const int64_t rows = block.end - block.begin;
     ConstMatrixMap in(p.in + block.begin * p.in_cols(), rows, p.in_cols());
     MatrixMap out(p.out + block.begin * p.out_cols(), rows, p.out_cols());
-    if (p.transposed) {
-      out.noalias() = in * p.weight->transpose();
+    // The bias is written first and the product added to it (BLAS beta = 1),
+    // so the output is not read and written again after the product.
+    if (p.bias) {
+      out.rowwise() = p.bias->transpose();
     } else {
-      out.noalias() = in * *p.weight;
+      out.setZero();
     }
-    if (p.bias) out.rowwise() += p.bias->transpose();
+    if (p.transposed) {
+      out.noalias() += in * p.weight->transpose();
+    } else {
+      out.noalias() += in * *p.weight;
+    }
   });
 }
 
@@ -155,19 +157,21 @@ std::vector<int64_t> TokenOffsets(std::span<const ValidatedRequest> requests, bo
 }
 
 // The length mask and causal flag of example b, in the kernel's terms.
-void SetMask(const ValidatedRequest& v, int64_t b, FlashProblem& problem) {
+KeyBounds BoundsOf(const ValidatedRequest& v, int64_t b) {
   const AttentionRequest& request = *v.request;
-  problem.causal = request.causal;
+  KeyBounds bounds;
+  bounds.causal = request.causal;
   switch (v.dims.length_mask) {
     case AttentionDims::LengthMask::kNone:
       break;
     case AttentionDims::LengthMask::kPerExample:
-      problem.valid_len = request.valid_lens[b];
+      bounds.valid_len = request.valid_lens[b];
       break;
     case AttentionDims::LengthMask::kPerQuery:
-      problem.valid_lens = request.valid_lens.data() + b * v.dims.num_queries;
+      bounds.valid_lens = request.valid_lens.data() + b * v.dims.num_queries;
       break;
   }
+  return bounds;
 }
 
 // One attention task: rows [begin, end) of a problem, and where its weights go.
@@ -178,8 +182,8 @@ struct AttentionTask {
 };
 
 void AddTasks(const FlashProblem& problem, float* weights, std::vector<AttentionTask>& tasks) {
-  for (int64_t begin = 0; begin < problem.num_queries; begin += kQueryBlock) {
-    tasks.push_back({&problem, weights, begin, std::min(problem.num_queries, begin + kQueryBlock)});
+  for (int64_t begin = 0; begin < problem.num_queries; begin += kFlashQueryTile) {
+    tasks.push_back({&problem, weights, begin, std::min(problem.num_queries, begin + kFlashQueryTile)});
   }
 }
 
@@ -265,7 +269,7 @@ void RunDotProductFamily(ThreadPool& pool, const Model& model,
         p.query_bias = query_norms[r].data() + b * d.num_queries;
         p.key_bias = key_norms[r].data() + b * d.num_keys;
       }
-      SetMask(requests[r], b, p);
+      p.bounds = BoundsOf(requests[r], b);
       problems.push_back(p);
       AddTasks(problems.back(), WeightsOf(results[r], b, d), tasks);
     }
@@ -303,8 +307,8 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
   for (size_t r = 0; r < n; ++r) {
     const AttentionDims& d = requests[r].dims;
     for (int64_t b = 0; b < d.batch; ++b) {
-      for (int64_t begin = 0; begin < d.num_queries; begin += kQueryBlock) {
-        blocks.push_back({r, b, begin, std::min(d.num_queries, begin + kQueryBlock)});
+      for (int64_t begin = 0; begin < d.num_queries; begin += kFlashQueryTile) {
+        blocks.push_back({r, b, begin, std::min(d.num_queries, begin + kFlashQueryTile)});
       }
     }
   }
@@ -326,16 +330,13 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
     MatrixMap output(result.output.data.data() + b * d.num_queries * d.value_size,
                      d.num_queries, d.value_size);
     float* weights = WeightsOf(result, b, d);
-    FlashProblem mask;
-    mask.num_queries = d.num_queries;
-    mask.num_keys = d.num_keys;
-    SetMask(v, b, mask);
+    const KeyBounds bounds = BoundsOf(v, b);
 
     thread_local RowMatrix features;  // (allowed keys x h) tanh features of one query
     thread_local Vector scores;
     scores.resize(d.num_keys);
     for (int64_t i = block.begin; i < block.end; ++i) {
-      const int64_t bound = AllowedKeys(mask, i);
+      const int64_t bound = bounds.Allowed(i, d.num_keys);
       if (bound > 0) {
         features.resize(bound, hidden);
         features = (keys.topRows(bound).rowwise() + queries.row(i)).array().tanh();
@@ -346,6 +347,55 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
       if (weights) std::copy_n(scores.data(), d.num_keys, weights + i * d.num_keys);
     }
   });
+}
+
+// Keys example b of a request needs projected: [0, max_i bound(i)). Scores
+// stop at each query's bound, and the two cases where masked keys carry
+// weight (no key allowed, e.g. valid length 0; allowed scores near -1e6)
+// read values, not keys. So key rows at or past the largest bound of their
+// example are not projected (none when no query of it has an allowed key).
+// Values are projected whole: those masked keys' weights reach them.
+int64_t KeysRead(const ValidatedRequest& v, int64_t b) {
+  const KeyBounds bounds = BoundsOf(v, b);
+  int64_t read = 0;
+  for (int64_t i = 0; i < v.dims.num_queries && read < v.dims.num_keys; ++i) {
+    read = std::max(read, bounds.Allowed(i, v.dims.num_keys));
+  }
+  return read;
+}
+
+// The key projection of a group, as few products as the rule above allows:
+// consecutive examples whose keys are all read make one product.
+void AddKeyProjections(std::span<const ValidatedRequest> requests,
+                       const std::vector<int64_t>& key_rows, const float* stacked_keys,
+                       float* projected_keys, const Model& model,
+                       std::vector<Projection>& projections) {
+  const int64_t in_cols = model.w_k.cols(), out_cols = model.w_k.rows();
+  int64_t run_begin = 0, run_end = 0;  // stacked key rows of the current product
+  auto flush = [&] {
+    if (run_end > run_begin) {
+      projections.push_back({stacked_keys + run_begin * in_cols,
+                             projected_keys + run_begin * out_cols, run_end - run_begin,
+                             &model.w_k, &model.b_k});
+    }
+  };
+  for (size_t r = 0; r < requests.size(); ++r) {
+    const AttentionDims& d = requests[r].dims;
+    for (int64_t b = 0; b < d.batch; ++b) {
+      const int64_t first = key_rows[r] + b * d.num_keys;
+      const int64_t read = KeysRead(requests[r], b);
+      if (first != run_end) {
+        flush();
+        run_begin = first;
+      }
+      run_end = first + read;
+      if (read < d.num_keys) {
+        flush();
+        run_begin = run_end = first + d.num_keys;
+      }
+    }
+  }
+  flush();
 }
 
 // multi_head: project, attend per head on column slices, project the concat.
@@ -362,19 +412,36 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
 
   // (tokens x E) projections of every request, stacked like the inputs, the
   // concatenated heads and, for more than one request, their stacked output.
+  // Self-attention (keys and values omitted) of a packed model: Q, K and V
+  // side by side in one (tokens x 3E) product, stored where q, k and v
+  // (consecutive, tokens x E each) would be.
+  const bool self_attention =
+      model.w_qkv.size() > 0 &&
+      std::all_of(requests.begin(), requests.end(), [](const ValidatedRequest& r) {
+        return !r.request->keys.has_value() && !r.request->values.has_value();
+      });
   std::vector<float> once;
   const auto [q, k, v, concat, stacked_output, stacked_queries, stacked_keys, stacked_values] =
       GroupScratch<8>({total_queries * width, total_keys * width, total_keys * width,
                        total_queries * width, n == 1 ? 0 : total_queries * width,
-                       StackedFloats(requests, QueriesOf), StackedFloats(requests, KeysOf),
-                       StackedFloats(requests, ValuesOf)},
+                       StackedFloats(requests, QueriesOf),
+                       self_attention ? 0 : StackedFloats(requests, KeysOf),
+                       self_attention ? 0 : StackedFloats(requests, ValuesOf)},
                       once);
-  RunProjections(pool, {{StackRows(requests, QueriesOf, stacked_queries), q, total_queries,
-                         &model.w_q, &model.b_q},
-                        {StackRows(requests, KeysOf, stacked_keys), k, total_keys, &model.w_k,
-                         &model.b_k},
-                        {StackRows(requests, ValuesOf, stacked_values), v, total_keys,
-                         &model.w_v, &model.b_v}});
+  const int64_t qkv_stride = self_attention ? 3 * width : width;
+  const float* const projected_keys = self_attention ? q + width : k;
+  const float* const projected_values = self_attention ? q + 2 * width : v;
+  if (self_attention) {
+    RunProjections(pool, {{StackRows(requests, QueriesOf, stacked_queries), q, total_queries,
+                           &model.w_qkv, &model.b_qkv}});
+  } else {
+    std::vector<Projection> projections = {
+        {StackRows(requests, QueriesOf, stacked_queries), q, total_queries, &model.w_q, &model.b_q},
+        {StackRows(requests, ValuesOf, stacked_values), v, total_keys, &model.w_v, &model.b_v}};
+    AddKeyProjections(requests, key_rows, StackRows(requests, KeysOf, stacked_keys), k, model,
+                      projections);
+    RunProjections(pool, projections);
+  }
 
   // Tasks point into `problems`: reserve it whole so it never reallocates.
   std::vector<FlashProblem> problems;
@@ -390,16 +457,17 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
       for (int64_t h = 0; h < heads; ++h) {
         FlashProblem p;
         const int64_t column = h * head_size;
-        p.queries = q + query_row * width + column;
-        p.keys = k + key_row * width + column;
-        p.values = v + key_row * width + column;
+        p.queries = q + query_row * qkv_stride + column;
+        p.keys = projected_keys + key_row * qkv_stride + column;
+        p.values = projected_values + key_row * qkv_stride + column;
         p.output = concat + query_row * width + column;
-        p.query_stride = p.key_stride = p.value_stride = p.output_stride = width;
+        p.query_stride = p.key_stride = p.value_stride = qkv_stride;
+        p.output_stride = width;
         p.num_queries = d.num_queries;
         p.num_keys = d.num_keys;
         p.head_size = p.value_size = head_size;
         p.scale = d.scale;
-        SetMask(requests[r], b, p);
+        p.bounds = BoundsOf(requests[r], b);
         problems.push_back(p);
         AddTasks(problems.back(), WeightsOf(results[r], b * heads + h, d), tasks);
       }
@@ -450,7 +518,7 @@ void RunGroup(ThreadPool& pool, const Model& model, std::span<const ValidatedReq
 Engine::Engine(EngineOptions options)
     : pool_(std::make_unique<ThreadPool>(options.num_threads)),
       max_group_floats_(options.max_group_floats > 0 ? options.max_group_floats : kGroupFloats) {
-  openblas_set_num_threads(1);
+  RunBlasOnCallingThread();
 }
 
 Engine::~Engine() = default;

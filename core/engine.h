@@ -1,6 +1,6 @@
 // engine.h: the attention engine.
 //
-// Computes, for every kind of model, exactly what the contract defines:
+// Computes, for every kind of model, exactly what docs/api.md defines:
 //
 //   scores  s[b,i,j] = score(q[b,i], k[b,j])                 (model's kind)
 //   allowed (i,j)    iff j < valid_len[b(,i)] and, if causal, j <= i

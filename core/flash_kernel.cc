@@ -1,35 +1,34 @@
-// flash_kernel.cc: the fused attention kernel (tiled GEMMs + online softmax).
+// flash_kernel.cc: the fused attention kernel (online softmax over key tiles).
 //
-// The design follows PyTorch's CPU flash attention: a tile of query rows meets
-// one tile of keys at a time; the tile's scores come from one GEMM, an online
-// softmax keeps a running max and sum per row and rescales the unnormalised
-// output, and a second GEMM adds P V. Masking differs from PyTorch's -inf
-// fill: the contract replaces disallowed scores by -1e6, which is the same as
-// skipping them exactly when the row's max score is far enough above -1e6
-// (their weight underflows to 0 in float). Rows where that is not so, and the
-// weights path, use an exact path that materialises the row's scores.
+// A tile of query rows meets one tile of keys at a time; the tile kernel of
+// the active path (flash_tile.h) computes the tile's scores, keeps a running
+// max and sum per row, rescales the unnormalised output and adds P V, all on
+// data in L1. Masking differs from PyTorch's -inf fill: docs/api.md replaces
+// disallowed scores by -1e6, which is the same as skipping them exactly when
+// the row's max score is far enough above -1e6 (their weight underflows to 0
+// in float). Rows where that is not so, and the weights path, take the exact
+// path: the row's scores are materialised and go through MaskedSoftmaxRow
+// (masked_softmax.h), the rule's one home.
 #include "core/flash_kernel.h"
 
-#include <Eigen/Core>
+#include <xmmintrin.h>
+
 #include <algorithm>
 #include <cmath>
-#include <limits>
+#include <memory>
+#include <new>
 #include <vector>
+
+#include "core/flash_tile.h"
+#include "core/masked_softmax.h"
+#include "core/model.h"
 
 namespace attention {
 namespace {
 
-using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using ConstTile = Eigen::Map<const RowMajor, Eigen::Unaligned, Eigen::OuterStride<>>;
-using Tile = Eigen::Map<RowMajor, Eigen::Unaligned, Eigen::OuterStride<>>;
+using ConstTile = Eigen::Map<const RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+using Tile = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
 using RowArray = Eigen::Map<Eigen::ArrayXf>;
-
-// The score the contract gives a disallowed (query, key) pair.
-constexpr float kMaskedScore = -1e6f;
-
-// Keys per key tile: the scores tile (kFlashQueryTile x kKeyTile floats) and
-// a key/value tile of head size 64 stay in L2 across the two GEMMs.
-constexpr int64_t kKeyTile = 256;
 
 // float exp(x) is exactly 0 for x < -104 (below the smallest denormal). If a
 // row's max allowed score m is at least this far above -1e6, every disallowed
@@ -37,29 +36,42 @@ constexpr int64_t kKeyTile = 256;
 // keys is exact; otherwise the row takes the exact path.
 constexpr float kMaskedWeightVanishes = 128.0f;
 
-// Per-thread scratch, grown to the largest problem seen and then reused, so
-// no tile allocates.
-struct Scratch {
-  std::vector<float> scores;       // kFlashQueryTile x kKeyTile: S, then P in place
-  std::vector<float> accumulator;  // kFlashQueryTile x value_size: unnormalised output
-  std::vector<float> row_max;      // kFlashQueryTile: running max of the allowed scores
-  std::vector<float> row_sum;      // kFlashQueryTile: running sum of exp(s - row_max)
-  std::vector<int64_t> bounds;     // kFlashQueryTile: allowed keys per row
-  std::vector<float> exact_row;    // n_k: one row's scores / weights on the exact path
-  std::vector<float> value_mean;   // value_size: output of a row with no allowed key
-
-  void Reserve(const FlashProblem& p) {
-    Grow(scores, kFlashQueryTile * kKeyTile);
-    Grow(accumulator, kFlashQueryTile * p.value_size);
-    Grow(row_max, kFlashQueryTile);
-    Grow(row_sum, kFlashQueryTile);
-    Grow(exact_row, p.num_keys);
-    Grow(value_mean, p.value_size);
-    if (static_cast<int64_t>(bounds.size()) < kFlashQueryTile) bounds.resize(kFlashQueryTile);
+// Floats aligned to a cache line, so the tile kernel's vectors never split one.
+class AlignedFloats {
+ public:
+  float* data() const { return data_.get(); }
+  void Grow(int64_t size) {
+    if (size <= size_) return;
+    data_.reset(static_cast<float*>(
+        ::operator new(static_cast<size_t>(size) * sizeof(float), std::align_val_t{64})));
+    size_ = size;
   }
 
-  static void Grow(std::vector<float>& buffer, int64_t size) {
-    if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+ private:
+  struct Free {
+    void operator()(float* p) const { ::operator delete(p, std::align_val_t{64}); }
+  };
+  std::unique_ptr<float, Free> data_;
+  int64_t size_ = 0;
+};
+
+// Per-thread scratch, grown to the largest problem seen and then reused, so
+// no tile allocates. Lane-major buffers hold kFlashQueryTile floats per row.
+struct Scratch {
+  AlignedFloats queries_t;    // head_size x lanes: scale * Q^T of the tile
+  AlignedFloats accumulator;  // value_size x lanes: unnormalised output
+  AlignedFloats scores;       // kFlashKeyTile x lanes: S, then P in place
+  AlignedFloats lanes;        // 4 x lanes: bounds, row max, row sum, rescale
+  std::vector<float> exact_row;   // n_k: one row's scores / weights on the exact path
+  std::vector<float> value_mean;  // value_size: output of a row with no allowed key
+
+  void Reserve(const FlashProblem& p) {
+    queries_t.Grow(p.head_size * kFlashQueryTile);
+    accumulator.Grow(p.value_size * kFlashQueryTile);
+    scores.Grow(kFlashKeyTile * kFlashQueryTile);
+    lanes.Grow(4 * kFlashQueryTile);
+    if (static_cast<int64_t>(exact_row.size()) < p.num_keys) exact_row.resize(p.num_keys);
+    if (static_cast<int64_t>(value_mean.size()) < p.value_size) value_mean.resize(p.value_size);
   }
 };
 
@@ -106,121 +118,139 @@ void ValueMean(const FlashProblem& p, float* mean) {
       ValueRows(p, 0, p.num_keys).colwise().sum() / static_cast<float>(p.num_keys);
 }
 
-// Exact contract path for rows [row, row + rows):
+// Exact path for rows [row, row + rows):
 //   s[i,j] = score(i,j) if j < bound(i) else -1e6;  w = softmax_j(s);  out_i = w_i V
 // `weights` (rows x n_k, row stride weights_stride) receives w.
 void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
                int64_t weights_stride) {
   const int64_t n_k = p.num_keys;
   int64_t key_end = 0;
-  for (int64_t r = 0; r < rows; ++r) key_end = std::max(key_end, AllowedKeys(p, row + r));
+  for (int64_t r = 0; r < rows; ++r) key_end = std::max(key_end, p.AllowedKeys(row + r));
   if (key_end > 0) {
     ScoreTile(p, row, rows, 0, key_end, Tile(weights, rows, key_end, Eigen::OuterStride<>(weights_stride)));
   }
   // Columns of w that can be nonzero, for the final GEMM.
   int64_t weighted_keys = key_end;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t bound = AllowedKeys(p, row + r);
-    RowArray allowed(weights + r * weights_stride, bound);
-    if (p.query_bias != nullptr) allowed += p.query_bias[row + r];
-    // Subtracting the row max keeps exp in range for scores like +-100.
-    float max = bound < n_k ? kMaskedScore : -std::numeric_limits<float>::infinity();
-    if (bound > 0) max = std::max(max, allowed.maxCoeff());
-    // std::exp, not Eigen's exp: it flushes to exactly 0 where the weight
-    // of a disallowed key vanishes.
-    // No masked key, no masked weight: exp(-1e6 - max) overflows to inf when
-    // every allowed score is below -1e6 - 88, and 0 * inf would be NaN.
-    const float masked = bound < n_k ? std::exp(kMaskedScore - max) : 0.0f;
-    allowed = (allowed - max).exp();
-    const float sum = allowed.sum() + static_cast<float>(n_k - bound) * masked;
-    allowed /= sum;
-    RowArray(weights + r * weights_stride + bound, n_k - bound).setConstant(masked / sum);
-    if (bound < n_k && masked != 0.0f) weighted_keys = n_k;
+    const int64_t bound = p.AllowedKeys(row + r);
+    float* scores = weights + r * weights_stride;
+    if (p.query_bias != nullptr) RowArray(scores, bound) += p.query_bias[row + r];
+    weighted_keys = std::max(
+        weighted_keys, MaskedSoftmaxRow({scores, static_cast<size_t>(n_k)}, bound));
   }
   Tile w(weights, rows, weighted_keys, Eigen::OuterStride<>(weights_stride));
   OutputRows(p, row, rows).noalias() = w * ValueRows(p, 0, weighted_keys);
 }
 
-// Online softmax over one key tile for row r, scores s = S[r, :keys] of which
-// the first `allowed` are allowed:
-//   m' = max(m, max_j s_j);  P_j = exp(s_j - m') (0 if disallowed);
-//   l' = exp(m - m') l + sum_j P_j;  acc *= exp(m - m')
-void OnlineSoftmaxRow(float* s, int64_t keys, int64_t allowed, float& row_max, float& row_sum,
-                      float* accumulator, int64_t value_size) {
-  RowArray tile(s, keys);
-  if (allowed == 0) {
-    tile.setZero();
-    return;
+// to[c * to_stride + r] = from[r * from_stride + c] * factor(c) for r < rows,
+// c < cols, where factor(c) = column_factors[c], or `factor` if that is null.
+// In 4 x 4 blocks through SSE registers (every x86-64 has SSE): the query
+// tile's transpose and the output's cost rows x width per tile, as much as
+// the tile kernel itself when rows see only a few dozen keys.
+void TransposeScaled(const float* from, int64_t from_stride, float* to, int64_t to_stride,
+                     int64_t rows, int64_t cols, const float* column_factors, float factor) {
+  auto factor_of = [&](int64_t c) { return column_factors ? column_factors[c] : factor; };
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    int64_t c = 0;
+    for (; c + 4 <= cols; c += 4) {
+      __m128 a0 = _mm_loadu_ps(from + r * from_stride + c);
+      __m128 a1 = _mm_loadu_ps(from + (r + 1) * from_stride + c);
+      __m128 a2 = _mm_loadu_ps(from + (r + 2) * from_stride + c);
+      __m128 a3 = _mm_loadu_ps(from + (r + 3) * from_stride + c);
+      _MM_TRANSPOSE4_PS(a0, a1, a2, a3);
+      _mm_storeu_ps(to + c * to_stride + r, _mm_mul_ps(a0, _mm_set1_ps(factor_of(c))));
+      _mm_storeu_ps(to + (c + 1) * to_stride + r, _mm_mul_ps(a1, _mm_set1_ps(factor_of(c + 1))));
+      _mm_storeu_ps(to + (c + 2) * to_stride + r, _mm_mul_ps(a2, _mm_set1_ps(factor_of(c + 2))));
+      _mm_storeu_ps(to + (c + 3) * to_stride + r, _mm_mul_ps(a3, _mm_set1_ps(factor_of(c + 3))));
+    }
+    for (; c < cols; ++c) {
+      for (int64_t k = r; k < r + 4; ++k) to[c * to_stride + k] = from[k * from_stride + c] * factor_of(c);
+    }
   }
-  tile.tail(keys - allowed).setZero();
-  auto scores = tile.head(allowed);
-  const float new_max = std::max(row_max, scores.maxCoeff());
-  // The first allowed tile has row_max = -inf: the factor is exp(-inf) = 0,
-  // and new_max is finite, so no inf - inf = NaN arises.
-  const float rescale = std::exp(row_max - new_max);
-  scores = (scores - new_max).exp();
-  row_sum = row_sum * rescale + scores.sum();
-  if (rescale != 1.0f) RowArray(accumulator, value_size) *= rescale;
-  row_max = new_max;
+  for (; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) to[c * to_stride + r] = from[r * from_stride + c] * factor_of(c);
+  }
 }
 
-// FlashAttention for at most kFlashQueryTile rows starting at `row`.
+// FlashAttention for at most kFlashQueryTile rows starting at `row`: the
+// path's tile kernel (flash_tile.h) on the tile's queries, then each row
+// normalised, or handed to the value mean or the exact path.
 void FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& scratch) {
   const int64_t dv = p.value_size;
-  int64_t* bounds = scratch.bounds.data();
-  int64_t key_end = 0;
+  FlashTile tile;
+  float* bounds = scratch.lanes.data();
+  tile.bounds = bounds;
+  tile.row_max = bounds + kFlashQueryTile;
+  tile.row_sum = bounds + 2 * kFlashQueryTile;
+  tile.rescale = bounds + 3 * kFlashQueryTile;
+  int64_t key_end = 0, min_bound = p.num_keys;
+  // Lanes the kernel reads: rows rounded up to its group of two vectors,
+  // which divides kFlashPaddedLanes on every path.
+  const int64_t lanes = (rows + kFlashPaddedLanes - 1) / kFlashPaddedLanes * kFlashPaddedLanes;
   for (int64_t r = 0; r < rows; ++r) {
-    bounds[r] = AllowedKeys(p, row + r);
-    key_end = std::max(key_end, bounds[r]);
+    const int64_t bound = p.AllowedKeys(row + r);
+    bounds[r] = static_cast<float>(bound);
+    key_end = std::max(key_end, bound);
+    min_bound = std::min(min_bound, bound);
   }
-  float* row_max = scratch.row_max.data();
-  float* row_sum = scratch.row_sum.data();
-  std::fill_n(row_max, rows, -std::numeric_limits<float>::infinity());
-  std::fill_n(row_sum, rows, 0.0f);
-  // acc: (rows x dv), unnormalised output.
-  Tile acc(scratch.accumulator.data(), rows, dv, Eigen::OuterStride<>(dv));
-  acc.setZero();
-
-  for (int64_t key = 0; key < key_end; key += kKeyTile) {
-    const int64_t keys = std::min(kKeyTile, key_end - key);
-    // S: (rows x keys), scores of this tile; becomes P in place.
-    Tile scores(scratch.scores.data(), rows, keys, Eigen::OuterStride<>(kKeyTile));
-    ScoreTile(p, row, rows, key, keys, scores);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t allowed = std::clamp<int64_t>(bounds[r] - key, 0, keys);
-      OnlineSoftmaxRow(&scores(r, 0), keys, allowed, row_max[r], row_sum[r], &acc(r, 0), dv);
+  std::fill(bounds + rows, bounds + lanes, 0.0f);
+  // Q^T, scaled; padding lanes are zero so they stay finite.
+  float* queries_t = scratch.queries_t.data();
+  TransposeScaled(p.queries + row * p.query_stride, p.query_stride, queries_t, kFlashQueryTile,
+                  rows, p.head_size, nullptr, p.scale);
+  if (rows < lanes) {
+    for (int64_t c = 0; c < p.head_size; ++c) {
+      std::fill(queries_t + c * kFlashQueryTile + rows, queries_t + c * kFlashQueryTile + lanes, 0.0f);
     }
-    // acc += P V_tile: (rows x keys) (keys x dv).
-    acc.noalias() += scores * ValueRows(p, key, keys);
   }
+  tile.queries_t = queries_t;
+  tile.keys = p.keys;
+  tile.key_bias = p.key_bias;
+  tile.values = p.values;
+  tile.key_stride = p.key_stride;
+  tile.value_stride = p.value_stride;
+  tile.head_size = p.head_size;
+  tile.value_size = dv;
+  tile.rows = rows;
+  tile.key_end = key_end;
+  tile.min_bound = min_bound;
+  tile.accumulator_t = scratch.accumulator.data();
+  tile.scores = scratch.scores.data();
+  FlashTileKernelFor(ActiveIsa())(tile);
 
-  Tile out = OutputRows(p, row, rows);
+  // Every row normalised, out_i = acc_i / l_i (if any key was visited);
+  // the rows below that need another answer overwrite theirs.
+  if (key_end > 0) {
+    float* inverse_sum = tile.rescale;  // free once the kernel is done
+    for (int64_t r = 0; r < rows; ++r) inverse_sum[r] = 1.0f / tile.row_sum[r];
+    TransposeScaled(tile.accumulator_t, kFlashQueryTile, p.output + row * p.output_stride,
+                    p.output_stride, dv, rows, inverse_sum, 1.0f);
+  }
   bool have_mean = false;
   for (int64_t r = 0; r < rows; ++r) {
+    float* out = p.output + (row + r) * p.output_stride;
     // The query bias cancels in the softmax over allowed keys; it matters
     // only when comparing the true max score with -1e6.
-    const float true_max = row_max[r] + (p.query_bias != nullptr ? p.query_bias[row + r] : 0.0f);
+    const float true_max =
+        tile.row_max[r] + (p.query_bias != nullptr ? p.query_bias[row + r] : 0.0f);
     if (bounds[r] == 0) {
       if (!have_mean) ValueMean(p, scratch.value_mean.data());
       have_mean = true;
-      out.row(r) = Eigen::Map<const Eigen::RowVectorXf>(scratch.value_mean.data(), dv);
+      std::copy_n(scratch.value_mean.data(), dv, out);
     } else if (bounds[r] < p.num_keys && true_max < kMaskedScore + kMaskedWeightVanishes) {
       // Allowed scores near or below -1e6: disallowed keys carry weight.
       ExactRows(p, row + r, 1, scratch.exact_row.data(), p.num_keys);
-    } else {
-      out.row(r) = acc.row(r) / row_sum[r];
     }
   }
 }
 
 }  // namespace
 
-int64_t AllowedKeys(const FlashProblem& problem, int64_t query) {
-  int64_t bound = problem.num_keys;
-  const int64_t valid_len =
-      problem.valid_lens != nullptr ? problem.valid_lens[query] : problem.valid_len;
-  bound = std::min(bound, std::max<int64_t>(valid_len, 0));
-  if (problem.causal) bound = std::min(bound, query + 1);
+int64_t KeyBounds::Allowed(int64_t query, int64_t num_keys) const {
+  const int64_t length = valid_lens != nullptr ? valid_lens[query] : valid_len;
+  int64_t bound = std::min(num_keys, std::max<int64_t>(length, 0));
+  if (causal) bound = std::min(bound, query + 1);
   return bound;
 }
 

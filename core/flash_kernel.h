@@ -11,7 +11,7 @@
 //
 //   bound(i) = min(valid_len(i), n_k, causal ? i + 1 : n_k)
 //
-// keys at or past the bound are disallowed (score -1e6 per the contract); a
+// keys at or past the bound are disallowed (score -1e6, docs/api.md); a
 // query with bound 0 gets uniform weights over all n_k keys, i.e. the mean of
 // the values. Exactly so: if a row's allowed scores are themselves near or
 // below -1e6, its disallowed keys carry weight, and the kernel computes that
@@ -22,9 +22,21 @@
 
 namespace attention {
 
-// Query rows the kernel processes together (one GEMM tile). Callers splitting
-// a problem's rows into tasks should use multiples of it.
+// Query rows the kernel processes together (one tile). Callers splitting a
+// problem's rows into tasks use multiples of it.
 inline constexpr int64_t kFlashQueryTile = 64;
+
+// Which keys each query of one (example, head) may see: [0, Allowed(i)).
+struct KeyBounds {
+  // Per-query lengths [n_q] if set, else `valid_len` for all queries
+  // (INT32_MAX: no length mask).
+  const int32_t* valid_lens = nullptr;
+  int32_t valid_len = INT32_MAX;
+  bool causal = false;
+
+  // min(valid_len(i), n_k, causal ? i + 1 : n_k); 0 means no key is allowed.
+  int64_t Allowed(int64_t query, int64_t num_keys) const;
+};
 
 // One attention problem: an (example, head) slice. Pointers are not owned.
 struct FlashProblem {
@@ -37,15 +49,10 @@ struct FlashProblem {
   float scale = 1.0f;
   const float* query_bias = nullptr;  // [n_q] or null
   const float* key_bias = nullptr;    // [n_k] or null
-  // Length mask: per-query lengths [n_q] if set, else `valid_len` for all
-  // queries (INT32_MAX: no length mask).
-  const int32_t* valid_lens = nullptr;
-  int32_t valid_len = INT32_MAX;
-  bool causal = false;
-};
+  KeyBounds bounds;
 
-// Allowed keys of query i: [0, bound). 0 means no key is allowed.
-int64_t AllowedKeys(const FlashProblem& problem, int64_t query);
+  int64_t AllowedKeys(int64_t query) const { return bounds.Allowed(query, num_keys); }
+};
 
 // Writes output rows [query_begin, query_end) of `problem`. Thread-safe for
 // disjoint row ranges.

@@ -1,9 +1,10 @@
-// masked_softmax.h: the contract's masked softmax for one row of scores.
+// masked_softmax.h: the masked softmax of docs/api.md for one row of scores.
 //
 // This is the book's `masked_softmax` on one row: keys at or past `bound` are
 // disallowed, their score is *replaced* by -1e6, then softmax over all n_k
-// keys. Used wherever a row of scores is materialised anyway (the additive
-// kind, whose scores are not a GEMM), so the -1e6 rule lives in one place.
+// keys. Used wherever a row of scores is materialised (the additive kind,
+// whose scores are not a GEMM, and the fused kernel's exact path), so the
+// -1e6 rule lives in one place.
 #pragma once
 
 #include <cstdint>
@@ -11,7 +12,7 @@
 
 namespace attention {
 
-// The score a disallowed (query, key) pair gets, per the contract.
+// The score a disallowed (query, key) pair gets (docs/api.md).
 inline constexpr float kMaskedScore = -1e6f;
 
 // Turns row[0, bound) (scores; the rest is ignored) into the weights of all

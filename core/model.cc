@@ -7,7 +7,7 @@
 namespace attention {
 namespace {
 
-// The contract's names, one per Kind; the only place they are spelled.
+// The names of docs/api.md, one per Kind; the only place they are spelled.
 constexpr std::array<std::pair<Kind, std::string_view>, 5> kKindNames = {{
     {Kind::kDotProduct, "dot_product"},
     {Kind::kDistance, "distance"},
@@ -37,6 +37,18 @@ Model DotProductModel() {
   model.name = std::string(KindName(Kind::kDotProduct));
   model.kind = Kind::kDotProduct;
   return model;
+}
+
+void PackSelfAttention(Model& model) {
+  if (model.kind != Kind::kMultiHead || model.w_q.cols() != model.w_k.cols() ||
+      model.w_q.cols() != model.w_v.cols()) {
+    return;
+  }
+  const int64_t width = model.w_q.rows();
+  model.w_qkv.resize(3 * width, model.w_q.cols());
+  model.w_qkv << model.w_q, model.w_k, model.w_v;
+  model.b_qkv.resize(3 * width);
+  model.b_qkv << model.b_q, model.b_k, model.b_v;
 }
 
 Model DistanceModel() {

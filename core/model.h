@@ -22,7 +22,7 @@ using Vector = Eigen::VectorXf;
 
 enum class Kind { kDotProduct, kDistance, kAdditive, kBilinear, kMultiHead };
 
-// The contract's name of a kind: "dot_product", "distance", "additive",
+// The name of a kind in docs/api.md: "dot_product", "distance", "additive",
 // "bilinear", "multi_head".
 std::string_view KindName(Kind kind);
 std::optional<Kind> KindFromName(std::string_view name);
@@ -45,7 +45,18 @@ struct Model {
   // biases b_q, b_k, b_v, b_o [E] (zero when the file has none).
   RowMatrix w_q, w_k, w_v, w_o;
   Vector b_q, b_k, b_v, b_o;
+
+  // multi_head with d_q = d_k = d_v: [W_q; W_k; W_v] (3E x d) and
+  // [b_q; b_k; b_v], so self-attention's Q, K and V come from one product
+  // over its tokens (N = 3E). Empty: three products (PackSelfAttention
+  // fills them; LoadModel does).
+  RowMatrix w_qkv;
+  Vector b_qkv;
 };
+
+// Fills w_qkv and b_qkv of a multi_head model whose input sizes agree; does
+// nothing for any other model.
+void PackSelfAttention(Model& model);
 
 // The built-in models, present in every server.
 Model DotProductModel();

@@ -7,7 +7,7 @@
 // be used: an extra one (a typo, a bias this kind does not have, torch's
 // bias_k) is an error rather than silently loading a different model.
 //
-// Decisions beyond the contract:
+// Decisions beyond docs/api.md:
 // - "dot_product" and "distance" files are weightless aliases of the built-ins
 //   (no tensors allowed, any sizes), so an operator can publish another name.
 // - torch.nn.MultiheadAttention(bias=False) has neither in_proj_bias nor
@@ -60,10 +60,6 @@ struct Dim {
 };
 Dim Sym(absl::string_view symbol, int64_t factor = 1) { return {symbol, factor}; }
 Dim Fixed(int64_t size) { return {"", size}; }
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
 
 // The tensors of one file, handed out by name and checked against expected
 // shapes. Sizes bound by one tensor constrain the later ones.
@@ -379,6 +375,7 @@ absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const u
       break;
   }
   if (!status.ok()) return status;
+  PackSelfAttention(model);
   return model;
 }
 

@@ -15,10 +15,6 @@ namespace {
 
 using LengthMask = AttentionDims::LengthMask;
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
 // a * b, or nullopt on int64 overflow (shapes come from the wire and may be huge).
 std::optional<int64_t> CheckedMul(int64_t a, int64_t b) {
   int64_t product;

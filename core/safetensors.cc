@@ -77,10 +77,6 @@ std::string Printable(absl::string_view text) {
   return out;
 }
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
 // What a JSON value that should have been a non-negative integer is instead.
 std::string NotAnIndex(const Json& value) {
   if (value.is_number_float()) return "a non-integer number";

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace attention {
@@ -25,5 +26,8 @@ struct Tensor {
 
   TensorView view() const { return {shape, data}; }
 };
+
+// "[2, 3, 4]": how error messages spell a shape.
+std::string ShapeString(std::span<const int64_t> shape);
 
 }  // namespace attention

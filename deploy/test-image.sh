@@ -13,7 +13,7 @@
 #     `git archive HEAD` export) instead of this working tree
 #
 # Needs root (buildah with chroot isolation, debootstrap), about 15 GB of disk
-# and, on 2 cores, most of an hour: the build stage compiles the server twice.
+# and, on 2 cores, most of an hour.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -130,12 +130,12 @@ image_config() {
 }
 
 # Prints the pid of the server below a process: the first descendant whose
-# executable is one of the image's attention-server-* builds.
+# executable is the image's attention-server.
 find_server_process() {
   local pid child exe
   for child in $(ps -o pid= --ppid "$1"); do
     exe=$(readlink "/proc/$child/exe" || true)
-    if [[ $exe == */attention-server-avx* ]]; then
+    if [[ $exe == */usr/local/bin/attention-server ]]; then
       echo "$child"
       return
     fi
@@ -168,16 +168,15 @@ run_and_check() {
   [[ $(image_config User) == '"10001"' ]] || die "image does not run as user 10001"
   image_config ExposedPorts | grep -q '"50051/tcp"' || die "50051 not exposed"
   image_config ExposedPorts | grep -q '"9464/tcp"' || die "9464 not exposed"
-  # Both builds are in the image, and only the x86-64-v4 one uses the 512-bit
-  # registers (this check needs no AVX-512 CPU).
+  # One build carries every kernel path: AVX-512 code (zmm registers) is in
+  # it, chosen at run time only where the CPU has it (this check needs no
+  # AVX-512 CPU).
   local root
   root=$(buildah "${buildah_opts[@]}" mount "$ctr")
-  [[ $(objdump -d --no-show-raw-insn "$root/usr/local/bin/attention-server-avx2" | grep -c zmm) == 0 ]] ||
-    die "attention-server-avx2 uses AVX-512 registers"
-  (($(objdump -d --no-show-raw-insn "$root/usr/local/bin/attention-server-avx512" | grep -c zmm) > 0)) ||
-    die "attention-server-avx512 has no AVX-512 instruction"
+  (($(objdump -d --no-show-raw-insn "$root/usr/local/bin/attention-server" | grep -c zmm) > 0)) ||
+    die "attention-server has no AVX-512 kernel path"
   buildah "${buildah_opts[@]}" umount "$ctr" >/dev/null
-  log "attention-server-avx512 uses zmm registers, attention-server-avx2 does not"
+  log "attention-server carries the AVX-512 kernel path"
   local uid
   uid=$(buildah "${buildah_opts[@]}" run --isolation chroot "$ctr" -- id -u)
   [[ $uid == 10001 ]] || die "processes in the container run as uid $uid, not 10001"
@@ -244,11 +243,11 @@ PY
 
   # buildah run kills its container on SIGTERM instead of passing it on, so the
   # signal goes to the server process itself, as a container runtime's would.
-  local server_process build
+  local server_process
   server_process=$(find_server_process "$server_pid")
   [[ -n $server_process ]] || die "no attention-server process under buildah run ($server_pid)"
-  build=$(basename "$(readlink "/proc/$server_process/exe")")
-  log "the dispatcher started $build on this CPU"
+  log "server process $server_process; OpenBLAS core: $(tr '\0' '\n' <"/proc/$server_process/environ" |
+    sed -n 's/^OPENBLAS_CORETYPE=//p' | grep . || echo "its own choice")"
   kill -TERM "$server_process"
   local rc=0
   wait "$server_pid" || rc=$?

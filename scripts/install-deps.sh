@@ -16,7 +16,7 @@ runtime_packages=(
 build_packages=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
-  libabsl-dev libeigen3-dev libopenblas-pthread-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
+  libabsl-dev libeigen3-dev libhwy-dev libopenblas-pthread-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
   prometheus-cpp-dev libcli11-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   openssl curl

@@ -1,5 +1,5 @@
-// flash_kernel_test.cc: the fused kernel against a naive reference of the
-// contract (scores, disallowed -> -1e6, softmax with max subtraction, weighted
+// flash_kernel_test.cc: the fused kernel against a naive reference of
+// docs/api.md (scores, disallowed -> -1e6, softmax with max subtraction, weighted
 // sum), over shapes, every mask form, biases, strides and split row ranges.
 #include "core/flash_kernel.h"
 
@@ -72,9 +72,9 @@ struct Inputs {
     p.scale = c.scale;
     p.query_bias = c.query_bias ? query_bias.data() : nullptr;
     p.key_bias = c.key_bias ? key_bias.data() : nullptr;
-    if (c.mask == Mask::kPerExample) p.valid_len = c.valid_len;
-    if (c.mask == Mask::kPerQuery) p.valid_lens = valid_lens.data();
-    p.causal = c.causal;
+    if (c.mask == Mask::kPerExample) p.bounds.valid_len = c.valid_len;
+    if (c.mask == Mask::kPerQuery) p.bounds.valid_lens = valid_lens.data();
+    p.bounds.causal = c.causal;
     return p;
   }
 };
@@ -107,7 +107,7 @@ void IntegerQueriesAndKeys(Inputs& in, int max_abs, std::mt19937& rng) {
   for (float& x : in.keys) x = static_cast<float>(digit(rng));
 }
 
-// The contract, literally, in double: (n_q x n_k) weights and (n_q x d_v) output.
+// docs/api.md, literally, in double: (n_q x n_k) weights and (n_q x d_v) output.
 struct Reference {
   std::vector<double> weights, output;
   std::vector<bool> allowed;  // (n_q x n_k)
@@ -214,25 +214,24 @@ void CheckCase(const Inputs& in, int64_t split) {
   }
 }
 
-TEST(AllowedKeysTest, IsMinOfValidLenKeysAndCausalLimit) {
+TEST(KeyBoundsTest, IsMinOfValidLenKeysAndCausalLimit) {
   std::vector<int32_t> lens = {0, 2, 9, 4};
-  FlashProblem p;
-  p.num_queries = 4;
-  p.num_keys = 5;
-  EXPECT_EQ(AllowedKeys(p, 0), 5);  // no mask
-  p.valid_len = 3;
-  EXPECT_EQ(AllowedKeys(p, 2), 3);
-  p.valid_len = 7;  // beyond n_k masks nothing
-  EXPECT_EQ(AllowedKeys(p, 2), 5);
-  p.valid_len = 0;
-  EXPECT_EQ(AllowedKeys(p, 3), 0);
-  p.valid_lens = lens.data();  // per query wins over valid_len
-  EXPECT_EQ(AllowedKeys(p, 1), 2);
-  EXPECT_EQ(AllowedKeys(p, 2), 5);
-  p.causal = true;
-  EXPECT_EQ(AllowedKeys(p, 2), 3);
-  EXPECT_EQ(AllowedKeys(p, 3), 4);
-  EXPECT_EQ(AllowedKeys(p, 0), 0);
+  constexpr int64_t kKeys = 5;
+  KeyBounds b;
+  EXPECT_EQ(b.Allowed(0, kKeys), 5);  // no mask
+  b.valid_len = 3;
+  EXPECT_EQ(b.Allowed(2, kKeys), 3);
+  b.valid_len = 7;  // beyond n_k masks nothing
+  EXPECT_EQ(b.Allowed(2, kKeys), 5);
+  b.valid_len = 0;
+  EXPECT_EQ(b.Allowed(3, kKeys), 0);
+  b.valid_lens = lens.data();  // per query wins over valid_len
+  EXPECT_EQ(b.Allowed(1, kKeys), 2);
+  EXPECT_EQ(b.Allowed(2, kKeys), 5);
+  b.causal = true;
+  EXPECT_EQ(b.Allowed(2, kKeys), 3);
+  EXPECT_EQ(b.Allowed(3, kKeys), 4);
+  EXPECT_EQ(b.Allowed(0, kKeys), 0);
 }
 
 // Every (n_q, n_k) pair of sizes, with head and value sizes, mask form, causal
@@ -307,7 +306,7 @@ TEST(FlashKernelTest, LargeScoresDoNotOverflow) {
 }
 
 // Allowed scores near or below -1e6, so disallowed keys (score -1e6) carry
-// weight in the contract. Scores are exact in float: -1e6 plus a query or
+// weight in docs/api.md. Scores are exact in float: -1e6 plus a query or
 // key bias plus small integers.
 TEST(FlashKernelTest, AllowedScoresNearMaskedScoreKeepMaskedWeight) {
   std::mt19937 rng(5);

@@ -1,4 +1,4 @@
-// reference_attention.h: the contract's math in plain loops, for tests only.
+// reference_attention.h: the math of docs/api.md in plain loops, for tests only.
 //
 // Deliberately naive and independent of core/'s kernels: full score matrices,
 // -1e6 replacement, max-subtracted softmax in double, then weights . values.

@@ -1,0 +1,64 @@
+// flash_tile.h: the fused inner loop of the flash kernel, one build per path.
+//
+// One query tile (at most kFlashQueryTile rows) meets keys [0, key_end) in
+// key tiles of kFlashKeyTile. Queries sit in vector lanes: the tile's queries
+// are stored transposed (head_size x kFlashQueryTile), so a key's scores for
+// a vector of queries are one FMA per head dimension with the key's
+// coordinate broadcast, straight from the row-major keys; the online softmax
+// over keys is then element-wise across key rows (no horizontal reductions),
+// and P V broadcasts value coordinates from the row-major values the same
+// way. Nothing is packed but the query tile, nothing is zero-filled, and the
+// tile's scores (kFlashKeyTile x kFlashQueryTile) stay in L1 from the score
+// FMAs through exp to the P V FMAs.
+//
+// The code has no Eigen and one source for every path (Highway, compiled per
+// target in flash_tile.cc): Eigen built with different -m flags in different
+// files would break the one-definition rule, and the linker could hand the
+// portable path an AVX-512 copy of an inline Eigen function.
+#pragma once
+
+#include <cstdint>
+
+#include "core/cpu_features.h"
+#include "core/flash_kernel.h"
+
+namespace attention {
+
+// Keys per key tile: the tile's scores, 64 x 64 floats (16 KiB), and the
+// value rows it reads stay in a 32 KiB L1 next to the accumulator.
+inline constexpr int64_t kFlashKeyTile = 64;
+
+// A multiple of every path's micro-kernel width (two vectors: 32 lanes on
+// AVX-512, 16 on AVX2, 2 or 8 on the portable baseline): lanes the caller
+// pads with zeros up to the next multiple of it, and no further.
+inline constexpr int64_t kFlashPaddedLanes = 32;
+
+// Lane-major buffers have kFlashQueryTile floats per row, lane r = query row
+// r of the tile. Lanes at or past `rows` (up to a multiple of
+// kFlashPaddedLanes) are padding: their bound is 0.
+struct FlashTile {
+  const float* queries_t = nullptr;  // (head_size x lanes): scale * q, transposed
+  const float* keys = nullptr;       // row-major, row stride key_stride
+  const float* key_bias = nullptr;   // [n_k] or null
+  const float* values = nullptr;     // row-major, row stride value_stride
+  const float* bounds = nullptr;     // [lanes]: allowed keys of each lane, as float
+  int64_t key_stride = 0, value_stride = 0;
+  int64_t head_size = 0, value_size = 0;
+  int64_t rows = 0;                  // live lanes, 1..kFlashQueryTile
+  int64_t key_end = 0;               // keys [0, key_end) are visited
+  int64_t min_bound = 0;             // keys below it are allowed for every live lane
+  // Outputs, lane-major: the unnormalised output (value_size x lanes), the
+  // running max of the allowed scores and the sum of exp(s - max).
+  float* accumulator_t = nullptr;
+  float* row_max = nullptr;
+  float* row_sum = nullptr;
+  float* scores = nullptr;  // scratch: kFlashKeyTile x lanes
+  float* rescale = nullptr; // scratch: lanes
+};
+
+using FlashTileKernel = void (*)(const FlashTile& tile);
+
+// The kernel built for `isa`.
+FlashTileKernel FlashTileKernelFor(Isa isa);
+
+}  // namespace attention
