@@ -253,13 +253,13 @@ TEST_F(QueueTest, FullQueueAnswersResourceExhaustedAtOnce) {
   EXPECT_EQ(Count("OK"), 3);
 }
 
-// With --max-concurrent-streams 2, one connection cannot have more calls at
-// the server than one computing and one queued, so a queue of 1 never
-// overflows: the third call waits in the client. (Without the cap it is
-// refused, as in the test above; and gRPC would hold every call a client
-// opens, however far the server is behind.)
+// With --max-concurrent-streams 2, one connection cannot have more than two
+// calls at the server: the third waits in the client, however far the server
+// is behind (without the cap gRPC would hold every call a client opens). The
+// queue holds two so that no call is refused when the third one arrives just
+// as the first one ends, before the second has left the queue for the engine.
 TEST_F(QueueTest, CallsBeyondMaxConcurrentStreamsWaitInTheClient) {
-  Start(/*queue_capacity=*/"1", {"--max-concurrent-streams", "2"});
+  Start(/*queue_capacity=*/"2", {"--max-concurrent-streams", "2"});
   SendHeld(3, /*at_server=*/2);
   ASSERT_TRUE(WaitForMetrics([](const std::string& m) {
     return MetricValue(m, "attention_queue_depth", {{"model", "gate"}}) == 1 &&

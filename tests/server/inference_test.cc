@@ -616,11 +616,12 @@ TEST_F(ServerInferenceTest, FullQueueAndPassedDeadlineAsForAttend) {
     return Infer(*infer_, ToInfer(SmallRequest("gate", "held"), Contents::kRaw));
   });
   EXPECT_EQ(held.wait_for(kHeldFor), std::future_status::timeout);
-  // Fills the queue's one place, and waits there past its 300 ms deadline.
+  // Fills the queue's one place, and waits there past its deadline, which is
+  // long enough for the request to reach the queue on a busy machine.
   auto expiring = std::async(std::launch::async, [&] {
     InferReply reply;
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
     reply.status = infer_->ModelInfer(&context, ToInfer(SmallRequest("gate", "late"), Contents::kRaw),
                                       &reply.response);
     return reply;
@@ -636,6 +637,9 @@ TEST_F(ServerInferenceTest, FullQueueAndPassedDeadlineAsForAttend) {
       << full.status.error_message();
 
   EXPECT_EQ(expiring.get().status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // gRPC sends the time left rounded up, so the server's deadline can end a
+  // little after the client's: the batch must start after both.
+  std::this_thread::sleep_for(std::chrono::seconds(1));
   Release();
   ASSERT_TRUE(held.get().status.ok());
   // The expired request is dropped by the batcher once the held batch is
