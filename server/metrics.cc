@@ -111,6 +111,20 @@ void ServerMetrics::CountApiRequest(std::string_view api, std::string_view model
       .Increment();
 }
 
+void ServerMetrics::SetBuildInfo(std::string_view isa, std::string_view detected_isa,
+                                std::string_view blas_core) {
+  prometheus::BuildGauge()
+      .Name("attention_build_info")
+      .Help("1, labelled with the kernel path running, the best path this CPU runs, the BLAS "
+            "kernel core and the server version")
+      .Register(*registry_)
+      .Add({{"isa", std::string(isa)},
+            {"detected_isa", std::string(detected_isa)},
+            {"blas_core", std::string(blas_core)},
+            {"version", ATTENTION_VERSION}})
+      .Set(1);
+}
+
 void ServerMetrics::CountRefusedStream(absl::StatusCode code) {
   refused_streams_->Add({{"code", absl::StatusCodeToString(code)}}).Increment();
 }

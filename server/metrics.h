@@ -22,6 +22,10 @@
 //                                               "attention" (attention.v1) or
 //                                               "inference" (Open Inference
 //                                               Protocol); an extension
+//   attention_build_info{isa,detected_isa,blas_core,version}
+//                                               1: the kernel path running, the
+//                                               best this CPU runs, the BLAS
+//                                               kernel core, the server version
 //
 // `model` is a served model's name, or empty for a request naming no served
 // model, so clients cannot create label values at will. Durations use buckets
@@ -80,6 +84,10 @@ class ServerMetrics {
   void CountRequest(std::string_view model, absl::StatusCode code);
   // Counts it again by the API that served it.
   void CountApiRequest(std::string_view api, std::string_view model, absl::StatusCode code);
+  // attention_build_info{isa,detected_isa,blas_core,version} 1: the kernel
+  // path that runs, the best this CPU runs, and the BLAS kernel core.
+  void SetBuildInfo(std::string_view isa, std::string_view detected_isa,
+                    std::string_view blas_core);
   // Counts one AttendStream call refused before it read a request.
   void CountRefusedStream(absl::StatusCode code);
   prometheus::Gauge& inflight() { return *inflight_; }

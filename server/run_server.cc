@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "core/cpu_features.h"
 #include "core/engine.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -175,6 +176,14 @@ int RunServer(const ServerConfig& config) {
     return 2;
   }
 
+  if (!config.isa.empty()) {
+    absl::StatusOr<Isa> isa = ParseIsa(config.isa);
+    if (!isa.ok()) return Fail(isa.status());
+    if (absl::Status s = SelectIsa(*isa); !s.ok()) {
+      return Fail(absl::FailedPreconditionError(absl::StrCat("--isa: ", s.message())));
+    }
+  }
+
   ServiceOptions service_options;
   service_options.limits = config.limits;
   service_options.batching = config.batching;
@@ -220,6 +229,7 @@ int RunServer(const ServerConfig& config) {
   for (const auto& model : repository->models()) model_names.push_back(model->name);
   ServerMetrics metrics(model_names, config.batching.max_batch_size,
                         config.batching.queue_capacity);
+  metrics.SetBuildInfo(IsaName(ActiveIsa()), IsaName(DetectedIsa()), BlasCoreName());
   Engine engine(EngineOptions{.num_threads = config.threads});
   absl::StatusOr<std::unique_ptr<AttentionService>> service =
       AttentionService::Create(&*repository, &engine, &metrics, service_options);
@@ -285,6 +295,8 @@ int RunServer(const ServerConfig& config) {
     spdlog::warn("bearer tokens travel in plaintext: set --tls-cert and --tls-key");
   }
   if (exposer) spdlog::info("metrics on {}/metrics", metrics_address);
+  spdlog::info("kernel path {} (this CPU's best: {}), BLAS core {}", IsaName(ActiveIsa()),
+               IsaName(DetectedIsa()), BlasCoreName());
   spdlog::info("batching: --max-batch-size {} --max-queue-delay-us {} --queue-capacity {}; "
                "engine threads {}; --max-message-bytes {} --max-request-elements {} "
                "--max-request-work {} --max-request-scratch-elements {} --max-queued-bytes {}",

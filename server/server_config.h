@@ -41,6 +41,8 @@ struct ServerConfig {
   int64_t max_queued_bytes = ServiceOptions{}.max_queued_bytes;
   // Engine worker threads; 0 = one per hardware thread.
   int threads = 0;
+  // Kernel path (avx512, avx2, portable); empty = the best this CPU runs.
+  std::string isa;
 
   // After SIGTERM/SIGINT, time during which health says NOT_SERVING and new
   // calls get UNAVAILABLE before the server waits for accepted calls and

@@ -62,6 +62,9 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
       ->check(CLI::Range(int64_t{0}, INT64_MAX));
   Flag(app, "--threads", &c->threads, "Engine worker threads (0: one per hardware thread)")
       ->check(CLI::Range(0, 4096));
+  Flag(app, "--isa", &c->isa,
+       "Kernel path: avx512, avx2 or portable, to force a lower one than the CPU's best "
+       "(empty: the best the CPU runs); a path the CPU lacks stops the server");
   Flag(app, "--drain-delay-seconds", &c->drain_delay_seconds,
        "After SIGTERM/SIGINT, time health says NOT_SERVING and new calls get UNAVAILABLE "
        "before the server finishes accepted calls and stops")

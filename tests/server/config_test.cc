@@ -15,8 +15,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
+#include "core/cpu_features.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/metrics.h"
 #include "tests/support/requests.h"
 #include "tests/support/server_process.h"
 
@@ -102,6 +105,59 @@ TEST(ServerConfigTest, HelpDocumentsEveryFlagWithItsDefaultAndVariable) {
   EXPECT_THAT(help, HasSubstr("--address TEXT=0.0.0.0:50051"));
   EXPECT_THAT(help, HasSubstr("--metrics-address TEXT=0.0.0.0:9464"));
   EXPECT_THAT(help, HasSubstr("ATTENTION_MAX_BATCH_SIZE"));
+}
+
+// The kernel path: the CPU's best unless --isa (or ATTENTION_ISA) forces a
+// lower one; attention_build_info and the start-up log say which runs.
+std::string BuildInfo(const ServerProcess& server) {
+  for (absl::string_view line : absl::StrSplit(ScrapeMetrics(server.metrics_address()), '\n')) {
+    if (absl::StartsWith(line, "attention_build_info{")) return std::string(line);
+  }
+  return "";
+}
+
+TEST(ServerConfigTest, KernelPathIsTheCpusBestUnlessForcedLower) {
+  const std::string best(IsaName(DetectedIsa()));
+  auto detected = ServerProcess::Start({}, {{"ATTENTION_ISA", ""}});
+  ASSERT_TRUE(detected.ok()) << detected.status();
+  EXPECT_THAT(BuildInfo(**detected), HasSubstr("isa=\"" + best + "\""));
+  EXPECT_THAT(BuildInfo(**detected), HasSubstr("detected_isa=\"" + best + "\""));
+  EXPECT_THAT(BuildInfo(**detected), ::testing::EndsWith("} 1"));
+  EXPECT_EQ((*detected)->Stop(), 0);
+  EXPECT_THAT((*detected)->Log(), HasSubstr("kernel path " + best));
+
+  // The flag wins over the environment.
+  auto forced = ServerProcess::Start({"--isa", "portable"}, {{"ATTENTION_ISA", best}});
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  EXPECT_THAT(BuildInfo(**forced), HasSubstr("isa=\"portable\""));
+  EXPECT_THAT(BuildInfo(**forced), HasSubstr("detected_isa=\"" + best + "\""));
+  std::unique_ptr<v1::AttentionService::Stub> stub = (*forced)->Stub();
+  const v1::AttendRequest request = SelfAttentionRequest(2, 70, 16, 5);
+  grpc::ClientContext context;
+  v1::AttendResponse response;
+  ASSERT_TRUE(stub->Attend(&context, request, &response).ok());
+  EXPECT_EQ(CheckAnswer(request, response), "");
+  EXPECT_EQ((*forced)->Stop(), 0);
+}
+
+TEST(ServerConfigTest, UnknownKernelPathStopsTheServer) {
+  std::string output;
+  EXPECT_EQ(ServerProcess::RunToExit({"--isa", "sse9", "--address", "127.0.0.1:0",
+                                      "--metrics-address", ""},
+                                     {}, &output),
+            1);
+  EXPECT_THAT(output, HasSubstr("expected one of avx512, avx2, portable, got \"sse9\""));
+}
+
+TEST(ServerConfigTest, KernelPathTheCpuLacksStopsTheServer) {
+  if (DetectedIsa() == Isa::kAvx512) {
+    GTEST_SKIP() << "this host runs every path, so none can be refused";
+  }
+  std::string output;
+  EXPECT_EQ(ServerProcess::RunToExit({"--address", "127.0.0.1:0", "--metrics-address", ""},
+                                     {{"ATTENTION_ISA", "avx512"}}, &output),
+            1);
+  EXPECT_THAT(output, HasSubstr("avx512"));
 }
 
 TEST(ServerConfigTest, OutOfRangeFlagIsRefused) {
