@@ -46,6 +46,13 @@ InferenceService::InferenceService(AttentionService* attention, const ModelRepos
                                    ServerMetrics* metrics)
     : attention_(attention), repository_(repository), metrics_(metrics) {}
 
+absl::StatusOr<const Model*> InferenceService::FindModelFor(
+    const grpc::CallbackServerContext& context, std::string_view name,
+    std::string_view version) const {
+  if (absl::Status auth = attention_->Authenticate(context); !auth.ok()) return auth;
+  return FindModel(name, version);
+}
+
 absl::StatusOr<const Model*> InferenceService::FindModel(std::string_view name,
                                                          std::string_view version) const {
   const Model* model = repository_->Find(name);
@@ -129,31 +136,19 @@ grpc::ServerUnaryReactor* InferenceService::ServerMetadata(
 grpc::ServerUnaryReactor* InferenceService::ModelMetadata(
     grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
     inference::ModelMetadataResponse* response) {
-  absl::Status status = attention_->Authenticate(*context);
-  if (status.ok()) {
-    absl::StatusOr<const Model*> model = FindModel(request->name(), request->version());
-    if (model.ok()) {
-      *response = ToModelMetadata(**model);
-    } else {
-      status = model.status();
-    }
-  }
-  return Reply(context, status);
+  absl::StatusOr<const Model*> model =
+      FindModelFor(*context, request->name(), request->version());
+  if (model.ok()) *response = ToModelMetadata(**model);
+  return Reply(context, model.status());
 }
 
 grpc::ServerUnaryReactor* InferenceService::ModelConfig(grpc::CallbackServerContext* context,
                                                         const inference::ModelConfigRequest* request,
                                                         inference::ModelConfigResponse* response) {
-  absl::Status status = attention_->Authenticate(*context);
-  if (status.ok()) {
-    absl::StatusOr<const Model*> model = FindModel(request->name(), request->version());
-    if (model.ok()) {
-      *response->mutable_config() = ToModelConfig(**model);
-    } else {
-      status = model.status();
-    }
-  }
-  return Reply(context, status);
+  absl::StatusOr<const Model*> model =
+      FindModelFor(*context, request->name(), request->version());
+  if (model.ok()) *response->mutable_config() = ToModelConfig(**model);
+  return Reply(context, model.status());
 }
 
 grpc::ServerUnaryReactor* InferenceService::ModelStatistics(
