@@ -124,18 +124,13 @@ class StreamCall final : public grpc::ClientBidiReactor<AttendRequest, AttendRes
   const std::function<void(grpc::Status)> done_ = awaiter_.Done();
 };
 
-// What an AttendAsync call keeps alive until it ends; deletes itself then.
-struct AsyncAttendCall {
+// What an AttendAsync or InferAsync call keeps alive until it ends; deleted
+// then.
+template <typename Response>
+struct AsyncCall {
   grpc::ClientContext context;
-  AttendResponse response;
-  AttentionClient::AttendCallback done;
-};
-
-// The same for an InferAsync call.
-struct AsyncInferCall {
-  grpc::ClientContext context;
-  inference::ModelInferResponse response;
-  AttentionClient::InferCallback done;
+  Response response;
+  std::function<void(absl::StatusOr<Response>)> done;
 };
 
 }  // namespace
@@ -201,47 +196,43 @@ AttentionClient::~AttentionClient() {
       +[](int* calls) { return *calls == 0; }, &async_calls_));
 }
 
-void AttentionClient::AttendAsync(const AttendRequest* request, AttendCallback done) {
+template <typename Response, typename Start>
+void AttentionClient::StartAsync(std::function<void(absl::StatusOr<Response>)> done,
+                                 Start start) {
   {
     absl::MutexLock lock(&async_mu_);
     ++async_calls_;
   }
-  auto* call = new AsyncAttendCall;
+  auto* call = new AsyncCall<Response>;
   call->done = std::move(done);
   Prepare(call->context, options_.timeout);
-  stub_->async()->Attend(&call->context, request, &call->response,
-                         [this, call](grpc::Status status) {
-                           if (status.ok()) {
-                             call->done(std::move(call->response));
-                           } else {
-                             call->done(ToAbslStatus(status));
-                           }
-                           delete call;
-                           absl::MutexLock lock(&async_mu_);
-                           --async_calls_;
-                         });
+  start(&call->context, &call->response, [this, call](grpc::Status status) {
+    if (status.ok()) {
+      call->done(std::move(call->response));
+    } else {
+      call->done(ToAbslStatus(status));
+    }
+    delete call;
+    absl::MutexLock lock(&async_mu_);
+    --async_calls_;
+  });
+}
+
+void AttentionClient::AttendAsync(const AttendRequest* request, AttendCallback done) {
+  StartAsync(std::move(done), [this, request](grpc::ClientContext* context,
+                                              AttendResponse* response,
+                                              std::function<void(grpc::Status)> finished) {
+    stub_->async()->Attend(context, request, response, std::move(finished));
+  });
 }
 
 void AttentionClient::InferAsync(const inference::ModelInferRequest* request,
                                  InferCallback done) {
-  {
-    absl::MutexLock lock(&async_mu_);
-    ++async_calls_;
-  }
-  auto* call = new AsyncInferCall;
-  call->done = std::move(done);
-  Prepare(call->context, options_.timeout);
-  inference_stub_->async()->ModelInfer(&call->context, request, &call->response,
-                                       [this, call](grpc::Status status) {
-                                         if (status.ok()) {
-                                           call->done(std::move(call->response));
-                                         } else {
-                                           call->done(ToAbslStatus(status));
-                                         }
-                                         delete call;
-                                         absl::MutexLock lock(&async_mu_);
-                                         --async_calls_;
-                                       });
+  StartAsync(std::move(done), [this, request](grpc::ClientContext* context,
+                                              inference::ModelInferResponse* response,
+                                              std::function<void(grpc::Status)> finished) {
+    inference_stub_->async()->ModelInfer(context, request, response, std::move(finished));
+  });
 }
 
 absl::StatusOr<AttentionClient::StreamResults> AttentionClient::AttendStream(

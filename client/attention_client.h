@@ -113,6 +113,11 @@ class AttentionClient {
   // Deadline and credentials every call carries.
   void Prepare(grpc::ClientContext& context, absl::Duration timeout) const;
 
+  // Counts an *Async call until it ends: `start(context, response, finished)`
+  // starts it on a stub, and `finished` hands its outcome to `done`.
+  template <typename Response, typename Start>
+  void StartAsync(std::function<void(absl::StatusOr<Response>)> done, Start start);
+
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<attention::v1::AttentionService::Stub> stub_;

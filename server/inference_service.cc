@@ -2,15 +2,14 @@
 // reactor and the ModelStreamInfer reactor.
 #include "server/inference_service.h"
 
-#include <deque>
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "server/inference_adapter.h"
+#include "server/ordered_stream.h"
 #include "server/proto_adapter.h"
 #include "spdlog/spdlog.h"
 
@@ -19,10 +18,6 @@ namespace {
 
 // The `api` label of Open Inference Protocol requests.
 constexpr std::string_view kInferenceApi = "inference";
-
-// Answers a stream holds at once (computing or waiting to be written), as
-// for AttendStream: beyond, the stream stops reading.
-constexpr size_t kMaxStreamInFlight = 32;
 
 // Extensions of the protocol this server implements, by Triton's names.
 constexpr const char* kExtensions[] = {"model_configuration", "statistics", "parameters"};
@@ -50,6 +45,13 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl
 InferenceService::InferenceService(AttentionService* attention, const ModelRepository* repository,
                                    ServerMetrics* metrics)
     : attention_(attention), repository_(repository), metrics_(metrics) {}
+
+absl::StatusOr<const Model*> InferenceService::FindModelFor(
+    const grpc::CallbackServerContext& context, std::string_view name,
+    std::string_view version) const {
+  if (absl::Status auth = attention_->Authenticate(context); !auth.ok()) return auth;
+  return FindModel(name, version);
+}
 
 absl::StatusOr<const Model*> InferenceService::FindModel(std::string_view name,
                                                          std::string_view version) const {
@@ -134,31 +136,19 @@ grpc::ServerUnaryReactor* InferenceService::ServerMetadata(
 grpc::ServerUnaryReactor* InferenceService::ModelMetadata(
     grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
     inference::ModelMetadataResponse* response) {
-  absl::Status status = attention_->Authenticate(*context);
-  if (status.ok()) {
-    absl::StatusOr<const Model*> model = FindModel(request->name(), request->version());
-    if (model.ok()) {
-      *response = ToModelMetadata(**model);
-    } else {
-      status = model.status();
-    }
-  }
-  return Reply(context, status);
+  absl::StatusOr<const Model*> model =
+      FindModelFor(*context, request->name(), request->version());
+  if (model.ok()) *response = ToModelMetadata(**model);
+  return Reply(context, model.status());
 }
 
 grpc::ServerUnaryReactor* InferenceService::ModelConfig(grpc::CallbackServerContext* context,
                                                         const inference::ModelConfigRequest* request,
                                                         inference::ModelConfigResponse* response) {
-  absl::Status status = attention_->Authenticate(*context);
-  if (status.ok()) {
-    absl::StatusOr<const Model*> model = FindModel(request->name(), request->version());
-    if (model.ok()) {
-      *response->mutable_config() = ToModelConfig(**model);
-    } else {
-      status = model.status();
-    }
-  }
-  return Reply(context, status);
+  absl::StatusOr<const Model*> model =
+      FindModelFor(*context, request->name(), request->version());
+  if (model.ok()) *response->mutable_config() = ToModelConfig(**model);
+  return Reply(context, model.status());
 }
 
 grpc::ServerUnaryReactor* InferenceService::ModelStatistics(
@@ -244,15 +234,17 @@ grpc::ServerUnaryReactor* InferenceService::ModelInfer(grpc::CallbackServerConte
   return reactor;
 }
 
-// One ModelStreamInfer call, run like AttendStream: requests are read one
-// after another and submitted as they come, so several can compute at once;
-// answers are written one at a time in request order, a failed request's as
-// `error_message`. Decisions are taken under mu_ and acted on after it is
-// released (Progress()); once Finish() is decided nothing else touches the
-// reactor, and OnDone() deletes it.
-class InferenceService::StreamReactor final
-    : public grpc::ServerBidiReactor<inference::ModelInferRequest,
-                                     inference::ModelStreamInferResponse> {
+// One request of a ModelStreamInfer call and its answer.
+struct InferSlot {
+  inference::ModelInferRequest request;
+  DecodedInferRequest decoded;
+  inference::ModelStreamInferResponse response;
+  bool answered = false;  // OrderedStream's
+};
+
+// One ModelStreamInfer call, run like AttendStream (ordered_stream.h): a
+// failed request's answer is its `error_message`.
+class InferenceService::StreamReactor final : public OrderedStream<InferSlot> {
  public:
   StreamReactor(InferenceService* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {
@@ -260,54 +252,14 @@ class InferenceService::StreamReactor final
     if (absl::Status auth = attention.Authenticate(*context); !auth.ok()) {
       spdlog::warn("ModelStreamInfer refused: peer={}: {}", context->peer(),
                    std::string(auth.message()));
-      Refuse(auth);
+      Refuse(ToGrpcStatus(auth));
       return;
     }
     admitted_ = attention.AdmitCall();
     if (!admitted_) {
-      Refuse(absl::UnavailableError("the server is shutting down and takes no new streams"));
+      Refuse(ToGrpcStatus(
+          absl::UnavailableError("the server is shutting down and takes no new streams")));
       return;
-    }
-    Progress();
-  }
-
-  void OnReadDone(bool ok) override {
-    Slot* slot = nullptr;
-    {
-      absl::MutexLock lock(&mu_);
-      reading_ = false;
-      if (!ok) {
-        reads_done_ = true;
-        incoming_.reset();
-      } else {
-        slot = incoming_.get();
-        slots_.push_back(std::move(incoming_));
-      }
-    }
-    if (slot != nullptr) {
-      // Credentials were checked once, when the stream opened.
-      service_->Infer(context_, slot->request, &slot->decoded, /*credentials_checked=*/true,
-                      [this, slot](const absl::Status& status, const AttentionResult* result) {
-                        Answered(*slot, status, result);
-                      });
-    }
-    Progress();
-  }
-
-  void OnWriteDone(bool ok) override {
-    {
-      absl::MutexLock lock(&mu_);
-      writing_ = false;
-      slots_.pop_front();
-      if (!ok) broken_ = true;  // the client is gone; answers left are dropped
-    }
-    Progress();
-  }
-
-  void OnCancel() override {
-    {
-      absl::MutexLock lock(&mu_);
-      broken_ = true;
     }
     Progress();
   }
@@ -318,23 +270,15 @@ class InferenceService::StreamReactor final
   }
 
  private:
-  struct Slot {
-    inference::ModelInferRequest request;
-    DecodedInferRequest decoded;
-    inference::ModelStreamInferResponse response;
-    bool answered = false;  // guarded by mu_
-  };
-
-  // Ends the call before it reads anything; only the constructor calls it.
-  void Refuse(const absl::Status& status) {
-    {
-      absl::MutexLock lock(&mu_);
-      finished_ = true;
-    }
-    Finish(ToGrpcStatus(status));
+  void Submit(InferSlot& slot) override {
+    // Credentials were checked once, when the stream opened.
+    service_->Infer(context_, slot.request, &slot.decoded, /*credentials_checked=*/true,
+                    [this, &slot](const absl::Status& status, const AttentionResult* result) {
+                      Answer(slot, status, result);
+                    });
   }
 
-  void Answered(Slot& slot, const absl::Status& status, const AttentionResult* result) {
+  void Answer(InferSlot& slot, const absl::Status& status, const AttentionResult* result) {
     inference::ModelInferResponse& answer = *slot.response.mutable_infer_response();
     if (status.ok()) {
       EncodeInferResponse(slot.request, slot.decoded, *result, &answer);
@@ -345,58 +289,12 @@ class InferenceService::StreamReactor final
       answer.set_model_name(slot.request.model_name());
       answer.set_id(slot.request.id());
     }
-    {
-      absl::MutexLock lock(&mu_);
-      slot.answered = true;
-    }
-    Progress();
-  }
-
-  // Starts whatever the state allows: the next write, the next read, or
-  // Finish() once every answer is out.
-  void Progress() {
-    const inference::ModelStreamInferResponse* write = nullptr;
-    inference::ModelInferRequest* read = nullptr;
-    bool finish = false;
-    {
-      absl::MutexLock lock(&mu_);
-      if (finished_) return;
-      if (!writing_) {
-        while (broken_ && !slots_.empty() && slots_.front()->answered) slots_.pop_front();
-        if (!broken_ && !slots_.empty() && slots_.front()->answered) {
-          writing_ = true;
-          write = &slots_.front()->response;
-        }
-      }
-      if (!reading_ && !reads_done_ && !broken_ && slots_.size() < kMaxStreamInFlight) {
-        reading_ = true;
-        incoming_ = std::make_unique<Slot>();
-        read = &incoming_->request;
-      }
-      if (!reading_ && !writing_ && slots_.empty() && (reads_done_ || broken_)) {
-        finished_ = true;
-        finish = true;
-      }
-    }
-    if (write != nullptr) StartWrite(write);
-    if (read != nullptr) StartRead(read);
-    if (finish) Finish(grpc::Status::OK);
+    Answered(slot);
   }
 
   InferenceService* const service_;
   grpc::CallbackServerContext* const context_;  // owned by gRPC; alive until OnDone
   bool admitted_ = false;                       // set before anything can call OnDone
-
-  absl::Mutex mu_;
-  // Requests read, in order, until their answer is written; the front one is
-  // the next to write.
-  std::deque<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<Slot> incoming_ ABSL_GUARDED_BY(mu_);  // target of the read in flight
-  bool reading_ ABSL_GUARDED_BY(mu_) = false;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
-  bool broken_ ABSL_GUARDED_BY(mu_) = false;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>*

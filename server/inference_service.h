@@ -67,6 +67,9 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
 
   // The model `name` at `version` ("" or "1"), or NOT_FOUND naming which.
   absl::StatusOr<const Model*> FindModel(std::string_view name, std::string_view version) const;
+  // The same for a caller whose credentials are accepted; their error first.
+  absl::StatusOr<const Model*> FindModelFor(const grpc::CallbackServerContext& context,
+                                            std::string_view name, std::string_view version) const;
   // Decodes `proto` into `decoded` and submits it; as for SubmitIncoming().
   void Infer(grpc::CallbackServerContext* context, const inference::ModelInferRequest& proto,
              DecodedInferRequest* decoded, bool credentials_checked, AttentionService::Done done);

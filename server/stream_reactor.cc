@@ -2,7 +2,6 @@
 #include "server/stream_reactor.h"
 
 #include <string>
-#include <utility>
 
 #include "server/auth.h"
 #include "server/proto_adapter.h"
@@ -16,53 +15,13 @@ AttentionService::StreamReactor::StreamReactor(AttentionService* service,
   if (absl::Status auth = service_->Authenticate(*context);
       !auth.ok()) {
     spdlog::warn("AttendStream refused: peer={}: {}", context->peer(), std::string(auth.message()));
-    Refuse(auth);
+    RefuseStream(auth);
     return;
   }
   admitted_ = service_->AdmitCall();
   if (!admitted_) {
-    Refuse(absl::UnavailableError("the server is shutting down and takes no new streams"));
+    RefuseStream(absl::UnavailableError("the server is shutting down and takes no new streams"));
     return;
-  }
-  Progress();
-}
-
-void AttentionService::StreamReactor::OnReadDone(bool ok) {
-  Slot* slot = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    reading_ = false;
-    if (!ok) {
-      reads_done_ = true;
-      incoming_.reset();
-    } else {
-      slot = incoming_.get();
-      slots_.push_back(std::move(incoming_));
-    }
-  }
-  if (slot != nullptr) {
-    service_->Submit(context_, slot->request,
-                     [this, slot](const absl::Status& status, const AttentionResult* result) {
-                       Answered(*slot, status, result);
-                     });
-  }
-  Progress();
-}
-
-void AttentionService::StreamReactor::OnWriteDone(bool ok) {
-  {
-    absl::MutexLock lock(&mu_);
-    writing_ = false;
-    slots_.pop_front();
-    if (!ok) broken_ = true;  // the client is gone; answers left are dropped
-  }
-  Progress();
-}
-
-void AttentionService::StreamReactor::OnCancel() {
-  {
-    absl::MutexLock lock(&mu_);
-    broken_ = true;
   }
   Progress();
 }
@@ -72,17 +31,20 @@ void AttentionService::StreamReactor::OnDone() {
   delete this;
 }
 
-void AttentionService::StreamReactor::Refuse(const absl::Status& status) {
-  {
-    absl::MutexLock lock(&mu_);
-    finished_ = true;
-  }
-  service_->metrics_->CountRefusedStream(status.code());
-  Finish(ToGrpcStatus(status));
+void AttentionService::StreamReactor::Submit(AttendSlot& slot) {
+  service_->Submit(context_, slot.request,
+                   [this, &slot](const absl::Status& status, const AttentionResult* result) {
+                     Answer(slot, status, result);
+                   });
 }
 
-void AttentionService::StreamReactor::Answered(Slot& slot, const absl::Status& status,
-                                               const AttentionResult* result) {
+void AttentionService::StreamReactor::RefuseStream(const absl::Status& status) {
+  service_->metrics_->CountRefusedStream(status.code());
+  Refuse(ToGrpcStatus(status));
+}
+
+void AttentionService::StreamReactor::Answer(AttendSlot& slot, const absl::Status& status,
+                                             const AttentionResult* result) {
   v1::AttendResponse& response = slot.response;
   if (status.ok()) {
     ToAttendResponse(*result, &response);
@@ -92,40 +54,7 @@ void AttentionService::StreamReactor::Answered(Slot& slot, const absl::Status& s
   }
   response.set_request_id(slot.request.request_id());
   response.set_model(slot.request.model());
-  {
-    absl::MutexLock lock(&mu_);
-    slot.answered = true;
-  }
-  Progress();
-}
-
-void AttentionService::StreamReactor::Progress() {
-  const v1::AttendResponse* write = nullptr;
-  v1::AttendRequest* read = nullptr;
-  bool finish = false;
-  {
-    absl::MutexLock lock(&mu_);
-    if (finished_) return;
-    if (!writing_) {
-      while (broken_ && !slots_.empty() && slots_.front()->answered) slots_.pop_front();
-      if (!broken_ && !slots_.empty() && slots_.front()->answered) {
-        writing_ = true;
-        write = &slots_.front()->response;
-      }
-    }
-    if (!reading_ && !reads_done_ && !broken_ && slots_.size() < kMaxStreamInFlight) {
-      reading_ = true;
-      incoming_ = std::make_unique<Slot>();
-      read = &incoming_->request;
-    }
-    if (!reading_ && !writing_ && slots_.empty() && (reads_done_ || broken_)) {
-      finished_ = true;
-      finish = true;
-    }
-  }
-  if (write != nullptr) StartWrite(write);
-  if (read != nullptr) StartRead(read);
-  if (finish) Finish(grpc::Status::OK);
+  Answered(slot);
 }
 
 }  // namespace attention::server

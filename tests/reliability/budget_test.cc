@@ -86,20 +86,6 @@ TEST(RequestWorkTest, DefaultScratchBudgetRefusesVeryWideValues) {
               AllOf(HasSubstr("floats of engine scratch"), HasSubstr("d_v=70000")));
 }
 
-// Peak resident memory of `pid`, from /proc (VmHWM), in bytes; -1 if unread.
-int64_t PeakRss(pid_t pid) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string key;
-  while (status >> key) {
-    if (key == "VmHWM:") {
-      int64_t kib = -1;
-      status >> kib;
-      return kib * 1024;
-    }
-  }
-  return -1;
-}
-
 void AddTensor(v1::Tensor* tensor, std::vector<int64_t> shape) {
   int64_t size = 1;
   for (int64_t d : shape) {
@@ -107,13 +93,6 @@ void AddTensor(v1::Tensor* tensor, std::vector<int64_t> shape) {
     size *= d;
   }
   tensor->mutable_data()->Resize(static_cast<int>(size), 0.25f);
-}
-
-grpc::Status Call(v1::AttentionService::Stub& stub, const v1::AttendRequest& request) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  v1::AttendResponse response;
-  return stub.Attend(&context, request, &response);
 }
 
 v1::AttendRequest Small() {
@@ -132,14 +111,14 @@ TEST(ServerBudgetTest, FreezingRequestIsRefusedAtOnceAndOthersGoOn) {
   AddTensor(freezing.mutable_queries(), {1, 60000, 1});
 
   const auto start = std::chrono::steady_clock::now();
-  const grpc::Status refused = Call(*stub, freezing);
+  const grpc::Status refused = AttendWithin(*stub, std::chrono::seconds(60), freezing);
   const auto took = std::chrono::steady_clock::now() - start;
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
   EXPECT_THAT(refused.error_message(),
               AllOf(HasSubstr("at most 17179869184 work units"), HasSubstr("n_q=60000")));
   // Computed, it held the engine for seconds.
   EXPECT_LT(took, std::chrono::milliseconds(500));
-  EXPECT_TRUE(Call(*stub, Small()).ok());
+  EXPECT_TRUE(AttendWithin(*stub, std::chrono::seconds(60), Small()).ok());
   stub.reset();
   EXPECT_EQ((*server)->Stop(), 0);
 }
@@ -154,15 +133,15 @@ TEST(ServerBudgetTest, ScratchBlowUpIsRefusedWithoutTheMemory) {
   AddTensor(wide.mutable_keys(), {1, 1, 1});
   AddTensor(wide.mutable_values(), {1, 1, 8000000});
 
-  const grpc::Status refused = Call(*stub, wide);
+  const grpc::Status refused = AttendWithin(*stub, std::chrono::seconds(60), wide);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
   EXPECT_THAT(refused.error_message(), HasSubstr("floats of engine scratch"));
   // The message itself (wire bytes and parsed floats) costs about 100 MB;
   // computed, the request took the server to 2.2 GB.
-  const int64_t peak = PeakRss((*server)->pid());
+  const int64_t peak = PeakResidentBytes((*server)->pid());
   EXPECT_GT(peak, 0);
   EXPECT_LT(peak, int64_t{512} << 20) << "peak RSS " << peak / (1 << 20) << " MiB";
-  EXPECT_TRUE(Call(*stub, Small()).ok());
+  EXPECT_TRUE(AttendWithin(*stub, std::chrono::seconds(60), Small()).ok());
   stub.reset();
   EXPECT_EQ((*server)->Stop(), 0);
 }
@@ -173,7 +152,7 @@ TEST(ServerBudgetTest, BudgetsAreSetByFlagOrEnvironment) {
   ASSERT_TRUE(server.ok()) << server.status();
   auto stub = (*server)->Stub();
   v1::AttendRequest request = Small();  // 16 scores x (8 + 8 + 16) = 512
-  grpc::Status refused = Call(*stub, request);
+  grpc::Status refused = AttendWithin(*stub, std::chrono::seconds(60), request);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(refused.error_message(), AllOf(HasSubstr("at most 100 work units"),
                                              HasSubstr("got 512")));
@@ -184,7 +163,7 @@ TEST(ServerBudgetTest, BudgetsAreSetByFlagOrEnvironment) {
   auto wide = ServerProcess::Start({"--max-request-scratch-elements", "1000"});
   ASSERT_TRUE(wide.ok()) << wide.status();
   stub = (*wide)->Stub();
-  refused = Call(*stub, request);  // 64 x (8 + 8 + 8 + 8) = 2048 floats
+  refused = AttendWithin(*stub, std::chrono::seconds(60), request);  // 64 x (8 + 8 + 8 + 8) = 2048 floats
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(refused.error_message(), AllOf(HasSubstr("at most 1000 floats of engine scratch"),
                                              HasSubstr("got 2048")));

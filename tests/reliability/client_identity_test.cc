@@ -9,7 +9,7 @@
 #include <string>
 
 #include "health.grpc.pb.h"
-#include "tests/reliability/test_certificates.h"
+#include "tests/support/certificates.h"
 #include "tests/support/metrics.h"
 #include "tests/support/probes.h"
 #include "tests/support/requests.h"
@@ -21,12 +21,12 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-std::shared_ptr<grpc::Channel> ChannelAs(const Certificates& certificates,
+std::shared_ptr<grpc::Channel> ChannelAs(const TestPki& certificates,
                                          const std::string& address, const std::string& who) {
   grpc::SslCredentialsOptions options;
-  options.pem_root_certs = certificates.Read("ca.pem");
-  options.pem_private_key = certificates.Read(who + ".key");
-  options.pem_cert_chain = certificates.Read(who + ".pem");
+  options.pem_root_certs = certificates.Pem("ca.crt");
+  options.pem_private_key = certificates.Pem(who + ".key");
+  options.pem_cert_chain = certificates.Pem(who + ".crt");
   return grpc::CreateChannel(address, grpc::SslCredentials(options));
 }
 
@@ -40,12 +40,17 @@ grpc::Status ListModels(const std::shared_ptr<grpc::Channel>& channel) {
 
 class ClientIdentityTest : public ::testing::Test {
  protected:
-  void SetUp() override { ASSERT_TRUE(certificates_.ok()) << "openssl failed"; }
+  void SetUp() override { ASSERT_TRUE(certificates_.ok()) << certificates_.log(); }
   std::vector<std::string> TlsFlags() const {
-    return {"--tls-cert", certificates_.path("server.pem"), "--tls-key",
-            certificates_.path("server.key"), "--tls-client-ca", certificates_.path("ca.pem")};
+    return {"--tls-cert", certificates_.Path("server.crt"), "--tls-key",
+            certificates_.Path("server.key"), "--tls-client-ca", certificates_.Path("ca.crt")};
   }
-  Certificates certificates_;
+  // alice is named by her common name only, bob by a URI name as well.
+  TestPki certificates_{{"ca"},
+                        {{.name = "server"},
+                         {.name = "alice", .hosts = ""},
+                         {.name = "bob", .hosts = "URI:spiffe://test/bob"},
+                         {.name = "mallory", .hosts = ""}}};
 };
 
 TEST_F(ClientIdentityTest, WithoutAnAllowListAnyCertificateOfTheCaGetsIn) {

@@ -6,19 +6,14 @@
 // with --drain-delay-seconds the server stays up that long after the signal,
 // NOT_SERVING and refusing new calls, while an accepted request still
 // completes. (The Python grpcio side: drain_python_test.py.)
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <cerrno>
 #include <chrono>
-#include <cstring>
 #include <future>
 #include <map>
 #include <mutex>
@@ -31,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "health.grpc.pb.h"
+#include "tests/support/gate.h"
 #include "tests/support/metrics.h"
 #include "tests/support/probes.h"
 #include "tests/support/requests.h"
@@ -159,18 +155,9 @@ TEST(DrainTest, SigtermUnderClosedLoopLoadAnswersOnlyOkOrUnavailable) {
 
 class DrainDelayTest : public ::testing::Test {
  protected:
-  DrainDelayTest() : fifo_(dir_.path() / "gate") {}
-  void SetUp() override { ASSERT_EQ(mkfifo(fifo_.c_str(), 0600), 0) << std::strerror(errno); }
+  void SetUp() override { ASSERT_TRUE(gate_.ok()); }
 
-  void Release() {
-    const int fd = open(fifo_.c_str(), O_WRONLY | O_CLOEXEC);
-    ASSERT_GE(fd, 0) << std::strerror(errno);
-    EXPECT_EQ(write(fd, ".", 1), 1);
-    close(fd);
-  }
-
-  TempDir dir_;
-  const std::filesystem::path fifo_;
+  TestGate gate_;
 };
 
 bool Exited(pid_t pid) {
@@ -181,7 +168,7 @@ bool Exited(pid_t pid) {
 // Set through the environment, as the Kubernetes manifest does.
 TEST_F(DrainDelayTest, NotServingAndRefusingForTheDelayWhileAcceptedWorkCompletes) {
   constexpr auto kDelay = std::chrono::seconds(3);
-  auto server = ServerProcess::Start({"--test-gate-fifo", fifo_.string(), "--max-batch-size", "1"},
+  auto server = ServerProcess::Start(gate_.Flags({"--max-batch-size", "1"}),
                                      {{"ATTENTION_DRAIN_DELAY_SECONDS", "3"}});
   ASSERT_TRUE(server.ok()) << server.status();
   auto channel = RawChannel((*server)->address());
@@ -222,7 +209,7 @@ TEST_F(DrainDelayTest, NotServingAndRefusingForTheDelayWhileAcceptedWorkComplete
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
   EXPECT_THAT(refused.error_message(), HasSubstr("shutting down"));
 
-  Release();
+  ASSERT_TRUE(gate_.Release());
   const grpc::Status held_status = held.get();
   EXPECT_TRUE(held_status.ok()) << held_status.error_message();
   // Nothing is left to do, but the delay is not over.

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "health.grpc.pb.h"
-#include "tests/reliability/test_certificates.h"
+#include "tests/support/certificates.h"
 #include "tests/support/metrics.h"
 #include "tests/support/probes.h"
 #include "tests/support/requests.h"
@@ -22,32 +22,18 @@
 namespace attention::testing {
 namespace {
 
-// Peak resident memory of `pid` (VmHWM), in bytes; -1 if unread.
-int64_t PeakRss(pid_t pid) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string key;
-  while (status >> key) {
-    if (key == "VmHWM:") {
-      int64_t kib = -1;
-      status >> kib;
-      return kib * 1024;
-    }
-  }
-  return -1;
-}
-
 TEST(EarlyAuthTest, UnauthenticatedHugeShapeListIsRefusedBeforeItIsParsed) {
-  Certificates certificates;
-  ASSERT_TRUE(certificates.ok()) << "openssl failed";
+  TestPki certificates({"ca"}, {{.name = "server"}});
+  ASSERT_TRUE(certificates.ok()) << certificates.log();
   TempDir dir;
   const std::string tokens = (dir.path() / "tokens").string();
   std::ofstream(tokens) << "right-token\n";
-  auto server = ServerProcess::Start({"--tls-cert", certificates.path("server.pem"), "--tls-key",
-                                      certificates.path("server.key"), "--auth-token-file",
+  auto server = ServerProcess::Start({"--tls-cert", certificates.Path("server.crt"), "--tls-key",
+                                      certificates.Path("server.key"), "--auth-token-file",
                                       tokens});
   ASSERT_TRUE(server.ok()) << server.status();
   grpc::SslCredentialsOptions tls;
-  tls.pem_root_certs = certificates.Read("ca.pem");
+  tls.pem_root_certs = certificates.Pem("ca.crt");
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(-1);
   auto channel = grpc::CreateCustomChannel((*server)->address(), grpc::SslCredentials(tls), args);
@@ -66,7 +52,7 @@ TEST(EarlyAuthTest, UnauthenticatedHugeShapeListIsRefusedBeforeItIsParsed) {
     const grpc::Status refused = stub->Attend(&context, huge, &response);
     EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAUTHENTICATED) << refused.error_message();
   }
-  const int64_t peak = PeakRss((*server)->pid());
+  const int64_t peak = PeakResidentBytes((*server)->pid());
   std::printf("server peak RSS after two refused 20 MB messages: %lld MiB\n",
               static_cast<long long>(peak >> 20));
   EXPECT_GT(peak, 0);

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <string>
 
+#include "tests/support/files.h"
 #include "tests/support/metrics.h"
 #include "tests/support/probes.h"
 #include "tests/support/requests.h"
@@ -82,8 +83,7 @@ TEST(ModelFilesTest, OutOfMemoryWhileLoadingIsReportedNotFatal) {
   const int status = std::system(command.c_str());
   ASSERT_TRUE(WIFEXITED(status)) << "killed by a signal";
   EXPECT_EQ(WEXITSTATUS(status), 1);
-  std::ifstream in(log);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string text = ReadFile(log);
   EXPECT_THAT(text, AllOf(HasSubstr("huge.safetensors: out of memory while loading its "
                                     "3221225472 bytes"),
                           Not(HasSubstr("bad_alloc"))));

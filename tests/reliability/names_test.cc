@@ -36,13 +36,6 @@ v1::AttendRequest Request(const std::string& model, const std::string& id) {
   return request;
 }
 
-grpc::Status Call(v1::AttentionService::Stub& stub, const v1::AttendRequest& request) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  v1::AttendResponse response;
-  return stub.Attend(&context, request, &response);
-}
-
 int CountLines(const std::string& log, const std::string& needle) {
   int lines = 0;
   for (absl::string_view line : absl::StrSplit(log, '\n')) {
@@ -55,12 +48,12 @@ TEST(NamesTest, LongNamesAreRefusedNamingTheFieldAndTheCap) {
   auto server = ServerProcess::Start({});
   ASSERT_TRUE(server.ok()) << server.status();
   auto stub = (*server)->Stub();
-  EXPECT_TRUE(Call(*stub, Request("dot_product", std::string(256, 'i'))).ok());
+  EXPECT_TRUE(AttendWithin(*stub, std::chrono::seconds(30), Request("dot_product", std::string(256, 'i'))).ok());
 
-  grpc::Status refused = Call(*stub, Request(std::string(300, 'm'), "r"));
+  grpc::Status refused = AttendWithin(*stub, std::chrono::seconds(30), Request(std::string(300, 'm'), "r"));
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(refused.error_message(), "model: expected at most 256 bytes, got 300");
-  refused = Call(*stub, Request("dot_product", std::string(1 << 20, 'i')));
+  refused = AttendWithin(*stub, std::chrono::seconds(30), Request("dot_product", std::string(1 << 20, 'i')));
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(refused.error_message(), "request_id: expected at most 256 bytes, got 1048576");
   stub.reset();
@@ -77,7 +70,7 @@ TEST(NamesTest, ControlCharactersAreEscapedInMessagesAndBothLogFormats) {
     auto server = ServerProcess::Start({"--log-format", format});
     ASSERT_TRUE(server.ok()) << server.status();
     auto stub = (*server)->Stub();
-    const grpc::Status refused = Call(*stub, Request(evil_model, "id\r\n" + forged));
+    const grpc::Status refused = AttendWithin(*stub, std::chrono::seconds(30), Request(evil_model, "id\r\n" + forged));
     EXPECT_EQ(refused.error_code(), grpc::StatusCode::NOT_FOUND);
     EXPECT_THAT(refused.error_message(),
                 AllOf(HasSubstr("no_such\\n2030"), HasSubstr("\\x1b[2J"), Not(HasSubstr("\n")),
@@ -100,14 +93,14 @@ TEST(NamesTest, RefusalFloodIsLoggedAtABoundedRateWithACount) {
   constexpr int kFlood = 400;
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < kFlood; ++i) {
-    EXPECT_EQ(Call(*stub, Request("no_such_model", "flood")).error_code(),
+    EXPECT_EQ(AttendWithin(*stub, std::chrono::seconds(30), Request("no_such_model", "flood")).error_code(),
               grpc::StatusCode::NOT_FOUND);
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   // A new one-second window: this line is written, with the count.
   std::this_thread::sleep_for(std::chrono::milliseconds(1100));
-  EXPECT_EQ(Call(*stub, Request("no_such_model", "after")).error_code(),
+  EXPECT_EQ(AttendWithin(*stub, std::chrono::seconds(30), Request("no_such_model", "after")).error_code(),
             grpc::StatusCode::NOT_FOUND);
   stub.reset();
   EXPECT_EQ((*server)->Stop(), 0);

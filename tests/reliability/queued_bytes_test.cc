@@ -3,20 +3,15 @@
 // (512 per model), and a request may be 64 MiB; the byte budget keeps what
 // all queues together hold bounded. The test gate holds batches so that the
 // budget fills deterministically.
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <cerrno>
 #include <chrono>
-#include <cstring>
 #include <future>
 #include <string>
 #include <vector>
 
+#include "tests/support/gate.h"
 #include "tests/support/metrics.h"
 #include "tests/support/probes.h"
 #include "tests/support/requests.h"
@@ -38,19 +33,11 @@ v1::AttendRequest Megabyte(const std::string& model) {
   return request;
 }
 
-grpc::Status Call(v1::AttentionService::Stub& stub, const v1::AttendRequest& request) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  v1::AttendResponse response;
-  return stub.Attend(&context, request, &response);
-}
-
 TEST(QueuedBytesTest, RequestsPastTheByteBudgetGetResourceExhaustedUntilOthersAreAnswered) {
-  TempDir dir;
-  const std::filesystem::path fifo = dir.path() / "gate";
-  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
-  auto server = ServerProcess::Start({"--test-gate-fifo", fifo.string(), "--max-batch-size", "1",
-                                      "--max-queued-bytes", "3100000"});
+  TestGate gate;
+  ASSERT_TRUE(gate.ok());
+  auto server = ServerProcess::Start(
+      gate.Flags({"--max-batch-size", "1", "--max-queued-bytes", "3100000"}));
   ASSERT_TRUE(server.ok()) << server.status();
   auto stub = (*server)->Stub();
   const v1::AttendRequest request = Megabyte("gate");
@@ -60,11 +47,11 @@ TEST(QueuedBytesTest, RequestsPastTheByteBudgetGetResourceExhaustedUntilOthersAr
   // One held at the gate, two queued behind it: 3 MB held.
   std::vector<std::future<grpc::Status>> held;
   for (int i = 0; i < 3; ++i) {
-    held.push_back(std::async(std::launch::async, [&] { return Call(*stub, request); }));
+    held.push_back(std::async(std::launch::async, [&] { return AttendWithin(*stub, std::chrono::seconds(60), request); }));
     ASSERT_EQ(held.back().wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
   }
   // Another model's request is refused too: the budget is the server's.
-  const grpc::Status refused = Call(*stub, Megabyte("dot_product"));
+  const grpc::Status refused = AttendWithin(*stub, std::chrono::seconds(60), Megabyte("dot_product"));
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
   EXPECT_THAT(refused.error_message(),
               AllOf(HasSubstr("the server holds " + std::to_string(3 * bytes) + " bytes"),
@@ -74,15 +61,12 @@ TEST(QueuedBytesTest, RequestsPastTheByteBudgetGetResourceExhaustedUntilOthersAr
   small.set_model("dot_product");
   for (int64_t s : {1, 2, 2}) small.mutable_queries()->add_shape(s);
   small.mutable_queries()->mutable_data()->Resize(4, 1.0f);
-  EXPECT_TRUE(Call(*stub, small).ok());
+  EXPECT_TRUE(AttendWithin(*stub, std::chrono::seconds(60), small).ok());
 
-  const int fd = open(fifo.c_str(), O_WRONLY | O_CLOEXEC);
-  ASSERT_GE(fd, 0);
-  ASSERT_EQ(write(fd, "...", 3), 3);
-  close(fd);
+  ASSERT_TRUE(gate.Release(3));
   for (auto& call : held) EXPECT_TRUE(call.get().ok());
   // Answered requests no longer count.
-  EXPECT_TRUE(Call(*stub, Megabyte("dot_product")).ok());
+  EXPECT_TRUE(AttendWithin(*stub, std::chrono::seconds(60), Megabyte("dot_product")).ok());
   stub.reset();
   EXPECT_EQ((*server)->Stop(), 0);
 }

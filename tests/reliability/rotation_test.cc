@@ -16,7 +16,8 @@
 #include <string>
 #include <thread>
 
-#include "tests/reliability/test_certificates.h"
+#include "tests/support/certificates.h"
+#include "tests/support/files.h"
 #include "tests/support/metrics.h"
 #include "tests/support/probes.h"
 #include "tests/support/requests.h"
@@ -25,22 +26,9 @@
 namespace attention::testing {
 namespace {
 
-// Replaces `to` with a copy of `from` in one rename, as rotation tools do.
-void Replace(const std::filesystem::path& from, const std::filesystem::path& to) {
-  const std::filesystem::path temporary = to.string() + ".tmp";
-  std::filesystem::copy_file(from, temporary, std::filesystem::copy_options::overwrite_existing);
-  std::filesystem::rename(temporary, to);
-}
-
-void WriteTokens(const std::filesystem::path& path, const std::string& text) {
-  const std::filesystem::path temporary = path.string() + ".tmp";
-  std::ofstream(temporary) << text;
-  std::filesystem::rename(temporary, path);
-}
-
 // The subject of the certificate the server presents to a new connection.
-std::string PresentedSubject(const Certificates& certificates, const std::string& address) {
-  const std::string out = certificates.path("presented.txt");
+std::string PresentedSubject(const TestPki& certificates, const std::string& address) {
+  const std::string out = certificates.Path("presented.txt");
   const std::string command = "openssl s_client -connect " + address +
                               " -servername localhost </dev/null 2>/dev/null | openssl x509 "
                               "-noout -subject > '" + out + "' 2>/dev/null";
@@ -51,10 +39,10 @@ std::string PresentedSubject(const Certificates& certificates, const std::string
   return subject;
 }
 
-grpc::StatusCode CallOnNewConnection(const Certificates& certificates, const std::string& address,
+grpc::StatusCode CallOnNewConnection(const TestPki& certificates, const std::string& address,
                                      const std::string& token) {
   grpc::SslCredentialsOptions tls;
-  tls.pem_root_certs = certificates.Read("ca.pem");
+  tls.pem_root_certs = certificates.Pem("ca.crt");
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
   auto stub = v1::AttentionService::NewStub(
@@ -71,16 +59,16 @@ grpc::StatusCode CallOnNewConnection(const Certificates& certificates, const std
 }
 
 TEST(RotationTest, CertificateAndTokensRotateUnderLoadWithoutAFailedCall) {
-  Certificates certificates;
-  ASSERT_TRUE(certificates.ok() && certificates.Sign("rotated", "-extfile server.ext"))
-      << "openssl failed";
+  // "rotated" is the server's next certificate, from the same CA.
+  TestPki certificates({"ca"}, {{.name = "server"}, {.name = "rotated"}});
+  ASSERT_TRUE(certificates.ok()) << certificates.log();
   TempDir live;
   const std::filesystem::path cert = live.path() / "cert.pem";
   const std::filesystem::path key = live.path() / "key.pem";
   const std::filesystem::path tokens = live.path() / "tokens";
-  Replace(certificates.path("server.pem"), cert);
-  Replace(certificates.path("server.key"), key);
-  WriteTokens(tokens, "old-token\n");
+  ReplaceFile(cert, ReadFile(certificates.Path("server.crt")));
+  ReplaceFile(key, ReadFile(certificates.Path("server.key")));
+  ReplaceFile(tokens, "old-token\n");
   auto server = ServerProcess::Start({"--tls-cert", cert.string(), "--tls-key", key.string(),
                                       "--auth-token-file", tokens.string()});
   ASSERT_TRUE(server.ok()) << server.status();
@@ -101,9 +89,9 @@ TEST(RotationTest, CertificateAndTokensRotateUnderLoadWithoutAFailedCall) {
 
   // The key first: until its certificate follows, the pair does not match
   // and the old pair stays in use.
-  Replace(certificates.path("rotated.key"), key);
-  Replace(certificates.path("rotated.pem"), cert);
-  WriteTokens(tokens, "old-token\nnew-token\n");
+  ReplaceFile(key, ReadFile(certificates.Path("rotated.key")));
+  ReplaceFile(cert, ReadFile(certificates.Path("rotated.crt")));
+  ReplaceFile(tokens, "old-token\nnew-token\n");
   (*server)->Signal(SIGHUP);
   std::string subject;
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(15);
@@ -115,7 +103,7 @@ TEST(RotationTest, CertificateAndTokensRotateUnderLoadWithoutAFailedCall) {
   EXPECT_THAT(subject, ::testing::HasSubstr("CN = rotated"));
   new_token = true;
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  WriteTokens(tokens, "new-token\n");
+  ReplaceFile(tokens, "new-token\n");
   (*server)->Signal(SIGHUP);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   stop = true;

@@ -15,6 +15,7 @@
 #include <string>
 #include <thread>
 
+#include "tests/support/files.h"
 #include "tests/support/metrics.h"
 #include "tests/support/probes.h"
 #include "tests/support/requests.h"
@@ -24,13 +25,6 @@ namespace attention::testing {
 namespace {
 
 using ::testing::HasSubstr;
-
-// Written to a temporary name first, as an operator's tooling would.
-void WriteTokens(const std::filesystem::path& path, const std::string& text) {
-  const std::filesystem::path temporary = path.string() + ".tmp";
-  std::ofstream(temporary) << text;
-  std::filesystem::rename(temporary, path);
-}
 
 grpc::StatusCode Call(v1::AttentionService::Stub& stub, const std::string& token) {
   v1::AttendRequest request;
@@ -57,7 +51,7 @@ bool Becomes(v1::AttentionService::Stub& stub, const std::string& token, grpc::S
 TEST(TokenReloadTest, SighupRotatesTokensUnderLoadWithoutAFailedCall) {
   TempDir dir;
   const std::filesystem::path tokens = dir.path() / "tokens";
-  WriteTokens(tokens, "alpha\n");
+  ReplaceFile(tokens, "alpha\n");
   auto server = ServerProcess::Start({"--auth-token-file", tokens.string()});
   ASSERT_TRUE(server.ok()) << server.status();
   auto stub = (*server)->Stub();
@@ -74,17 +68,17 @@ TEST(TokenReloadTest, SighupRotatesTokensUnderLoadWithoutAFailedCall) {
     }
   });
 
-  WriteTokens(tokens, "alpha\nbeta\n");
+  ReplaceFile(tokens, "alpha\nbeta\n");
   (*server)->Signal(SIGHUP);
   EXPECT_TRUE(Becomes(*stub, "beta", grpc::StatusCode::OK));
   use_beta = true;
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  WriteTokens(tokens, "beta\n");
+  ReplaceFile(tokens, "beta\n");
   (*server)->Signal(SIGHUP);
   EXPECT_TRUE(Becomes(*stub, "alpha", grpc::StatusCode::UNAUTHENTICATED));
 
   // A file with no token is refused; the tokens in use stay.
-  WriteTokens(tokens, "# emptied by mistake\n");
+  ReplaceFile(tokens, "# emptied by mistake\n");
   (*server)->Signal(SIGHUP);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   stop = true;

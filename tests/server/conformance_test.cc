@@ -14,6 +14,7 @@
 #include "reflection.grpc.pb.h"
 #include "health.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/conformance_cases.h"
 #include "tests/support/files.h"
 #include "tests/support/requests.h"
 #include "tests/support/server_process.h"
@@ -25,33 +26,7 @@ using ::testing::Contains;
 using ::testing::IsEmpty;
 using ::testing::Not;
 
-struct Case {
-  std::string name;
-  v1::AttendRequest request;
-  nlohmann::json expected;
-  double atol = 0;
-  double rtol = 0;
-};
-
-// A conformance request; a failed test (and an empty request) when it does
-// not parse.
-v1::AttendRequest ParseRequest(const nlohmann::json& json) {
-  absl::StatusOr<v1::AttendRequest> request = RequestFromJson(json);
-  EXPECT_TRUE(request.ok()) << request.status();
-  return request.ok() ? *std::move(request) : v1::AttendRequest();
-}
-
-std::vector<Case> LoadCases() {
-  std::vector<Case> cases;
-  for (const auto& entry : std::filesystem::directory_iterator(ConformanceDir() / "cases")) {
-    const nlohmann::json json = ReadJson(entry.path());
-    cases.push_back(Case{json["name"], ParseRequest(json["request"]), json["expected"],
-                         json["atol"].get<double>(), json["rtol"].get<double>()});
-  }
-  std::sort(cases.begin(), cases.end(),
-            [](const Case& a, const Case& b) { return a.name < b.name; });
-  return cases;
-}
+using Case = ConformanceCase;
 
 // Shape equal, every element within atol + rtol * |expected|.
 void ExpectTensorNear(const v1::Tensor& actual, const nlohmann::json& expected, const Case& c,
@@ -96,7 +71,7 @@ class ServerConformanceTest : public ::testing::Test {
 ServerProcess* ServerConformanceTest::server_ = nullptr;
 
 TEST_F(ServerConformanceTest, EveryCaseThroughAttend) {
-  const std::vector<Case> cases = LoadCases();
+  const std::vector<Case> cases = LoadConformanceCases();
   ASSERT_THAT(cases, Not(IsEmpty()));
   auto stub = server_->Stub();
   for (const Case& c : cases) {
@@ -110,7 +85,7 @@ TEST_F(ServerConformanceTest, EveryCaseThroughAttend) {
 }
 
 TEST_F(ServerConformanceTest, EveryCaseThroughOneStreamInOrder) {
-  const std::vector<Case> cases = LoadCases();
+  const std::vector<Case> cases = LoadConformanceCases();
   auto stub = server_->Stub();
   grpc::ClientContext context;
   auto stream = stub->AttendStream(&context);
@@ -147,7 +122,7 @@ TEST_F(ServerConformanceTest, EveryErrorsEntryGetsItsCode) {
 
 TEST_F(ServerConformanceTest, ErrorsInsideAStreamAreAnsweredAndTheStreamGoesOn) {
   const nlohmann::json errors = ReadJson(ConformanceDir() / "errors.json");
-  const std::vector<Case> cases = LoadCases();
+  const std::vector<Case> cases = LoadConformanceCases();
   auto stub = server_->Stub();
   grpc::ClientContext context;
   auto stream = stub->AttendStream(&context);

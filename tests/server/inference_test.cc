@@ -29,6 +29,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/conformance_cases.h"
 #include "tests/support/files.h"
 #include "tests/support/gate.h"
 #include "tests/support/metrics.h"
@@ -48,33 +49,7 @@ using InferStub = inference::GRPCInferenceService::Stub;
 constexpr auto kCallTimeout = std::chrono::seconds(60);
 constexpr auto kHeldFor = std::chrono::milliseconds(500);
 
-// The request of a conformance case or error entry; a malformed one fails
-// the test that reads it.
-v1::AttendRequest ParseRequest(const nlohmann::json& json) {
-  auto request = RequestFromJson(json);
-  EXPECT_TRUE(request.ok()) << request.status();
-  return request.ok() ? *std::move(request) : v1::AttendRequest();
-}
-
-struct Case {
-  std::string name;
-  v1::AttendRequest request;
-  nlohmann::json expected;
-  double atol = 0;
-  double rtol = 0;
-};
-
-std::vector<Case> LoadCases() {
-  std::vector<Case> cases;
-  for (const auto& entry : std::filesystem::directory_iterator(ConformanceDir() / "cases")) {
-    const nlohmann::json json = ReadJson(entry.path());
-    cases.push_back(Case{json["name"], ParseRequest(json["request"]), json["expected"],
-                         json["atol"].get<double>(), json["rtol"].get<double>()});
-  }
-  std::sort(cases.begin(), cases.end(),
-            [](const Case& a, const Case& b) { return a.name < b.name; });
-  return cases;
-}
+using Case = ConformanceCase;
 
 // How a test sends a request's tensors.
 enum class Contents { kRaw, kTyped };
@@ -218,13 +193,6 @@ InferReply Infer(InferStub& stub, const inference::ModelInferRequest& request,
   if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
   reply.status = stub.ModelInfer(&context, request, &reply.response);
   return reply;
-}
-
-grpc::Status Attend(v1::AttentionService::Stub& stub, const v1::AttendRequest& request,
-                    v1::AttendResponse* response) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + kCallTimeout);
-  return stub.Attend(&context, request, response);
 }
 
 // A small dot_product request, (1, 3, 2) queries as self-attention.
@@ -395,7 +363,7 @@ TEST_F(ServerInferenceTest, EveryRpcAnswers) {
 
 TEST_F(ServerInferenceTest, EveryConformanceCaseRawAndTyped) {
   Start();
-  const std::vector<Case> cases = LoadCases();
+  const std::vector<Case> cases = LoadConformanceCases();
   ASSERT_THAT(cases, Not(IsEmpty()));
   for (Contents contents : {Contents::kRaw, Contents::kTyped}) {
     for (const Case& c : cases) {
@@ -416,12 +384,12 @@ TEST_F(ServerInferenceTest, EveryConformanceCaseRawAndTyped) {
 TEST_F(ServerInferenceTest, Fp16AndBf16InputsMeanTheirWidenedValues) {
   Start();
   for (const std::string datatype : {"FP16", "BF16"}) {
-    for (const Case& c : LoadCases()) {
+    for (const Case& c : LoadConformanceCases()) {
       const InferReply narrow = Infer(*infer_, ToInfer(c.request, Contents::kRaw, datatype));
       ASSERT_TRUE(narrow.status.ok()) << datatype << " " << c.name << ": "
                                       << narrow.status.error_message();
       v1::AttendResponse wide;
-      const grpc::Status status = Attend(*attend_, Widened(c.request, datatype), &wide);
+      const grpc::Status status = AttendWithin(*attend_, kCallTimeout, Widened(c.request, datatype), &wide);
       ASSERT_TRUE(status.ok()) << c.name << ": " << status.error_message();
       ExpectSame(FindOutput(narrow.response, "output"), wide.output(), datatype + " " + c.name);
       ExpectSame(FindOutput(narrow.response, "attention_weights"), wide.attention_weights(),
@@ -439,7 +407,7 @@ TEST_F(ServerInferenceTest, EveryErrorsEntryGetsTheCodeAttendGives) {
     const std::string name = entry["name"];
     const v1::AttendRequest request = ParseRequest(entry["request"]);
     v1::AttendResponse attended;
-    const grpc::Status via_attend = Attend(*attend_, request, &attended);
+    const grpc::Status via_attend = AttendWithin(*attend_, kCallTimeout, request, &attended);
     EXPECT_EQ(CodeName(via_attend.error_code()), entry["expected_code"].get<std::string>()) << name;
     for (Contents contents : {Contents::kRaw, Contents::kTyped}) {
       const InferReply reply = Infer(*infer_, ToInfer(request, contents));
@@ -466,7 +434,7 @@ TEST_F(ServerInferenceTest, MergedBatchesAnswerAsAlone) {
   for (int i = 0; i < kRequests; ++i) {
     v1::AttendRequest request = requests[i];
     request.set_model("dot_product");
-    ASSERT_TRUE(Attend(*attend_, request, &alone[i]).ok());
+    ASSERT_TRUE(AttendWithin(*attend_, kCallTimeout, request, &alone[i]).ok());
   }
 
   auto held = std::async(std::launch::async,
@@ -482,18 +450,18 @@ TEST_F(ServerInferenceTest, MergedBatchesAnswerAsAlone) {
     } else {
       attends.push_back(std::async(std::launch::async, [&, i] {
         v1::AttendResponse response;
-        grpc::Status status = Attend(*attend_, requests[i], &response);
+        grpc::Status status = AttendWithin(*attend_, kCallTimeout, requests[i], &response);
         return std::make_pair(status, response);
       }));
     }
   }
   // Every request is queued once the queue depth says so.
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (MetricValue(ScrapeMetrics(server_->metrics_address()), "attention_queue_depth",
-                     {{"model", "gate"}}) < kRequests - 1 &&
-         std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  WaitForMetrics(
+      server_->metrics_address(),
+      [&](const std::string& text) {
+        return MetricValue(text, "attention_queue_depth", {{"model", "gate"}}) >= kRequests - 1;
+      },
+      std::chrono::seconds(30));
   Release();
   Release();
 
@@ -558,7 +526,7 @@ TEST_F(ServerInferenceTest, StreamKeepsOrderAndReportsErrorsInPlace) {
     } else {
       EXPECT_THAT(response.error_message(), IsEmpty()) << id;
       v1::AttendResponse alone;
-      ASSERT_TRUE(Attend(*attend_, SmallRequest("dot_product", id, static_cast<float>(i)), &alone).ok());
+      ASSERT_TRUE(AttendWithin(*attend_, kCallTimeout, SmallRequest("dot_product", id, static_cast<float>(i)), &alone).ok());
       ExpectSame(FindOutput(response.infer_response(), "output"), alone.output(), id);
     }
   }
@@ -626,12 +594,12 @@ TEST_F(ServerInferenceTest, FullQueueAndPassedDeadlineAsForAttend) {
                                       &reply.response);
     return reply;
   });
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (MetricValue(ScrapeMetrics(server_->metrics_address()), "attention_queue_depth",
-                     {{"model", "gate"}}) < 1 &&
-         std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  WaitForMetrics(
+      server_->metrics_address(),
+      [](const std::string& text) {
+        return MetricValue(text, "attention_queue_depth", {{"model", "gate"}}) >= 1;
+      },
+      std::chrono::seconds(30));
   const InferReply full = Infer(*infer_, ToInfer(SmallRequest("gate", "full"), Contents::kTyped));
   EXPECT_EQ(full.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << full.status.error_message();
@@ -645,11 +613,14 @@ TEST_F(ServerInferenceTest, FullQueueAndPassedDeadlineAsForAttend) {
   // The expired request is dropped by the batcher once the held batch is
   // done, which may be after its client gave up.
   std::string metrics;
-  const auto counted_by = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  do {
-    metrics = ScrapeMetrics(server_->metrics_address());
-  } while (MetricValue(metrics, "attention_api_requests_total", {{"code", "DEADLINE_EXCEEDED"}}) < 1 &&
-           std::chrono::steady_clock::now() < counted_by);
+  WaitForMetrics(
+      server_->metrics_address(),
+      [&](const std::string& text) {
+        metrics = text;
+        return MetricValue(text, "attention_api_requests_total",
+                           {{"code", "DEADLINE_EXCEEDED"}}) >= 1;
+      },
+      std::chrono::seconds(30));
   for (const char* code : {"OK", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}) {
     EXPECT_EQ(MetricValue(metrics, "attention_api_requests_total",
                           {{"api", "inference"}, {"model", "gate"}, {"code", code}}),

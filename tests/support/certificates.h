@@ -20,7 +20,8 @@ namespace attention::testing {
 struct CertificateSpec {
   std::string name;
   std::string ca = "ca";
-  // subjectAltName entries; "" for a client certificate (no names).
+  // subjectAltName entries; "" for a client certificate (no names), or a
+  // client identity such as "URI:spiffe://test/bob".
   std::string hosts = "DNS:localhost,IP:127.0.0.1";
   // Validity, YYYYMMDDHHMMSSZ; "" for make_pki.sh's 2020..2099.
   std::string not_before;

@@ -21,6 +21,14 @@ inline void WriteFile(const std::filesystem::path& path, const std::string& byte
   std::ofstream(path, std::ios::binary) << bytes;
 }
 
+// Writes `bytes` beside `path` and renames the copy over it, as rotation
+// tools do, so a reader sees the old file or the new one, never half of one.
+inline void ReplaceFile(const std::filesystem::path& path, const std::string& bytes) {
+  const std::filesystem::path temporary = path.string() + ".tmp";
+  WriteFile(temporary, bytes);
+  std::filesystem::rename(temporary, path);
+}
+
 // `path` parsed as JSON; a discarded value when it is missing or malformed, so
 // a test fails on its first lookup instead of aborting the binary.
 inline nlohmann::json ReadJson(const std::filesystem::path& path) {

@@ -9,6 +9,8 @@
 # DIR/NAME.crt and DIR/NAME.key signed by its CA, with the subjectAltName
 # HOSTS (e.g. DNS:localhost,IP:127.0.0.1; empty for a client certificate) and
 # the validity NOT_BEFORE..NOT_AFTER (YYYYMMDDHHMMSSZ; empty: 2020..2099).
+# A "/" inside HOSTS (a URI name such as URI:spiffe://test/bob) is written
+# %2F, since "/" separates the fields.
 # Certificates are signed with `openssl ca`, which can back-date them, so
 # expired and not-yet-valid certificates are as easy to make as valid ones.
 # openssl's output goes to DIR/openssl.log.
@@ -31,6 +33,7 @@ done
 (($#)) && shift
 for spec in "$@"; do
   IFS=/ read -r name ca hosts not_before not_after _ <<<"$spec/////"
+  hosts=${hosts//%2F//}
   {
     echo "basicConstraints=CA:FALSE"
     [[ -z $hosts ]] || echo "subjectAltName=$hosts"

@@ -69,6 +69,20 @@ std::string ListeningInode(int port) {
   return "";
 }
 
+// The `field` line of /proc/<pid>/status (e.g. "VmRSS:"), in bytes; 0 when
+// it cannot be read.
+int64_t StatusBytes(pid_t pid, const std::string& field) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (!line.starts_with(field)) continue;
+    std::vector<std::string> fields = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    int64_t kib = 0;
+    if (fields.size() >= 2 && absl::SimpleAtoi(fields[1], &kib)) return kib * 1024;
+  }
+  return 0;
+}
+
 }  // namespace
 
 std::optional<pid_t> ListeningProcess(const std::string& address) {
@@ -89,17 +103,9 @@ std::optional<pid_t> ListeningProcess(const std::string& address) {
   return std::nullopt;
 }
 
-int64_t ResidentBytes(pid_t pid) {
-  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(status, line)) {
-    if (!line.starts_with("VmRSS:")) continue;
-    std::vector<std::string> fields = absl::StrSplit(line, ' ', absl::SkipEmpty());
-    int64_t kib = 0;
-    if (fields.size() >= 2 && absl::SimpleAtoi(fields[1], &kib)) return kib * 1024;
-  }
-  return 0;
-}
+int64_t ResidentBytes(pid_t pid) { return StatusBytes(pid, "VmRSS:"); }
+
+int64_t PeakResidentBytes(pid_t pid) { return StatusBytes(pid, "VmHWM:"); }
 
 std::string HealthStatus(const std::shared_ptr<grpc::Channel>& channel) {
   auto health = grpc::health::v1::Health::NewStub(channel);

@@ -21,6 +21,10 @@ std::optional<pid_t> ListeningProcess(const std::string& address);
 // VmRSS of `pid` in bytes (0 when it cannot be read).
 int64_t ResidentBytes(pid_t pid);
 
+// VmHWM of `pid`, the most it has been resident since it started, in bytes
+// (0 when it cannot be read).
+int64_t PeakResidentBytes(pid_t pid);
+
 // The server's own answer to grpc.health.v1.Health/Check for "" ("SERVING",
 // "NOT_SERVING"...), or the failed call's code name.
 std::string HealthStatus(const std::shared_ptr<grpc::Channel>& channel);

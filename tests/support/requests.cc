@@ -44,6 +44,14 @@ v1::AttendRequest CrossAttentionRequest(int n_q, int n_k, int d, int seed) {
   return request;
 }
 
+grpc::Status AttendWithin(v1::AttentionService::Stub& stub, std::chrono::milliseconds timeout,
+                          const v1::AttendRequest& request, v1::AttendResponse* response) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  v1::AttendResponse ignored;
+  return stub.Attend(&context, request, response != nullptr ? response : &ignored);
+}
+
 absl::StatusOr<v1::AttendRequest> RequestFromJson(const nlohmann::json& json) {
   v1::AttendRequest request;
   const auto status = google::protobuf::util::JsonStringToMessage(json.dump(), &request);

@@ -2,6 +2,7 @@
 // that an answer is the right one.
 #pragma once
 
+#include <chrono>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -18,6 +19,12 @@ v1::AttendRequest SelfAttentionRequest(int batch, int n, int dim, int seed);
 // dot_product with (1, n_q, d) queries and (1, n_k, d) keys filled from
 // `seed`, asking for the attention weights.
 v1::AttendRequest CrossAttentionRequest(int n_q, int n_k, int d, int seed);
+
+// One Attend call that gives up `timeout` from now; the answer goes to
+// `response` when it is not null.
+grpc::Status AttendWithin(v1::AttentionService::Stub& stub, std::chrono::milliseconds timeout,
+                          const v1::AttendRequest& request,
+                          v1::AttendResponse* response = nullptr);
 
 // The "request" object of a conformance case (tests/conformance/cases) or
 // error entry, in the proto's JSON mapping.

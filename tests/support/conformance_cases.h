@@ -1,0 +1,51 @@
+// conformance_cases.h: the cases of tests/conformance/cases as the server
+// tests read them (header-only: it reports a bad request through gtest, which
+// only the test binaries link).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/support/files.h"
+#include "tests/support/requests.h"
+#include "tests/support/server_process.h"
+
+namespace attention::testing {
+
+struct ConformanceCase {
+  std::string name;
+  v1::AttendRequest request;
+  nlohmann::json expected;
+  double atol = 0;
+  double rtol = 0;
+};
+
+// The request of a conformance case or error entry; a failed test (and an
+// empty request) when it does not parse.
+inline v1::AttendRequest ParseRequest(const nlohmann::json& json) {
+  absl::StatusOr<v1::AttendRequest> request = RequestFromJson(json);
+  EXPECT_TRUE(request.ok()) << request.status();
+  return request.ok() ? *std::move(request) : v1::AttendRequest();
+}
+
+// Every case, sorted by name.
+inline std::vector<ConformanceCase> LoadConformanceCases() {
+  std::vector<ConformanceCase> cases;
+  for (const auto& entry : std::filesystem::directory_iterator(ConformanceDir() / "cases")) {
+    const nlohmann::json json = ReadJson(entry.path());
+    cases.push_back(ConformanceCase{json["name"], ParseRequest(json["request"]), json["expected"],
+                                    json["atol"].get<double>(), json["rtol"].get<double>()});
+  }
+  std::sort(cases.begin(), cases.end(),
+            [](const ConformanceCase& a, const ConformanceCase& b) { return a.name < b.name; });
+  return cases;
+}
+
+}  // namespace attention::testing
