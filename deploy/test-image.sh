@@ -182,7 +182,7 @@ run_and_check() {
   [[ $uid == 10001 ]] || die "processes in the container run as uid $uid, not 10001"
 
   # chroot isolation shares the host's network, so the ports are picked free
-  # on the host and handed over through the contract's ATTENTION_* variables.
+  # on the host and handed over through the ATTENTION_* variables (docs/api.md 6.1).
   log "starting the image's entrypoint on 127.0.0.1:$grpc_port (metrics :$metrics_port)"
   buildah "${buildah_opts[@]}" run --isolation chroot \
     --env ATTENTION_ADDRESS="127.0.0.1:$grpc_port" \

@@ -169,7 +169,7 @@ void ExpectNear(const Output& actual, const nlohmann::json& expected, const Case
   }
 }
 
-// Every element within 1e-5 (the contract's batching tolerance), same shape.
+// Every element within 1e-5 (the batching tolerance of docs/api.md 2.6), same shape.
 void ExpectSame(const Output& actual, const v1::Tensor& expected, const std::string& what) {
   ASSERT_EQ(actual.shape, std::vector<int64_t>(expected.shape().begin(), expected.shape().end()))
       << what;
