@@ -72,6 +72,7 @@ TEST(ModelFilesTest, CapIsAFlagAndStrictMakesItFatal) {
 // is reported as the file's problem (here fatal, --strict) instead of ending
 // the process with std::bad_alloc (abort, exit 134, before).
 TEST(ModelFilesTest, OutOfMemoryWhileLoadingIsReportedNotFatal) {
+  if (kSanitizedBuild) GTEST_SKIP() << "a sanitizer's shadow memory does not fit under ulimit -v";
   TempDir repository;
   Sparse(repository.path() / "huge.safetensors", uintmax_t{3} << 30);
   const std::filesystem::path log = repository.path() / "log";

@@ -25,6 +25,16 @@ int64_t ResidentBytes(pid_t pid);
 // (0 when it cannot be read).
 int64_t PeakResidentBytes(pid_t pid);
 
+// Whether this build (and so the server it starts) runs under ASan or TSan,
+// whose shadow memory makes resident sizes and address-space limits say
+// nothing about the server's own use: memory bounds are checked in the
+// plain build (scripts/test.sh) only.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kSanitizedBuild = true;
+#else
+inline constexpr bool kSanitizedBuild = false;
+#endif
+
 // The server's own answer to grpc.health.v1.Health/Check for "" ("SERVING",
 // "NOT_SERVING"...), or the failed call's code name.
 std::string HealthStatus(const std::shared_ptr<grpc::Channel>& channel);
