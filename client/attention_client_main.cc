@@ -159,6 +159,9 @@ int main(int argc, char** argv) {
                 ->capture_default_str());
   generated(bench->add_flag("--causal", bench_command.shape.causal,
                             "Generated request: causal mask"));
+  generated(bench->add_flag("--self-attention", bench_command.shape.self_attention,
+                            "Generated request: queries only (keys and values left out), "
+                            "so the server runs self-attention"));
   bench->add_option("--api", bench_command.api,
                     "attention: Attend calls; inference: the same request as Open Inference "
                     "Protocol ModelInfer calls")

@@ -45,11 +45,18 @@ absl::StatusOr<attention::v1::AttendRequest> GenerateRequest(
         "request of --batch ", shape.batch, " --n ", shape.n, " with sizes (d_q ", d_q,
         ", d_k ", d_k, ", d_v ", d_v, ") is above the limit of ", kMaxFloats, " floats"));
   }
+  if (shape.self_attention && (d_k != d_q || d_v != d_q)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--self-attention: model '", shape.model, "' takes inputs of different sizes (d_q ", d_q,
+        ", d_k ", d_k, ", d_v ", d_v, "); the queries can stand in for keys and values only "
+        "when all three are equal"));
+  }
   std::mt19937 random(kSeed);
   attention::v1::AttendRequest request;
   request.set_model(shape.model);
   request.set_causal(shape.causal);
   FillTensor(*request.mutable_queries(), shape.batch, shape.n, d_q, random);
+  if (shape.self_attention) return request;
   FillTensor(*request.mutable_keys(), shape.batch, shape.n, d_k, random);
   FillTensor(*request.mutable_values(), shape.batch, shape.n, d_v, random);
   return request;

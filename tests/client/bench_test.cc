@@ -76,6 +76,34 @@ TEST(RequestGeneratorTest, SameShapeSameData) {
   EXPECT_NE(a->queries().data(0), a->queries().data(1));
 }
 
+TEST(RequestGeneratorTest, SelfAttentionSendsQueriesOnly) {
+  attention::v1::ModelInfo torch_layout;
+  torch_layout.set_query_size(16);
+  torch_layout.set_key_size(16);
+  torch_layout.set_value_size(16);
+  absl::StatusOr<attention::v1::AttendRequest> request = GenerateRequest(
+      {.model = "mh", .batch = 1, .n = 1, .dim = 64, .self_attention = true}, torch_layout);
+  ASSERT_TRUE(request.ok()) << request.status();
+  EXPECT_THAT(request->queries().shape(), ::testing::ElementsAre(1, 1, 16));
+  EXPECT_EQ(request->queries().data_size(), 16);
+  // Absent, not empty: the server reads an absent message as "use the queries".
+  EXPECT_FALSE(request->has_keys());
+  EXPECT_FALSE(request->has_values());
+}
+
+TEST(RequestGeneratorTest, SelfAttentionNeedsEqualInputSizes) {
+  attention::v1::ModelInfo kv_dims;
+  kv_dims.set_query_size(64);
+  kv_dims.set_key_size(32);
+  kv_dims.set_value_size(48);
+  absl::StatusOr<attention::v1::AttendRequest> request =
+      GenerateRequest({.model = "mh_kv", .self_attention = true}, kv_dims);
+  EXPECT_EQ(request.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(request.status().message(),
+              HasSubstr("--self-attention: model 'mh_kv' takes inputs of different sizes "
+                        "(d_q 64, d_k 32, d_v 48)"));
+}
+
 TEST(RequestGeneratorTest, BadSizesAreNamed) {
   const attention::v1::ModelInfo any;
   EXPECT_THAT(GenerateRequest({.batch = 0}, any).status().message(),
