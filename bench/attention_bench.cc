@@ -19,6 +19,9 @@
 //       (keys and values given, as attention-client bench sends them) through
 //       one Engine::Run, as the server's batcher runs them: time and CPU per
 //       request against requests:1, and the memory the calls add.
+//   batch/self/multi_head/B:1/n:1/E:1024/H:16/masked:0/requests:k  the same
+//       with queries only (self-attention, the fused Q/K/V product): issue
+//       13's single-token service request, without the service around it.
 //
 // masked:1 gives every example a valid length drawn uniformly from [n/4, n]
 // (fixed seed). GFLOPS counts useful work per wall-clock second:
@@ -341,7 +344,9 @@ constexpr int64_t kBatchCopies = 64;
 // request's 3 MiB left in cache by the last iteration. call_growth_MiB is the
 // resident memory the calls add over the inputs (VmHWM after clear_refs, as
 // in MemoryPeak); run each alone to read it.
-void Batch(benchmark::State& state, Shape s, int64_t requests) {
+// With `self_attention`, keys and values are left out, as in a single-token
+// decoding step.
+void Batch(benchmark::State& state, Shape s, int64_t requests, bool self_attention) {
   std::mt19937 rng(kSeed);
   const Model model = MultiHeadModel(s.width, s.heads, rng);
   const int64_t elements = s.batch * s.length * s.width;
@@ -355,8 +360,10 @@ void Batch(benchmark::State& state, Shape s, int64_t requests) {
   const std::vector<int64_t> shape = {s.batch, s.length, s.width};
   for (AttentionRequest& request : batch_requests) {
     request.queries = {shape, copies.emplace_back(queries)};
-    request.keys = TensorView{shape, copies.emplace_back(keys)};
-    request.values = TensorView{shape, copies.emplace_back(values)};
+    if (!self_attention) {
+      request.keys = TensorView{shape, copies.emplace_back(keys)};
+      request.values = TensorView{shape, copies.emplace_back(values)};
+    }
     absl::StatusOr<AttentionDims> dims = Validate(model, request);
     if (!dims.ok()) {
       state.SkipWithError(std::string(dims.status().message()).c_str());
@@ -440,8 +447,14 @@ void RegisterAll() {
   for (const Shape& s : {Shape{1, 32, 256, 8}, Shape{8, 128, 256, 8}}) {
     for (int64_t requests : {1, 8, 32, 64}) {
       Register("batch/" + ShapeName("multi_head", s, false) + "/requests:" + std::to_string(requests),
-               Batch, s, requests);
+               Batch, s, requests, false);
     }
+  }
+  const Shape token{1, 1, 1024, 16};
+  for (int64_t requests : {1, 8, 32, 64}) {
+    Register("batch/self/" + ShapeName("multi_head", token, false) + "/requests:" +
+                 std::to_string(requests),
+             Batch, token, requests, true);
   }
 
   constexpr int64_t kMemoryBatch = 8, kMemoryLength = 16384, kMemorySize = 64;

@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "client/attention_client.h"
 #include "client/commands.h"
 
@@ -52,6 +53,11 @@ bool OnlyLoopback(const std::string& target) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Debian's Abseil is built without NDEBUG, so absl::Mutex would keep a
+  // process-wide lock-order graph on every Lock, gRPC's own locks included:
+  // CPU that `bench` would take from the server it measures
+  // (BENCHMARKS.md, Service). Lock-order bugs are TSan's job.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   CLI::App app{"attention-client: calls an attention-server (gRPC attention.v1)."};
   app.require_subcommand(1);
   // Connection flags may also follow the subcommand.

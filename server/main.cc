@@ -2,6 +2,7 @@
 #include <malloc.h>
 
 #include "CLI/CLI.hpp"
+#include "absl/synchronization/mutex.h"
 #include "server/run_server.h"
 #include "server/server_config.h"
 #include "server/server_flags.h"
@@ -15,6 +16,12 @@ int main(int argc, char** argv) {
   // threshold) are still mapped and unmapped.
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 128 << 20);
+  // Debian builds Abseil without NDEBUG, which turns on absl::Mutex's
+  // lock-order graph: every Lock of every mutex (gRPC's included) then
+  // updates a process-wide graph under one spinlock, about 7% of the CPU of
+  // a server answering small requests (perf, BENCHMARKS.md). Lock-order bugs
+  // are TSan's job (scripts/sanitize.sh tsan), not the production server's.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   attention::server::ServerConfig config;
   CLI::App app{
       "attention-server: serves attention models over gRPC (attention.v1.AttentionService).\n"
