@@ -10,6 +10,7 @@ PyTorch code, masked against unmasked, and the GEMM peak of the same run.
 """
 import json
 import os
+import statistics
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,6 +77,46 @@ def main():
     print("|---|---:|---:|---:|")
     for label, g in (("1 thread", gemm1), ("2 threads", gemm2)):
         print(f"| {label} | {g['ms']:.1f} | {g['GFLOPS']:.0f} | {g['GFLOPS_per_core']:.0f} |")
+    per_round_tables(r)
+
+
+def per_round_tables(r):
+    """Ratios taken within each round (engine and PyTorch measured minutes
+    apart, under the same load), with their median over the rounds."""
+    rounds = r.get("per_round")
+    if not rounds:
+        return
+    def cpu(row):
+        return row["GFLOP_per_call"] / row["GFLOPS_per_core"]
+    def cell(values, spec):
+        return f"{', '.join(format(v, spec) for v in values)} | **{format(statistics.median(values), spec)}**"
+    print()
+    print(f"Per round ({len(rounds)} rounds; each round's best repetition), median in bold:")
+    print()
+    print("| shape | masked | engine/torch (wall) per round | median | engine/torch (CPU time) "
+          "per round | median | % of SGEMM (2 threads, wall) per round | median |")
+    print("|---|:-:|---|---:|---|---:|---|---:|")
+    for s in SHAPES:
+        for m in (0, 1):
+            k = f"multi_head/{s}/masked:{m}"
+            wall = [x["torch"][k]["ms"] / x["engine"][k]["ms"] for x in rounds]
+            per_cpu = [x["engine"][k]["GFLOPS_per_core"] / x["torch"][k]["GFLOPS_per_core"]
+                       for x in rounds]
+            peak = [100 * x["engine"][k]["GFLOPS"] /
+                    x["engine"]["gemm/M:2048/N:2048/K:2048/threads:2"]["GFLOPS"] for x in rounds]
+            print(f"| {s} | {m} | {cell(wall, '.2f')} | {cell(per_cpu, '.2f')} | "
+                  f"{cell(peak, '.0f')} |")
+    print()
+    print("| shape | ideal (1/allowed) | masked speed-up (CPU time) per round | median | "
+          "% of ideal, median | masked speed-up (wall) per round | median |")
+    print("|---|---:|---|---:|---:|---|---:|")
+    for s in SHAPES:
+        k0, k1 = f"dot_product/{s}/masked:0", f"dot_product/{s}/masked:1"
+        allowed = rounds[0]["engine"][k1].get("allowed") or 1.0
+        by_cpu = [cpu(x["engine"][k0]) / cpu(x["engine"][k1]) for x in rounds]
+        by_wall = [x["engine"][k0]["ms"] / x["engine"][k1]["ms"] for x in rounds]
+        print(f"| {s} | {1 / allowed:.2f}x | {cell(by_cpu, '.2f')} | "
+              f"{100 * statistics.median(by_cpu) * allowed:.0f}% | {cell(by_wall, '.2f')} |")
 
 
 if __name__ == "__main__":

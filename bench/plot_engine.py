@@ -6,7 +6,8 @@ same load, attention-bench (multi_head, dot_product, gemm; JSON),
 bench/compare_torch.py and the d2l-style dot-product attention in PyTorch
 (measure_d2l), keeps the best of all repetitions of every benchmark
 (min time, max GFLOP/s) and writes bench/results/engine.json with the load
-average around every run. Without --measure it only draws, from that file and
+average around every run, and each round's own best (per_round) so that
+ratios can also be taken within one round and their median reported. Without --measure it only draws, from that file and
 from bench/results/engine_scaling.json (bench/cost_scaling.py):
 
   bench/figures/engine_gflops.png   GFLOP/s per shape, unmasked and masked:
@@ -107,7 +108,9 @@ def measure(args):
                  f"--min-time={args.min_time}", f"--repetitions={args.repetitions}"]
     engine, torch, d2l, loads, context = {}, {}, {}, [], {}
     start = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    per_round = []  # each round's own best, for ratios taken within one round
     for round_index in range(args.rounds):
+        round_engine, round_torch, round_d2l = {}, {}, {}
         loads.append(os.getloadavg())
         report = json.loads(subprocess.run(bench_cmd, check=True, capture_output=True,
                                            text=True).stdout)
@@ -115,16 +118,23 @@ def measure(args):
         for b in report["benchmarks"]:
             if b.get("run_type") != "iteration" or "GFLOPS" not in b:
                 continue
-            keep_best(engine, b["run_name"], b["real_time"], b["GFLOPS"], b["GFLOPS_per_core"],
-                      {"allowed": b.get("allowed"), "GFLOP_per_call": b.get("GFLOP_per_call")})
+            for table in (engine, round_engine):
+                keep_best(table, b["run_name"], b["real_time"], b["GFLOPS"], b["GFLOPS_per_core"],
+                          {"allowed": b.get("allowed"), "GFLOP_per_call": b.get("GFLOP_per_call")})
         loads.append(os.getloadavg())
         out = subprocess.run(torch_cmd, check=True, capture_output=True, text=True).stdout
         for line in out.splitlines():
             m = TORCH_LINE.match(line.strip())
             if m:
-                keep_best(torch, m.group(1), float(m.group(2)), float(m.group(3)), float(m.group(4)))
+                for table in (torch, round_torch):
+                    keep_best(table, m.group(1), float(m.group(2)), float(m.group(3)),
+                              float(m.group(4)))
         loads.append(os.getloadavg())
-        measure_d2l(d2l, args)
+        measure_d2l(round_d2l, args)
+        for name, row in round_d2l.items():
+            keep_best(d2l, name, row["ms"], row["GFLOPS"], row["GFLOPS_per_core"])
+        per_round.append({"engine": round_engine, "torch": round_torch,
+                          "torch_d2l_dot_product": round_d2l})
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     loads.append(os.getloadavg())
     result = {
@@ -139,6 +149,7 @@ def measure(args):
         "engine": engine,
         "torch": torch,
         "torch_d2l_dot_product": d2l,
+        "per_round": per_round,
     }
     with open(os.path.join(RESULTS, args.output), "w") as f:
         json.dump(result, f, indent=1)
