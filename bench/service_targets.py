@@ -79,7 +79,8 @@ def load_average():
 def machine():
     text = subprocess.run(["lscpu"], capture_output=True, text=True, env=clean_env()).stdout
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    model = fields.get("Model name", "?").strip()
+    model = (f"{fields.get('Model name', '?').strip()} (family {fields.get('CPU family', '?').strip()}"
+             f" model {fields.get('Model', '?').strip()})")
     cpus = fields.get("CPU(s)", "?").strip()
     flags = fields.get("Flags", "").split()
     return model, cpus, [f for f in VECTOR_FLAGS if f in flags]
