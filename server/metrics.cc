@@ -16,6 +16,19 @@ const prometheus::Histogram::BucketBoundaries& DurationBuckets() {
   return *buckets;
 }
 
+// The series `slot` keeps, created by `add` the first time. Racing callers
+// store the same pointer: Family::Add returns the one series of its labels.
+template <typename AddSeries>
+prometheus::Counter& KeptSeries(std::atomic<prometheus::Counter*>* slot, AddSeries add) {
+  if (slot == nullptr) return add();
+  prometheus::Counter* counter = slot->load(std::memory_order_acquire);
+  if (counter == nullptr) {
+    counter = &add();
+    slot->store(counter, std::memory_order_release);
+  }
+  return *counter;
+}
+
 // 1, 2, 4, ... up to and including max_batch_size.
 prometheus::Histogram::BucketBoundaries BatchSizeBuckets(int max_batch_size) {
   prometheus::Histogram::BucketBoundaries buckets;
@@ -89,7 +102,21 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
                                  &batch_size.Add(labels, BatchSizeBuckets(max_batch_size)),
                                  &queue_depth.Add(labels), totals_.back().get()});
     queue_capacity_gauge.Add(labels).Set(queue_capacity);
+    request_counters_.emplace(model, std::make_unique<RequestCounters>());
   }
+}
+
+std::atomic<prometheus::Counter*>* ServerMetrics::Slot(std::string_view model,
+                                                       absl::StatusCode code,
+                                                       const std::string_view* api) {
+  const auto counters = request_counters_.find(model);
+  const auto index = static_cast<size_t>(code);
+  if (counters == request_counters_.end() || index >= kStatusCodes) return nullptr;
+  if (api == nullptr) return &counters->second->requests[index];
+  for (size_t a = 0; a < kApis.size(); ++a) {
+    if (kApis[a] == *api) return &counters->second->api_requests[a][index];
+  }
+  return nullptr;
 }
 
 ModelMetrics* ServerMetrics::ForModel(std::string_view model) {
@@ -98,17 +125,18 @@ ModelMetrics* ServerMetrics::ForModel(std::string_view model) {
 }
 
 void ServerMetrics::CountRequest(std::string_view model, absl::StatusCode code) {
-  requests_->Add({{"model", std::string(model)}, {"code", absl::StatusCodeToString(code)}})
-      .Increment();
+  KeptSeries(Slot(model, code, nullptr), [&]() -> prometheus::Counter& {
+    return requests_->Add({{"model", std::string(model)}, {"code", absl::StatusCodeToString(code)}});
+  }).Increment();
 }
 
 void ServerMetrics::CountApiRequest(std::string_view api, std::string_view model,
                                     absl::StatusCode code) {
-  api_requests_
-      ->Add({{"api", std::string(api)},
-             {"model", std::string(model)},
-             {"code", absl::StatusCodeToString(code)}})
-      .Increment();
+  KeptSeries(Slot(model, code, &api), [&]() -> prometheus::Counter& {
+    return api_requests_->Add({{"api", std::string(api)},
+                               {"model", std::string(model)},
+                               {"code", absl::StatusCodeToString(code)}});
+  }).Increment();
 }
 
 void ServerMetrics::SetBuildInfo(std::string_view isa, std::string_view detected_isa,

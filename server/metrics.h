@@ -32,6 +32,7 @@
 // from 50 us to 10 s.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -102,6 +103,25 @@ class ServerMetrics {
   prometheus::Gauge* inflight_;
   std::map<std::string, ModelMetrics, std::less<>> models_;
   std::vector<std::unique_ptr<ModelTotals>> totals_;
+
+  // The request counters of a served model, kept once created so that
+  // counting a request builds no label map: prometheus-cpp's Family::Add
+  // (labels as a std::map of strings, hashed, under the family's lock) took
+  // 2% of a trivial request's server CPU (BENCHMARKS.md). A series is still
+  // created by the first request it counts, as docs/api.md section 7 says.
+  static constexpr size_t kStatusCodes = 17;  // absl::StatusCode 0..16
+  static constexpr std::array<std::string_view, 2> kApis = {"attention", "inference"};
+  struct RequestCounters {
+    std::array<std::atomic<prometheus::Counter*>, kStatusCodes> requests{};
+    std::array<std::array<std::atomic<prometheus::Counter*>, kStatusCodes>, kApis.size()>
+        api_requests{};
+  };
+  // Built in the constructor and never changed, so read without a lock.
+  std::map<std::string, std::unique_ptr<RequestCounters>, std::less<>> request_counters_;
+  // The kept slot for (model, code), or for (api, model, code) when `api`
+  // is set; nullptr for a name or code with no slot (counted the slow way).
+  std::atomic<prometheus::Counter*>* Slot(std::string_view model, absl::StatusCode code,
+                                          const std::string_view* api);
 };
 
 // Seconds, as Prometheus wants them.
