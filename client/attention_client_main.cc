@@ -56,7 +56,8 @@ int main(int argc, char** argv) {
   // Debian's Abseil is built without NDEBUG, so absl::Mutex would keep a
   // process-wide lock-order graph on every Lock, gRPC's own locks included:
   // CPU that `bench` would take from the server it measures
-  // (BENCHMARKS.md, Service). Lock-order bugs are TSan's job.
+  // (BENCHMARKS.md, "Where the per-call time goes"). Lock-order bugs are
+  // TSan's job.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   CLI::App app{"attention-client: calls an attention-server (gRPC attention.v1)."};
   app.require_subcommand(1);

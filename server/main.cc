@@ -18,9 +18,10 @@ int main(int argc, char** argv) {
   mallopt(M_TRIM_THRESHOLD, 128 << 20);
   // Debian builds Abseil without NDEBUG, which turns on absl::Mutex's
   // lock-order graph: every Lock of every mutex (gRPC's included) then
-  // updates a process-wide graph under one spinlock, about 7% of the CPU of
-  // a server answering small requests (perf, BENCHMARKS.md). Lock-order bugs
-  // are TSan's job (scripts/sanitize.sh tsan), not the production server's.
+  // updates a process-wide graph under one spinlock: 5% of the samples of a
+  // server answering trivial requests, and a sixth of its CPU per answer
+  // (BENCHMARKS.md, "Where the per-call time goes"). Lock-order bugs are
+  // TSan's job (scripts/sanitize.sh tsan), not the production server's.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   attention::server::ServerConfig config;
   CLI::App app{
