@@ -109,6 +109,8 @@ def check_promises(documents, checks):
     checks.expect(any(ref.get("configMapRef", {}).get("name") == by_kind(documents, "ConfigMap")["metadata"]["name"]
                       for ref in server.get("envFrom", [])),
                   "server reads its ATTENTION_* configuration from the generated ConfigMap")
+    checks.expect(int(config.get("ATTENTION_REPOSITORY_POLL_SECONDS", 0)) > 0,
+                  "ATTENTION_REPOSITORY_POLL_SECONDS is set, so a model copied onto the volume is served without a rollout")
     mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
     volumes = {v["name"] for v in pod["volumes"]}
     checks.expect(mounts.get("/models") in volumes, "models come from a volume mounted at /models")
