@@ -9,14 +9,17 @@
 // Then: a file written slowly is not read before it is complete; versions
 // side by side and the version policy, through attention.v1 and the Open
 // Inference Protocol; explicit load and unload, refused without the token or
-// with model control off; and 100 reloads of a 64 MB model leave the
-// server's memory where one load left it.
+// with model control off; the CLI's load, unload and repository; and 100
+// reloads of a 64 MB model leave the server's memory where one load left it.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <sys/wait.h>
 
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -489,6 +492,43 @@ TEST(ModelControlTest, LoadAndUnloadAreRefusedWithoutExplicitControl) {
   }
   auto stub = (*server)->Stub();
   EXPECT_EQ(Attend(*stub, Probe("a")).factor, 1);
+  stub.reset();
+  EXPECT_EQ((*server)->Stop(), 0);
+}
+
+// attention-client's exit code and standard output for `args`.
+int RunClient(const std::string& args, std::string* output) {
+  const std::string command =
+      std::string(ATTENTION_BINARY_DIR) + "/client/attention-client " + args + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return -1;
+  char buffer[4096];
+  for (size_t n; (n = fread(buffer, 1, sizeof buffer, pipe)) > 0;) output->append(buffer, n);
+  const int status = pclose(pipe);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(ModelControlTest, TheCliLoadsUnloadsAndListsTheRepository) {
+  TempDir repo;
+  ReplaceFile(repo.path() / "a.safetensors", BilinearBytes(1));
+  ReplaceFile(repo.path() / "broken.safetensors", "not a model");
+  auto server = ServerProcess::Start({"--model-repository", repo.path().string(),
+                                      "--model-control", "explicit"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string target = "--target " + (*server)->address() + " ";
+  std::string output;
+  EXPECT_EQ(RunClient(target + "unload a", &output), 0) << output;
+  auto stub = (*server)->Stub();
+  EXPECT_EQ(Attend(*stub, Probe("a")).status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(RunClient(target + "load a", &output), 0) << output;
+  EXPECT_EQ(Attend(*stub, Probe("a")).factor, 1);
+  output.clear();
+  EXPECT_EQ(RunClient(target + "load missing", &output), 1);
+  EXPECT_THAT(output, HasSubstr("missing.safetensors"));
+  output.clear();
+  EXPECT_EQ(RunClient(target + "repository", &output), 0);
+  EXPECT_THAT(output, ::testing::ContainsRegex("a +1 +READY"));
+  EXPECT_THAT(output, ::testing::ContainsRegex("broken +1 +UNAVAILABLE +.*broken.safetensors"));
   stub.reset();
   EXPECT_EQ((*server)->Stop(), 0);
 }
