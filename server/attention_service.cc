@@ -172,8 +172,16 @@ void AttentionService::CallDone() {
 
 void AttentionService::Drain() {
   StopAccepting();
-  absl::ReaderMutexLock lock(&queues_mu_);
-  for (auto& [name, queue] : queues_) queue->batcher->Drain();
+  // Drained outside the lock: a batcher thread finishing its batch may be
+  // inside Enqueue() (a stream's next request), about to create a queue.
+  // Queues live as long as the service; one created after this copy drains
+  // in its destructor.
+  std::vector<ModelQueue*> queues;
+  {
+    absl::ReaderMutexLock lock(&queues_mu_);
+    for (auto& [name, queue] : queues_) queues.push_back(queue.get());
+  }
+  for (ModelQueue* queue : queues) queue->batcher->Drain();
 }
 
 void AttentionService::Submit(grpc::CallbackServerContext* context,
