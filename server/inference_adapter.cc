@@ -400,7 +400,8 @@ void EncodeInferResponse(const inference::ModelInferRequest& proto,
 absl::StatusOr<std::optional<int64_t>> ParseModelVersion(std::string_view text) {
   if (text.empty()) return std::optional<int64_t>();
   int64_t version = 0;
-  const bool digits = std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  const bool digits =
+      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
   if (!digits || text.front() == '0' ||
       !absl::SimpleAtoi(absl::string_view(text.data(), text.size()), &version)) {
     return absl::NotFoundError(absl::StrCat(

@@ -95,7 +95,8 @@ void RepositoryManager::SyncModel(const std::string& name,
     return false;
   };
   // Under `latest`, the older versions make way only for a ready newest one.
-  const ModelVersion* newest_wanted = wanted.empty() ? nullptr : it->second.Find(wanted.back()->version);
+  const ModelVersion* newest_wanted =
+      wanted.empty() ? nullptr : it->second.Find(wanted.back()->version);
   const bool newest_ready =
       newest_wanted != nullptr && newest_wanted->state == VersionState::kReady;
   for (const ModelVersion& version : it->second.versions) {
@@ -149,7 +150,10 @@ void RepositoryManager::LoadVersion(const ModelFile& file, Report* report) {
   auto model = std::make_shared<const Model>(*std::move(loaded));
   if (metrics_ != nullptr) {
     metrics_->AddModel(file.name);
-    if (serving != nullptr) metrics_->SetModelServed(file.name, file.version, serving->kind, false);
+    // Same labels: the series stays (no scrape sees it missing mid-swap).
+    if (serving != nullptr && serving->kind != model->kind) {
+      metrics_->SetModelServed(file.name, file.version, serving->kind, false);
+    }
     metrics_->SetModelServed(file.name, file.version, model->kind, true);
   }
   report->changes.push_back(absl::StrCat(serving == nullptr ? "loaded " : "reloaded ", file.name,

@@ -129,7 +129,9 @@ TEST(ScanTest, ReadsFlatFilesAndVersionDirectoriesAndIgnoresWorkInProgress) {
   absl::StatusOr<RepositoryListing> listing = ScanRepository(root);
   ASSERT_TRUE(listing.ok()) << listing.status();
   std::vector<std::string> keys;
-  for (const auto& [key, file] : *listing) keys.push_back(key.first + "/" + std::to_string(key.second));
+  for (const auto& [key, file] : *listing) {
+    keys.push_back(key.first + "/" + std::to_string(key.second));
+  }
   EXPECT_THAT(keys, ElementsAre("both/1", "flat/1", "versioned/1", "versioned/12"));
   EXPECT_EQ(listing->at({"both", 1}).path, root / "both" / "1.safetensors");
   EXPECT_EQ(listing->at({"versioned", 12}).signature.size, 3u);
