@@ -132,11 +132,11 @@ struct Observed {
 class LoadOn {
  public:
   LoadOn(const ServerProcess& server, const std::string& model, int calls_in_flight) {
-    for (int i = 0; i < calls_in_flight; ++i) {
-      observed_.emplace_back(std::make_unique<Observed>());
-      threads_.emplace_back([this, &server, model, i] {
+    for (int i = 0; i < calls_in_flight; ++i) observed_.emplace_back(std::make_unique<Observed>());
+    for (const auto& observed : observed_) {
+      threads_.emplace_back([this, &server, model, seen = observed.get()] {
         auto stub = server.Stub();
-        while (!stop_.load()) observed_[i]->replies.push_back(Attend(*stub, Probe(model)));
+        while (!stop_.load()) seen->replies.push_back(Attend(*stub, Probe(model)));
       });
     }
   }
