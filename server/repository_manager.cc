@@ -75,14 +75,26 @@ void RepositoryManager::SyncModel(const std::string& name,
       return;
     }
   }
-  std::vector<const ModelFile*> wanted = files;
-  if (options_.policy == VersionPolicy::kLatest && wanted.size() > 1) {
-    wanted.erase(wanted.begin(), wanted.end() - 1);
-  }
-  for (const ModelFile* file : wanted) {
-    const auto attempt = attempted_.find({name, file->version});
-    if (attempt != attempted_.end() && attempt->second == file->signature) continue;
-    LoadVersion(*file, report);
+  auto load = [&](const ModelFile& file) {
+    const auto attempt = attempted_.find({name, file.version});
+    if (attempt == attempted_.end() || !(attempt->second == file.signature)) {
+      LoadVersion(file, report);
+    }
+  };
+  std::vector<const ModelFile*> wanted;
+  if (options_.policy == VersionPolicy::kAll) {
+    wanted = files;
+    for (const ModelFile* file : wanted) load(*file);
+  } else {
+    // The newest file; when it does not load and nothing serves yet (a
+    // start-up, or a model whose files all changed), the next older one.
+    for (auto file = files.rbegin(); file != files.rend(); ++file) {
+      wanted.insert(wanted.begin(), *file);
+      load(**file);
+      const std::shared_ptr<const ModelRegistry::Index> index = registry_->snapshot();
+      const auto it = index->find(name);
+      if (it != index->end() && it->second.NewestReady() != nullptr) break;
+    }
   }
 
   const std::shared_ptr<const ModelRegistry::Index> index = registry_->snapshot();

@@ -8,7 +8,8 @@
 // attention_model_load_failures_total{model} and shown as the version's
 // reason). Which versions are served is the version policy's choice
 // (docs/api.md, section 5.4): under `latest` an older version is unloaded
-// only once the newest one is ready.
+// only once the newest one is ready, and when the newest file does not load
+// and no version serves, the next older file is loaded instead.
 //
 // Sync() takes a listing (the start-up scan, or the poller's stable view),
 // LoadModel()/UnloadModel() are the explicit control of RepositoryModelLoad

@@ -242,6 +242,21 @@ TEST_F(ManagerTest, LatestServesTheNewestVersionOnceItIsReady) {
   EXPECT_TRUE(std::isnan(Served("m", 1))) << "latest serves one version";
 }
 
+TEST_F(ManagerTest, LatestFallsBackToAnOlderFileWhenTheNewestDoesNotLoad) {
+  auto manager = Manager(VersionPolicy::kLatest);
+  Write("m/1.safetensors", BilinearBytes(1));
+  Write("m/2.safetensors", BilinearBytes(2));
+  Write("m/3.safetensors", "not a model");
+  EXPECT_EQ(Sync(*manager).failures.size(), 1u);
+  EXPECT_EQ(Served("m"), 2);
+  EXPECT_TRUE(std::isnan(Served("m", 1))) << "only the newest version that loads is served";
+
+  Write("m/3.safetensors", BilinearBytes(3));
+  EXPECT_TRUE(Sync(*manager).failures.empty());
+  EXPECT_EQ(Served("m"), 3);
+  EXPECT_TRUE(std::isnan(Served("m", 2)));
+}
+
 TEST_F(ManagerTest, AllServesEveryVersion) {
   auto manager = Manager(VersionPolicy::kAll);
   Write("m/1.safetensors", BilinearBytes(1));
