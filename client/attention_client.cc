@@ -260,6 +260,39 @@ absl::StatusOr<ListModelsResponse> AttentionClient::ListModels() {
   return response;
 }
 
+absl::StatusOr<inference::RepositoryIndexResponse> AttentionClient::RepositoryIndex() {
+  grpc::ClientContext context;
+  Prepare(context, options_.timeout);
+  inference::RepositoryIndexRequest request;
+  inference::RepositoryIndexResponse response;
+  CallAwaiter awaiter;
+  inference_stub_->async()->RepositoryIndex(&context, &request, &response, awaiter.Done());
+  if (grpc::Status status = awaiter.Await(); !status.ok()) return ToAbslStatus(status);
+  return response;
+}
+
+absl::Status AttentionClient::LoadModel(const std::string& model) {
+  grpc::ClientContext context;
+  Prepare(context, options_.timeout);
+  inference::RepositoryModelLoadRequest request;
+  request.set_model_name(model);
+  inference::RepositoryModelLoadResponse response;
+  CallAwaiter awaiter;
+  inference_stub_->async()->RepositoryModelLoad(&context, &request, &response, awaiter.Done());
+  return ToAbslStatus(awaiter.Await());
+}
+
+absl::Status AttentionClient::UnloadModel(const std::string& model) {
+  grpc::ClientContext context;
+  Prepare(context, options_.timeout);
+  inference::RepositoryModelUnloadRequest request;
+  request.set_model_name(model);
+  inference::RepositoryModelUnloadResponse response;
+  CallAwaiter awaiter;
+  inference_stub_->async()->RepositoryModelUnload(&context, &request, &response, awaiter.Done());
+  return ToAbslStatus(awaiter.Await());
+}
+
 absl::StatusOr<HealthCheckResponse::ServingStatus> AttentionClient::Health(
     const std::string& service) {
   grpc::ClientContext context;

@@ -97,6 +97,13 @@ class AttentionClient {
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
       const std::string& service = "");
 
+  // The Open Inference Protocol's repository extension (docs/api.md,
+  // section 9.1): every model version with its state, and explicit loading
+  // and unloading (servers started with --model-control explicit).
+  absl::StatusOr<inference::RepositoryIndexResponse> RepositoryIndex();
+  absl::Status LoadModel(const std::string& model);
+  absl::Status UnloadModel(const std::string& model);
+
   // Starts an Open Inference Protocol ModelInfer call (docs/api.md section 9)
   // with the same deadline and token, and returns at once; `done` as for
   // AttendAsync. `request` must outlive the call.

@@ -4,6 +4,8 @@
 //
 //   attention-client --target 127.0.0.1:50051 health
 //   attention-client models
+//   attention-client repository
+//   attention-client load mha_small
 //   attention-client attend request.json
 //   attention-client attend --stream requests.jsonl
 //   attention-client bench --concurrency 8 --duration 10 --model dot_product --n 256
@@ -108,6 +110,20 @@ int main(int argc, char** argv) {
   bool models_json = false;
   models->add_flag("--json", models_json, "Print the ListModelsResponse as proto JSON");
 
+  CLI::App* repository = app.add_subcommand(
+      "repository", "List every model version the server knows, with its state and reason");
+  bool repository_json = false;
+  repository->add_flag("--json", repository_json,
+                       "Print the RepositoryIndexResponse as proto JSON");
+  CLI::App* load = app.add_subcommand(
+      "load", "Load (or reload) a model from the server's repository (--model-control explicit)");
+  std::string load_model;
+  load->add_option("model", load_model, "Model name")->required();
+  CLI::App* unload = app.add_subcommand(
+      "unload", "Take a model out of service until it is loaded again (--model-control explicit)");
+  std::string unload_model;
+  unload->add_option("model", unload_model, "Model name")->required();
+
   CLI::App* health = app.add_subcommand(
       "health", "Print the server's health; exit 0 only when SERVING (for HEALTHCHECK)");
   std::string health_service;
@@ -200,6 +216,9 @@ int main(int argc, char** argv) {
 
   if (models->parsed()) return attention::client::RunModels(**client, models_json);
   if (health->parsed()) return attention::client::RunHealth(**client, health_service);
+  if (repository->parsed()) return attention::client::RunRepository(**client, repository_json);
+  if (load->parsed()) return attention::client::RunLoad(**client, load_model);
+  if (unload->parsed()) return attention::client::RunUnload(**client, unload_model);
   if (attend->parsed()) {
     if (attend_stream) return attention::client::RunAttendStream(**client, attend_input);
     return attention::client::RunAttend(**client, attend_input, attend_pretty);

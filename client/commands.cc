@@ -92,6 +92,33 @@ int RunModels(AttentionClient& client, bool json) {
   return kExitOk;
 }
 
+int RunRepository(AttentionClient& client, bool json) {
+  absl::StatusOr<inference::RepositoryIndexResponse> index = client.RepositoryIndex();
+  if (!index.ok()) return Fail(index.status());
+  if (json) {
+    std::cout << ToJson(*index, /*pretty=*/true) << "\n";
+    return kExitOk;
+  }
+  std::cout << absl::StrFormat("%-24s %-8s %-12s %s\n", "NAME", "VERSION", "STATE", "REASON");
+  for (const auto& m : index->models()) {
+    std::cout << absl::StrFormat("%-24s %-8s %-12s %s\n", m.name(), m.version(), m.state(),
+                                 m.reason());
+  }
+  return kExitOk;
+}
+
+int RunLoad(AttentionClient& client, const std::string& model) {
+  if (absl::Status status = client.LoadModel(model); !status.ok()) return Fail(status);
+  std::cout << "loaded " << model << "\n";
+  return kExitOk;
+}
+
+int RunUnload(AttentionClient& client, const std::string& model) {
+  if (absl::Status status = client.UnloadModel(model); !status.ok()) return Fail(status);
+  std::cout << "unloaded " << model << "\n";
+  return kExitOk;
+}
+
 int RunHealth(AttentionClient& client, const std::string& service) {
   using grpc::health::v1::HealthCheckResponse;
   absl::StatusOr<HealthCheckResponse::ServingStatus> status = client.Health(service);

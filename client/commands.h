@@ -18,6 +18,16 @@ inline constexpr int kExitBadInput = 2;
 // Prints the models as a table, or as a ListModelsResponse in proto JSON.
 int RunModels(AttentionClient& client, bool json);
 
+// Prints every model version the server knows and its state (READY,
+// LOADING, UNLOADING, UNAVAILABLE with the reason), or the
+// RepositoryIndexResponse in proto JSON.
+int RunRepository(AttentionClient& client, bool json);
+
+// RepositoryModelLoad / RepositoryModelUnload of `model`; prints what was
+// done. 1 when the server refused (control off, no token, no such model).
+int RunLoad(AttentionClient& client, const std::string& model);
+int RunUnload(AttentionClient& client, const std::string& model);
+
 // Prints the serving status of `service` ("" = the server); 0 only if SERVING.
 int RunHealth(AttentionClient& client, const std::string& service);
 

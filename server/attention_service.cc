@@ -9,11 +9,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "server/auth.h"
 #include "server/batcher.h"
 #include "server/proto_adapter.h"
+#include "server/repository_views.h"
 #include "server/stream_reactor.h"
 #include "spdlog/spdlog.h"
 
@@ -30,12 +32,16 @@ int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 // The `api` label of attention.v1 requests.
 constexpr std::string_view kAttentionApi = "attention";
 
-AttentionService::Incoming FromAttend(const v1::AttendRequest& request) {
-  return AttentionService::Incoming{.api = kAttentionApi,
-                                    .model = request.model(),
-                                    .request_id = request.request_id(),
-                                    .request = ToAttentionRequest(request),
-                                    .message_bytes = static_cast<int64_t>(request.ByteSizeLong())};
+AttentionService::Incoming FromAttend(const v1::AttendRequest& request,
+                                      int64_t* served_version) {
+  return AttentionService::Incoming{
+      .api = kAttentionApi,
+      .model = request.model(),
+      .version = request.has_version() ? std::optional<int64_t>(request.version()) : std::nullopt,
+      .request_id = request.request_id(),
+      .request = ToAttentionRequest(request),
+      .message_bytes = static_cast<int64_t>(request.ByteSizeLong()),
+      .served_version = served_version};
 }
 
 }  // namespace
@@ -49,10 +55,13 @@ struct AttentionService::Task {
   std::string_view api;                            // these three: owned by the caller
   std::string_view model_name;                     // of Submit, alive until done runs
   std::string_view request_id;
+  absl::StatusOr<std::optional<int64_t>> version;  // asked for; nullopt: newest
   absl::Status refused_by_api;                     // the API's decoding failed
   AttentionRequest request;                        // views the caller's storage
   ValidatedRequest validated;                      // points at `request`
   ModelQueue* queue = nullptr;                     // null: names no served model
+  ServedModel served;                              // the version that computes it
+  int64_t* served_version = nullptr;               // see Incoming
   absl::Time arrived;
   absl::Time enqueued;
   absl::Time deadline_at = absl::InfiniteFuture();
@@ -64,44 +73,54 @@ struct AttentionService::Task {
 };
 
 struct AttentionService::ModelQueue {
-  const Model* model;     // owned by the repository
+  std::string name;
   ModelMetrics* metrics;  // owned by ServerMetrics
   TestGate* gate;         // not owned; nullptr for every model but the test gate's
   std::unique_ptr<Batcher<Task>> batcher;
 };
 
 absl::StatusOr<std::unique_ptr<AttentionService>> AttentionService::Create(
-    const ModelRepository* repository, Engine* engine, ServerMetrics* metrics,
+    const ModelRegistry* registry, Engine* engine, ServerMetrics* metrics,
     ServiceOptions options) {
   std::unique_ptr<AttentionService> service(
-      new AttentionService(repository, engine, metrics, std::move(options)));
-  const ServiceOptions& o = service->options_;
-  for (const auto& model : repository->models()) {
-    auto queue = std::make_unique<ModelQueue>();
-    queue->model = model.get();
-    queue->metrics = metrics->ForModel(model->name);
-    queue->gate = model->name == kTestGateModelName ? o.test_gate : nullptr;
-    if (queue->metrics == nullptr) {
-      return absl::InternalError(absl::StrCat("no metrics for model ", model->name));
+      new AttentionService(registry, engine, metrics, std::move(options)));
+  // Bad batching options fail here, at start-up, rather than on a first request.
+  for (const auto& [name, entry] : *registry->snapshot()) {
+    if (absl::StatusOr<ModelQueue*> queue = service->QueueFor(name); !queue.ok()) {
+      return queue.status();
     }
-    ModelQueue* q = queue.get();
-    AttentionService* s = service.get();
-    absl::StatusOr<std::unique_ptr<Batcher<Task>>> batcher = Batcher<Task>::Create(
-        o.batching,
-        [s, q](std::vector<std::unique_ptr<Task>> batch) { s->ProcessBatch(*q, std::move(batch)); },
-        [s, q](std::unique_ptr<Task> task, absl::Status why) {
-          s->DropTask(*q, std::move(task), why);
-        });
-    if (!batcher.ok()) return batcher.status();
-    queue->batcher = *std::move(batcher);
-    service->queues_.push_back(std::move(queue));
   }
   return service;
 }
 
-AttentionService::AttentionService(const ModelRepository* repository, Engine* engine,
+absl::StatusOr<AttentionService::ModelQueue*> AttentionService::QueueFor(std::string_view name) {
+  const absl::string_view key(name.data(), name.size());
+  {
+    absl::ReaderMutexLock lock(&queues_mu_);
+    if (auto it = queues_.find(key); it != queues_.end()) return it->second.get();
+  }
+  absl::MutexLock lock(&queues_mu_);
+  if (auto it = queues_.find(key); it != queues_.end()) return it->second.get();
+  auto queue = std::make_unique<ModelQueue>();
+  queue->name = std::string(name);
+  queue->metrics = metrics_->AddModel(name);
+  queue->gate = name == kTestGateModelName ? options_.test_gate : nullptr;
+  ModelQueue* q = queue.get();
+  absl::StatusOr<std::unique_ptr<Batcher<Task>>> batcher = Batcher<Task>::Create(
+      options_.batching,
+      [this, q](std::vector<std::unique_ptr<Task>> batch) { ProcessBatch(*q, std::move(batch)); },
+      [this, q](std::unique_ptr<Task> task, absl::Status why) {
+        DropTask(*q, std::move(task), why);
+      });
+  if (!batcher.ok()) return batcher.status();
+  queue->batcher = *std::move(batcher);
+  queues_.emplace(queue->name, std::move(queue));
+  return q;
+}
+
+AttentionService::AttentionService(const ModelRegistry* registry, Engine* engine,
                                    ServerMetrics* metrics, ServiceOptions options)
-    : repository_(repository),
+    : registry_(registry),
       engine_(engine),
       metrics_(metrics),
       options_(std::move(options)),
@@ -153,12 +172,22 @@ void AttentionService::CallDone() {
 
 void AttentionService::Drain() {
   StopAccepting();
-  for (auto& queue : queues_) queue->batcher->Drain();
+  // Drained outside the lock: a batcher thread finishing its batch may be
+  // inside Enqueue() (a stream's next request), about to create a queue.
+  // Queues live as long as the service; one created after this copy drains
+  // in its destructor.
+  std::vector<ModelQueue*> queues;
+  {
+    absl::ReaderMutexLock lock(&queues_mu_);
+    for (auto& [name, queue] : queues_) queues.push_back(queue.get());
+  }
+  for (ModelQueue* queue : queues) queue->batcher->Drain();
 }
 
 void AttentionService::Submit(grpc::CallbackServerContext* context,
-                              const v1::AttendRequest& request, Done done) {
-  Enqueue(NewTask(context, FromAttend(request), std::move(done)));
+                              const v1::AttendRequest& request, Done done,
+                              int64_t* served_version) {
+  Enqueue(NewTask(context, FromAttend(request, served_version), std::move(done)));
 }
 
 void AttentionService::SubmitIncoming(grpc::CallbackServerContext* context, Incoming incoming,
@@ -178,6 +207,8 @@ std::unique_ptr<AttentionService::Task> AttentionService::NewTask(
   task->api = incoming.api;
   task->model_name = incoming.model;
   task->request_id = incoming.request_id;
+  task->version = std::move(incoming.version);
+  task->served_version = incoming.served_version;
   task->message_bytes = incoming.message_bytes;
   if (incoming.request.ok()) {
     task->request = *std::move(incoming.request);
@@ -201,18 +232,20 @@ void AttentionService::Enqueue(std::unique_ptr<Task> task) {
         {"request_id", task->request_id}}) {
     if (absl::Status s = CheckNameLength(field, value); !s.ok()) return Answer(*task, s, nullptr);
   }
-  const std::optional<size_t> model_index = repository_->IndexOf(task->model_name);
-  if (!model_index) {
-    return Answer(*task,
-                  absl::NotFoundError(absl::StrCat("model: no model named '",
-                                                   Printable(task->model_name),
-                                                   "' is served (ListModels lists them)")),
-                  nullptr);
-  }
-  task->queue = queues_[*model_index].get();
+  // The name first, so that a bad version of an unknown model is NOT_FOUND
+  // for its name.
+  absl::StatusOr<ServedModel> served = registry_->Resolve(task->model_name, std::nullopt);
+  if (!served.ok()) return Answer(*task, served.status(), nullptr);
+  absl::StatusOr<ModelQueue*> queue_found = QueueFor(task->model_name);
+  if (!queue_found.ok()) return Answer(*task, queue_found.status(), nullptr);
+  task->queue = *queue_found;
+  if (!task->version.ok()) return Answer(*task, task->version.status(), nullptr);
+  if (task->version->has_value()) served = registry_->Resolve(task->model_name, *task->version);
+  if (!served.ok()) return Answer(*task, served.status(), nullptr);
+  task->served = *std::move(served);
   if (!task->refused_by_api.ok()) return Answer(*task, task->refused_by_api, nullptr);
   absl::StatusOr<AttentionDims> dims =
-      Validate(*task->queue->model, task->request, options_.limits);
+      Validate(*task->served.model, task->request, options_.limits);
   if (!dims.ok()) return Answer(*task, dims.status(), nullptr);
   task->validated = ValidatedRequest{&task->request, *dims};
 
@@ -239,6 +272,20 @@ void AttentionService::Enqueue(std::unique_ptr<Task> task) {
 }
 
 void AttentionService::ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch) {
+  // Versions of one model share a queue but never an execution: each run of
+  // tasks on the same weights (in arrival order) is computed on its own.
+  while (!batch.empty()) {
+    const Model* model = batch.front()->served.model.get();
+    std::vector<std::unique_ptr<Task>> same, rest;
+    for (auto& task : batch) {
+      (task->served.model.get() == model ? same : rest).push_back(std::move(task));
+    }
+    RunBatch(queue, std::move(same));
+    batch = std::move(rest);
+  }
+}
+
+void AttentionService::RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch) {
   const absl::Time start = absl::Now();
   std::vector<ValidatedRequest> requests;
   requests.reserve(batch.size());
@@ -253,7 +300,7 @@ void AttentionService::ProcessBatch(ModelQueue& queue, std::vector<std::unique_p
   absl::Status status;
   try {
     if (queue.gate != nullptr) queue.gate->Pass();
-    engine_->Run(*queue.model, requests, results);
+    engine_->Run(*batch.front()->served.model, requests, results);
   } catch (const std::exception& e) {
     status = absl::InternalError(absl::StrCat("the engine failed: ", e.what()));
   }
@@ -279,7 +326,7 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
   held_bytes_.fetch_sub(task.held_bytes);
   const absl::Duration total = absl::Now() - task.arrived;
   const std::string_view model =
-      task.queue != nullptr ? std::string_view(task.queue->model->name) : std::string_view();
+      task.queue != nullptr ? std::string_view(task.queue->name) : std::string_view();
   metrics_->CountRequest(model, status.code());
   metrics_->CountApiRequest(task.api, model, status.code());
   if (task.queue != nullptr) {
@@ -306,6 +353,10 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
                   task.api, model, Printable(task.request_id), task.context->peer(), queued_us,
                   computed_us, Micros(total));
   }
+  if (status.ok() && task.served_version != nullptr) *task.served_version = task.served.version;
+  // The weights go with the answer: the last request on a replaced version
+  // frees it.
+  task.served = ServedModel{};
   task.done(status, result);
 }
 
@@ -321,6 +372,8 @@ class AttentionService::UnaryReactor final : public grpc::ServerUnaryReactor {
     delete this;
   }
 
+  int64_t served_version = 0;
+
  private:
   AttentionService* const service_;
   const bool admitted_;
@@ -330,14 +383,15 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
                                                    const v1::AttendRequest* request,
                                                    v1::AttendResponse* response) {
   // Not admitted only while shutting down, and then Enqueue() refuses it.
-  grpc::ServerUnaryReactor* reactor = new UnaryReactor(this, AdmitCall());
+  auto* reactor = new UnaryReactor(this, AdmitCall());
   std::unique_ptr<Task> task = NewTask(
-      context, FromAttend(*request),
+      context, FromAttend(*request, &reactor->served_version),
       [reactor, request, response](const absl::Status& status, const AttentionResult* result) {
         if (status.ok()) {
           ToAttendResponse(*result, response);
           response->set_request_id(request->request_id());
           response->set_model(request->model());
+          response->set_model_version(reactor->served_version);
         }
         reactor->Finish(ToGrpcStatus(status));
       });
@@ -350,14 +404,12 @@ grpc::ServerUnaryReactor* AttentionService::Attend(grpc::CallbackServerContext* 
 }
 
 grpc::ServerUnaryReactor* AttentionService::ListModels(grpc::CallbackServerContext* context,
-                                                       const v1::ListModelsRequest*,
+                                                       const v1::ListModelsRequest* request,
                                                        v1::ListModelsResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::Status status = Authenticate(*context);
   if (status.ok()) {
-    for (const auto& model : repository_->models()) {
-      *response->add_models() = ToModelInfo(*model);
-    }
+    ListRegistry(*registry_, request->include_unavailable(), response);
   } else {
     spdlog::warn("ListModels refused: peer={}: {}", context->peer(), std::string(status.message()));
   }

@@ -2,9 +2,14 @@
 //
 // Built on gRPC's callback API: no thread waits on a call. A request is
 // authenticated (auth.h; a stream once, when it opens), resolved to its
-// model, validated (core's Validate(), which names the faulty field) and
+// model version in the live registry (repository_registry.h; the request
+// holds that version's weights until it is answered, whatever reloads
+// meanwhile), validated (core's Validate(), which names the faulty field) and
 // queued in its model's Batcher, all inside the RPC handler; anything wrong is
-// answered there, before any work is queued. Each model's batcher thread runs
+// answered there, before any work is queued. There is one batcher per model
+// name, created when the name is first requested; it keeps the versions of a
+// batch apart (one Engine::Run per version), so a reload never fails or
+// mixes queued requests. Each batcher thread runs
 // merged batches through Engine::Run and answers every request of the batch:
 // Attend finishes its unary reactor, AttendStream hands the answer to its
 // stream's reactor (stream_reactor.h), which writes answers in request order
@@ -19,10 +24,12 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -33,7 +40,7 @@
 #include "grpcpp/grpcpp.h"
 #include "server/batcher.h"
 #include "server/metrics.h"
-#include "server/model_repository.h"
+#include "server/repository_registry.h"
 #include "server/request_names.h"
 #include "server/test_gate.h"
 
@@ -67,11 +74,11 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   // next line logged says how many were left out (docs/api.md, section 6.2).
   static constexpr int kRefusalLinesPerSecond = 20;
 
-  // Starts one batcher per model of `repository`, which must not change
-  // afterwards. `repository`, `engine` and `metrics` are not owned and must
-  // outlive the service. INVALID_ARGUMENT for out-of-range batching options.
+  // Serves the models of `registry`, which may change while serving.
+  // `registry`, `engine` and `metrics` are not owned and must outlive the
+  // service. INVALID_ARGUMENT for out-of-range batching options.
   static absl::StatusOr<std::unique_ptr<AttentionService>> Create(
-      const ModelRepository* repository, Engine* engine, ServerMetrics* metrics,
+      const ModelRegistry* registry, Engine* engine, ServerMetrics* metrics,
       ServiceOptions options);
   ~AttentionService() override;
 
@@ -92,6 +99,9 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   struct Incoming {
     std::string_view api;  // the `api` label of its metrics and log lines
     std::string_view model;
+    // The version asked for (nullopt: the newest ready one), or why the
+    // API's version text is not one; checked once the model is found.
+    absl::StatusOr<std::optional<int64_t>> version = std::optional<int64_t>();
     std::string_view request_id;
     // The request (viewing storage the caller keeps until `done` runs), or
     // why the API's own decoding refused it; checked once the model is
@@ -99,6 +109,9 @@ class AttentionService final : public v1::AttentionService::CallbackService {
     absl::StatusOr<AttentionRequest> request;
     // Its size on the wire, counted against --max-queued-bytes.
     int64_t message_bytes = 0;
+    // Where the version that computed the answer is written before `done`
+    // runs with OK; not owned, alive until then. nullptr: not wanted.
+    int64_t* served_version = nullptr;
   };
   // The entry point of other APIs: answers `incoming` through `done` as
   // Attend answers its request, with the same credentials (unless
@@ -140,13 +153,18 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   class UnaryReactor;
   class StreamReactor;
 
-  AttentionService(const ModelRepository* repository, Engine* engine, ServerMetrics* metrics,
+  AttentionService(const ModelRegistry* registry, Engine* engine, ServerMetrics* metrics,
                    ServiceOptions options);
 
   // Answers `request`, of a call whose credentials were checked, through
   // `done`: now (when it is refused) or from the model's batcher thread.
-  // `request` must stay alive until `done` runs.
-  void Submit(grpc::CallbackServerContext* context, const v1::AttendRequest& request, Done done);
+  // `request` (and `served_version`, see Incoming) must stay alive until
+  // `done` runs.
+  void Submit(grpc::CallbackServerContext* context, const v1::AttendRequest& request, Done done,
+              int64_t* served_version = nullptr);
+  // The batcher of the model `name`, started on first use; an error only
+  // for out-of-range batching options.
+  absl::StatusOr<ModelQueue*> QueueFor(std::string_view name);
   // A request, counted in flight until Answer().
   std::unique_ptr<Task> NewTask(grpc::CallbackServerContext* context, Incoming incoming,
                                 Done done);
@@ -154,11 +172,13 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   // model's batcher.
   void Enqueue(std::unique_ptr<Task> task);
   void ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch);
+  // Computes `tasks`, all of one model version, in one Engine::Run.
+  void RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> tasks);
   void DropTask(ModelQueue& queue, std::unique_ptr<Task> task, const absl::Status& why);
   // Counts, logs and answers `task`.
   void Answer(Task& task, const absl::Status& status, const AttentionResult* result);
 
-  const ModelRepository* const repository_;  // not owned
+  const ModelRegistry* const registry_;  // not owned
   Engine* const engine_;                     // not owned
   ServerMetrics* const metrics_;             // not owned
   const ServiceOptions options_;
@@ -171,8 +191,12 @@ class AttentionService final : public v1::AttentionService::CallbackService {
   int64_t open_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // admitted, OnDone not yet run
   // "request failed" lines: at most kRefusalLinesPerSecond a second.
   RefusalLogLimiter refusal_log_{kRefusalLinesPerSecond};
-  // One per model, in repository order: ModelRepository::IndexOf() indexes it.
-  std::vector<std::unique_ptr<ModelQueue>> queues_;
+  // One per model name ever requested. A removed model's batcher stays (idle,
+  // its thread asleep): a request may hold its pointer between lookup and
+  // Schedule(), and names are bounded by the repository's files.
+  absl::Mutex queues_mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<ModelQueue>> queues_
+      ABSL_GUARDED_BY(queues_mu_);
 };
 
 }  // namespace attention::server

@@ -9,8 +9,10 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "core/float16.h"
+#include "server/request_names.h"
 
 namespace attention::server {
 namespace {
@@ -387,18 +389,33 @@ absl::Status DecodeInferRequest(const inference::ModelInferRequest& proto,
 
 void EncodeInferResponse(const inference::ModelInferRequest& proto,
                          const DecodedInferRequest& decoded, const AttentionResult& result,
-                         inference::ModelInferResponse* response) {
+                         inference::ModelInferResponse* response, int64_t version) {
   response->set_model_name(proto.model_name());
-  response->set_model_version(std::string(kModelVersion));
+  response->set_model_version(std::to_string(version));
   response->set_id(proto.id());
   if (decoded.returns_output) AddOutput(kOutputOutput, result.output, response);
   if (decoded.returns_weights) AddOutput(kWeightsOutput, result.attention_weights, response);
 }
 
-inference::ModelMetadataResponse ToModelMetadata(const Model& model) {
+absl::StatusOr<std::optional<int64_t>> ParseModelVersion(std::string_view text) {
+  if (text.empty()) return std::optional<int64_t>();
+  int64_t version = 0;
+  const bool digits =
+      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  if (!digits || text.front() == '0' ||
+      !absl::SimpleAtoi(absl::string_view(text.data(), text.size()), &version)) {
+    return absl::NotFoundError(absl::StrCat(
+        "model_version: expected a version number (1, 2, ...) or empty for the newest, got '",
+        Printable(text), "'"));
+  }
+  return std::optional<int64_t>(version);
+}
+
+inference::ModelMetadataResponse ToModelMetadata(const Model& model,
+                                                 const std::vector<int64_t>& versions) {
   inference::ModelMetadataResponse metadata;
   metadata.set_name(model.name);
-  metadata.add_versions(std::string(kModelVersion));
+  for (int64_t version : versions) metadata.add_versions(std::to_string(version));
   metadata.set_platform("attention");
   auto fill = [](const TensorSpec& spec, auto* tensor) {
     tensor->set_name(std::string(spec.name));

@@ -19,10 +19,12 @@
 
 #include <cstdint>
 #include <optional>
+#include <string_view>
 #include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "core/engine.h"
 #include "core/model.h"
 #include "core/request.h"
@@ -41,9 +43,6 @@ inline constexpr char kWeightsOutput[] = "attention_weights";
 inline constexpr char kCausalParameter[] = "causal";
 inline constexpr char kScaleParameter[] = "scale";
 inline constexpr char kReturnWeightsParameter[] = "return_attention_weights";
-
-// Every model has this one version.
-inline constexpr char kModelVersion[] = "1";
 
 // A decoded ModelInferRequest. `request` views the tensors held here, so the
 // object stays where it was decoded (no copies, no moves).
@@ -66,15 +65,21 @@ struct DecodedInferRequest {
 absl::Status DecodeInferRequest(const inference::ModelInferRequest& proto,
                                 DecodedInferRequest* decoded);
 
-// The answer to `proto`: id and model echoed, the outputs `decoded` asked
-// for, as FP32 in raw_output_contents.
+// The answer to `proto`, computed by `version` of its model: id and model
+// echoed, the outputs `decoded` asked for, as FP32 in raw_output_contents.
 void EncodeInferResponse(const inference::ModelInferRequest& proto,
                          const DecodedInferRequest& decoded, const AttentionResult& result,
-                         inference::ModelInferResponse* response);
+                         inference::ModelInferResponse* response, int64_t version = 1);
+
+// "" -> nullopt (the newest ready version), "3" -> 3; NOT_FOUND naming
+// `model_version` for anything but a positive decimal.
+absl::StatusOr<std::optional<int64_t>> ParseModelVersion(std::string_view text);
 
 // What ModelMetadata and ModelConfig report for `model`: its inputs and
-// outputs with -1 for every size a request chooses.
-inference::ModelMetadataResponse ToModelMetadata(const Model& model);
+// outputs with -1 for every size a request chooses; `versions`: the ready
+// versions of the model.
+inference::ModelMetadataResponse ToModelMetadata(const Model& model,
+                                                 const std::vector<int64_t>& versions = {1});
 inference::ModelConfig ToModelConfig(const Model& model);
 
 }  // namespace attention::server

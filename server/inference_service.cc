@@ -11,6 +11,8 @@
 #include "server/inference_adapter.h"
 #include "server/ordered_stream.h"
 #include "server/proto_adapter.h"
+#include "server/repository_views.h"
+#include "server/request_names.h"
 #include "spdlog/spdlog.h"
 
 namespace attention::server {
@@ -20,7 +22,8 @@ namespace {
 constexpr std::string_view kInferenceApi = "inference";
 
 // Extensions of the protocol this server implements, by Triton's names.
-constexpr const char* kExtensions[] = {"model_configuration", "statistics", "parameters"};
+constexpr const char* kExtensions[] = {"model_configuration", "statistics", "parameters",
+                                       "model_repository"};
 
 inference::StatisticDuration Duration(uint64_t count, double seconds) {
   inference::StatisticDuration duration;
@@ -42,58 +45,68 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl
 
 }  // namespace
 
-InferenceService::InferenceService(AttentionService* attention, const ModelRepository* repository,
-                                   ServerMetrics* metrics)
-    : attention_(attention), repository_(repository), metrics_(metrics) {}
+InferenceService::InferenceService(AttentionService* attention, const ModelRegistry* registry,
+                                   RepositoryManager* manager, ServerMetrics* metrics)
+    : attention_(attention), registry_(registry), manager_(manager), metrics_(metrics) {}
 
-absl::StatusOr<const Model*> InferenceService::FindModelFor(
+absl::StatusOr<ServedModel> InferenceService::FindModelFor(
     const grpc::CallbackServerContext& context, std::string_view name,
     std::string_view version) const {
   if (absl::Status auth = attention_->Authenticate(context); !auth.ok()) return auth;
   return FindModel(name, version);
 }
 
-absl::StatusOr<const Model*> InferenceService::FindModel(std::string_view name,
-                                                         std::string_view version) const {
-  const Model* model = repository_->Find(name);
-  if (model == nullptr) {
-    return absl::NotFoundError(absl::StrCat("model: no model named '", std::string(name),
+absl::StatusOr<ServedModel> InferenceService::FindModel(std::string_view name,
+                                                        std::string_view version) const {
+  absl::StatusOr<ServedModel> newest = registry_->Resolve(name, std::nullopt);
+  if (!newest.ok()) {
+    return absl::NotFoundError(absl::StrCat("model: no model named '", Printable(name),
                                             "' is served (RepositoryIndex lists them)"));
   }
-  if (!version.empty() && version != kModelVersion) {
-    return absl::NotFoundError(absl::StrCat("model_version: model '", std::string(name),
-                                            "' has version ", kModelVersion, " only, got '",
-                                            std::string(version), "'"));
+  absl::StatusOr<std::optional<int64_t>> wanted = ParseModelVersion(version);
+  if (!wanted.ok()) return wanted.status();
+  if (!wanted->has_value()) return newest;
+  return registry_->Resolve(name, *wanted);
+}
+
+std::vector<int64_t> InferenceService::ReadyVersions(std::string_view name) const {
+  std::vector<int64_t> versions;
+  const std::shared_ptr<const ModelRegistry::Index> index = registry_->snapshot();
+  if (const auto it = index->find(name); it != index->end()) {
+    for (const ModelVersion& version : it->second.versions) {
+      if (version.state == VersionState::kReady) versions.push_back(version.version);
+    }
   }
-  return model;
+  return versions;
 }
 
 void InferenceService::Infer(grpc::CallbackServerContext* context,
                              const inference::ModelInferRequest& proto,
-                             DecodedInferRequest* decoded, bool credentials_checked,
+                             DecodedInferRequest* decoded, int64_t* served_version,
+                             bool credentials_checked,
                              AttentionService::Done done) {
   // SubmitIncoming() refuses unauthenticated calls and calls while draining
   // before it looks at the request, so those are not decoded at all.
   absl::StatusOr<AttentionRequest> request = AttentionRequest{};
   if (attention_->accepting() &&
       (credentials_checked || attention_->Authenticate(*context).ok())) {
-    absl::StatusOr<const Model*> model = FindModel(proto.model_name(), proto.model_version());
-    if (!model.ok() && repository_->Find(proto.model_name()) != nullptr) {
-      request = model.status();  // the model exists, not at that version
-    } else if (absl::Status s = DecodeInferRequest(proto, decoded); !s.ok()) {
+    if (absl::Status s = DecodeInferRequest(proto, decoded); !s.ok()) {
       request = s;
     } else {
       request = decoded->request;
     }
   }
-  attention_->SubmitIncoming(context,
-                             AttentionService::Incoming{.api = kInferenceApi,
-                                                        .model = proto.model_name(),
-                                                        .request_id = proto.id(),
-                                                        .request = std::move(request),
-                                                        .message_bytes = static_cast<int64_t>(
-                                                            proto.ByteSizeLong())},
-                             credentials_checked, std::move(done));
+  attention_->SubmitIncoming(
+      context,
+      AttentionService::Incoming{
+          .api = kInferenceApi,
+          .model = proto.model_name(),
+          .version = ParseModelVersion(proto.model_version()),
+          .request_id = proto.id(),
+          .request = std::move(request),
+          .message_bytes = static_cast<int64_t>(proto.ByteSizeLong()),
+          .served_version = served_version},
+      credentials_checked, std::move(done));
 }
 
 grpc::ServerUnaryReactor* InferenceService::ServerLive(grpc::CallbackServerContext* context,
@@ -136,18 +149,16 @@ grpc::ServerUnaryReactor* InferenceService::ServerMetadata(
 grpc::ServerUnaryReactor* InferenceService::ModelMetadata(
     grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
     inference::ModelMetadataResponse* response) {
-  absl::StatusOr<const Model*> model =
-      FindModelFor(*context, request->name(), request->version());
-  if (model.ok()) *response = ToModelMetadata(**model);
+  absl::StatusOr<ServedModel> model = FindModelFor(*context, request->name(), request->version());
+  if (model.ok()) *response = ToModelMetadata(*model->model, ReadyVersions(request->name()));
   return Reply(context, model.status());
 }
 
 grpc::ServerUnaryReactor* InferenceService::ModelConfig(grpc::CallbackServerContext* context,
                                                         const inference::ModelConfigRequest* request,
                                                         inference::ModelConfigResponse* response) {
-  absl::StatusOr<const Model*> model =
-      FindModelFor(*context, request->name(), request->version());
-  if (model.ok()) *response->mutable_config() = ToModelConfig(**model);
+  absl::StatusOr<ServedModel> model = FindModelFor(*context, request->name(), request->version());
+  if (model.ok()) *response->mutable_config() = ToModelConfig(*model->model);
   return Reply(context, model.status());
 }
 
@@ -158,19 +169,23 @@ grpc::ServerUnaryReactor* InferenceService::ModelStatistics(
     return Reply(context, auth);
   }
   if (!request->name().empty()) {
-    if (absl::StatusOr<const Model*> model = FindModel(request->name(), request->version());
+    if (absl::StatusOr<ServedModel> model = FindModel(request->name(), request->version());
         !model.ok()) {
       return Reply(context, model.status());
     }
   }
-  for (const auto& model : repository_->models()) {
-    if (!request->name().empty() && model->name != request->name()) continue;
-    ModelMetrics* metrics = metrics_->ForModel(model->name);
+  // Counted per model name, whichever versions served the requests.
+  for (const auto& [name, entry] : *registry_->snapshot()) {
+    if (!request->name().empty() && name != request->name()) continue;
+    const ModelVersion* newest = entry.NewestReady();
+    if (newest == nullptr) continue;
+    ModelMetrics* metrics = metrics_->ForModel(name);
     if (metrics == nullptr) continue;
     const ModelTotals& totals = *metrics->totals;
     inference::ModelStatistics* stats = response->add_model_stats();
-    stats->set_name(model->name);
-    stats->set_version(std::string(kModelVersion));
+    stats->set_name(name);
+    stats->set_version(request->version().empty() ? std::to_string(newest->version)
+                                                  : request->version());
     stats->set_last_inference(static_cast<uint64_t>(totals.last_answer_ms.load()));
     stats->set_inference_count(totals.success_count.load());
     stats->set_execution_count(metrics->batch_size->Collect().histogram.sample_count);
@@ -186,20 +201,57 @@ grpc::ServerUnaryReactor* InferenceService::ModelStatistics(
 }
 
 grpc::ServerUnaryReactor* InferenceService::RepositoryIndex(
-    grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest*,
+    grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest* request,
     inference::RepositoryIndexResponse* response) {
   if (absl::Status auth = attention_->Authenticate(*context); !auth.ok()) {
     return Reply(context, auth);
   }
-  // Every model the server has is loaded and ready: files that failed to
-  // load are not models (the log names them).
-  for (const auto& model : repository_->models()) {
-    auto* index = response->add_models();
-    index->set_name(model->name);
-    index->set_version(std::string(kModelVersion));
-    index->set_state("READY");
-  }
+  IndexRegistry(*registry_, request->ready(), response);
   return Reply(context, absl::OkStatus());
+}
+
+absl::Status InferenceService::CheckControl(const grpc::CallbackServerContext& context) const {
+  if (absl::Status auth = attention_->Authenticate(context); !auth.ok()) return auth;
+  if (manager_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "explicit model control is off: start the server with --model-control explicit "
+        "(and --model-repository) to load and unload models");
+  }
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* InferenceService::RepositoryModelLoad(
+    grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
+    inference::RepositoryModelLoadResponse*) {
+  absl::Status status = CheckControl(*context);
+  if (status.ok()) status = CheckNameLength("model_name", request->model_name());
+  if (status.ok()) status = manager_->LoadModel(request->model_name());
+  if (status.ok()) {
+    spdlog::info("RepositoryModelLoad: model '{}' loaded; peer={}",
+                 Printable(request->model_name()), context->peer());
+  } else {
+    spdlog::warn("RepositoryModelLoad of '{}' refused: peer={}: {}",
+                 Printable(request->model_name()), context->peer(),
+                 std::string(status.message()));
+  }
+  return Reply(context, status);
+}
+
+grpc::ServerUnaryReactor* InferenceService::RepositoryModelUnload(
+    grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
+    inference::RepositoryModelUnloadResponse*) {
+  absl::Status status = CheckControl(*context);
+  if (status.ok()) status = CheckNameLength("model_name", request->model_name());
+  if (status.ok()) status = manager_->UnloadModel(request->model_name());
+  if (status.ok()) {
+    spdlog::info("RepositoryModelUnload: model '{}' unloaded; peer={}",
+                 Printable(request->model_name()), context->peer());
+  } else {
+    spdlog::warn("RepositoryModelUnload of '{}' refused: peer={}: {}",
+                 Printable(request->model_name()), context->peer(),
+                 std::string(status.message()));
+  }
+  return Reply(context, status);
 }
 
 // ModelInfer's reactor: holds the decoded request the engine reads, and
@@ -215,6 +267,7 @@ class InferenceService::InferReactor final : public grpc::ServerUnaryReactor {
   }
 
   DecodedInferRequest decoded;
+  int64_t served_version = 0;
 
  private:
   AttentionService* const attention_;
@@ -226,9 +279,13 @@ grpc::ServerUnaryReactor* InferenceService::ModelInfer(grpc::CallbackServerConte
                                                        inference::ModelInferResponse* response) {
   // Not admitted only while shutting down, and then Submit() refuses it.
   auto* reactor = new InferReactor(attention_, attention_->AdmitCall());
-  Infer(context, *request, &reactor->decoded, /*credentials_checked=*/false,
+  Infer(context, *request, &reactor->decoded, &reactor->served_version,
+        /*credentials_checked=*/false,
         [reactor, request, response](const absl::Status& status, const AttentionResult* result) {
-          if (status.ok()) EncodeInferResponse(*request, reactor->decoded, *result, response);
+          if (status.ok()) {
+            EncodeInferResponse(*request, reactor->decoded, *result, response,
+                                reactor->served_version);
+          }
           reactor->Finish(ToGrpcStatus(status));
         });
   return reactor;
@@ -239,6 +296,7 @@ struct InferSlot {
   inference::ModelInferRequest request;
   DecodedInferRequest decoded;
   inference::ModelStreamInferResponse response;
+  int64_t served_version = 0;
   bool answered = false;  // OrderedStream's
 };
 
@@ -272,7 +330,8 @@ class InferenceService::StreamReactor final : public OrderedStream<InferSlot> {
  private:
   void Submit(InferSlot& slot) override {
     // Credentials were checked once, when the stream opened.
-    service_->Infer(context_, slot.request, &slot.decoded, /*credentials_checked=*/true,
+    service_->Infer(context_, slot.request, &slot.decoded, &slot.served_version,
+                    /*credentials_checked=*/true,
                     [this, &slot](const absl::Status& status, const AttentionResult* result) {
                       Answer(slot, status, result);
                     });
@@ -281,7 +340,7 @@ class InferenceService::StreamReactor final : public OrderedStream<InferSlot> {
   void Answer(InferSlot& slot, const absl::Status& status, const AttentionResult* result) {
     inference::ModelInferResponse& answer = *slot.response.mutable_infer_response();
     if (status.ok()) {
-      EncodeInferResponse(slot.request, slot.decoded, *result, &answer);
+      EncodeInferResponse(slot.request, slot.decoded, *result, &answer, slot.served_version);
     } else {
       // The protocol carries no code here, so the message leads with it.
       slot.response.set_error_message(absl::StrCat(absl::StatusCodeToString(status.code()), ": ",

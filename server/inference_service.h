@@ -10,10 +10,14 @@
 //
 // ServerLive and ServerReady answer without credentials, like
 // grpc.health.v1.Health, so orchestrators can probe them; every other RPC
-// needs the bearer token when the server has tokens.
+// needs the bearer token when the server has tokens. RepositoryModelLoad and
+// RepositoryModelUnload are refused (FAILED_PRECONDITION) unless the server
+// runs with --model-control explicit.
 #pragma once
 
+#include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -21,15 +25,17 @@
 #include "server/attention_service.h"
 #include "server/inference_adapter.h"
 #include "server/metrics.h"
-#include "server/model_repository.h"
+#include "server/repository_manager.h"
+#include "server/repository_registry.h"
 
 namespace attention::server {
 
 class InferenceService final : public inference::GRPCInferenceService::CallbackService {
  public:
-  // Not owned; all must outlive the service.
-  InferenceService(AttentionService* attention, const ModelRepository* repository,
-                   ServerMetrics* metrics);
+  // Not owned; all must outlive the service. `manager`: the explicit model
+  // control of RepositoryModelLoad/Unload; nullptr refuses them.
+  InferenceService(AttentionService* attention, const ModelRegistry* registry,
+                   RepositoryManager* manager, ServerMetrics* metrics);
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
@@ -55,6 +61,12 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   grpc::ServerUnaryReactor* RepositoryIndex(grpc::CallbackServerContext* context,
                                             const inference::RepositoryIndexRequest* request,
                                             inference::RepositoryIndexResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryModelLoad(
+      grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
+      inference::RepositoryModelLoadResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryModelUnload(
+      grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
+      inference::RepositoryModelUnloadResponse* response) override;
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
                                        const inference::ModelInferRequest* request,
                                        inference::ModelInferResponse* response) override;
@@ -65,18 +77,26 @@ class InferenceService final : public inference::GRPCInferenceService::CallbackS
   class InferReactor;
   class StreamReactor;
 
-  // The model `name` at `version` ("" or "1"), or NOT_FOUND naming which.
-  absl::StatusOr<const Model*> FindModel(std::string_view name, std::string_view version) const;
+  // The model `name` at `version` ("": the newest ready), or NOT_FOUND
+  // naming which.
+  absl::StatusOr<ServedModel> FindModel(std::string_view name, std::string_view version) const;
   // The same for a caller whose credentials are accepted; their error first.
-  absl::StatusOr<const Model*> FindModelFor(const grpc::CallbackServerContext& context,
-                                            std::string_view name, std::string_view version) const;
+  absl::StatusOr<ServedModel> FindModelFor(const grpc::CallbackServerContext& context,
+                                           std::string_view name, std::string_view version) const;
+  // The ready versions of `name`, ascending.
+  std::vector<int64_t> ReadyVersions(std::string_view name) const;
+  // Why `context` may not load or unload models; OK when it may.
+  absl::Status CheckControl(const grpc::CallbackServerContext& context) const;
   // Decodes `proto` into `decoded` and submits it; as for SubmitIncoming().
+  // `served_version` as in AttentionService::Incoming.
   void Infer(grpc::CallbackServerContext* context, const inference::ModelInferRequest& proto,
-             DecodedInferRequest* decoded, bool credentials_checked, AttentionService::Done done);
+             DecodedInferRequest* decoded, int64_t* served_version, bool credentials_checked,
+             AttentionService::Done done);
 
-  AttentionService* const attention_;        // not owned
-  const ModelRepository* const repository_;  // not owned
-  ServerMetrics* const metrics_;             // not owned
+  AttentionService* const attention_;  // not owned
+  const ModelRegistry* const registry_;  // not owned
+  RepositoryManager* const manager_;   // not owned; nullptr: no explicit control
+  ServerMetrics* const metrics_;       // not owned
 };
 
 }  // namespace attention::server

@@ -1,6 +1,8 @@
 // metrics.cc: metric families and their per-model series.
 #include "server/metrics.h"
 
+#include <string>
+
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
 
@@ -48,7 +50,9 @@ void ModelTotals::Count(bool ok, absl::Duration total) {
 
 ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_batch_size,
                              int queue_capacity)
-    : registry_(std::make_shared<prometheus::Registry>()) {
+    : registry_(std::make_shared<prometheus::Registry>()),
+      max_batch_size_(max_batch_size),
+      queue_capacity_(queue_capacity) {
   requests_ = &prometheus::BuildCounter()
                    .Name("attention_requests_total")
                    .Help("Answered attention requests by model and gRPC status code")
@@ -63,27 +67,27 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
                        .Help("Answered attention requests by serving API (attention, inference), "
                              "model and gRPC status code")
                        .Register(*registry_);
-  auto& request_duration = prometheus::BuildHistogram()
+  request_duration_ = &prometheus::BuildHistogram()
                                .Name("attention_request_duration_seconds")
                                .Help("Time from a request's arrival to its answer")
                                .Register(*registry_);
-  auto& queue_duration = prometheus::BuildHistogram()
+  queue_duration_ = &prometheus::BuildHistogram()
                              .Name("attention_queue_duration_seconds")
                              .Help("Time a request waited in its model's batching queue")
                              .Register(*registry_);
-  auto& compute_duration = prometheus::BuildHistogram()
+  compute_duration_ = &prometheus::BuildHistogram()
                                .Name("attention_compute_duration_seconds")
                                .Help("Duration of the engine execution that computed a request")
                                .Register(*registry_);
-  auto& batch_size = prometheus::BuildHistogram()
+  batch_size_ = &prometheus::BuildHistogram()
                          .Name("attention_batch_size")
                          .Help("Requests merged into one engine execution")
                          .Register(*registry_);
-  auto& queue_depth = prometheus::BuildGauge()
+  queue_depth_ = &prometheus::BuildGauge()
                           .Name("attention_queue_depth")
                           .Help("Requests waiting in a model's batching queue")
                           .Register(*registry_);
-  auto& queue_capacity_gauge = prometheus::BuildGauge()
+  queue_capacity_gauge_ = &prometheus::BuildGauge()
                                    .Name("attention_queue_capacity")
                                    .Help("Requests a model's batching queue holds at most")
                                    .Register(*registry_);
@@ -92,36 +96,74 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
                    .Help("Requests accepted and not yet answered")
                    .Register(*registry_)
                    .Add({});
-  for (const std::string& model : models) {
-    const prometheus::Labels labels{{"model", model}};
-    totals_.push_back(std::make_unique<ModelTotals>());
-    models_.emplace(model,
-                    ModelMetrics{&request_duration.Add(labels, DurationBuckets()),
-                                 &queue_duration.Add(labels, DurationBuckets()),
-                                 &compute_duration.Add(labels, DurationBuckets()),
-                                 &batch_size.Add(labels, BatchSizeBuckets(max_batch_size)),
-                                 &queue_depth.Add(labels), totals_.back().get()});
-    queue_capacity_gauge.Add(labels).Set(queue_capacity);
-    request_counters_.emplace(model, std::make_unique<RequestCounters>());
+  model_info_ = &prometheus::BuildGauge()
+                     .Name("attention_model_info")
+                     .Help("1 for each model version served now, labelled with its kind")
+                     .Register(*registry_);
+  load_failures_ = &prometheus::BuildCounter()
+                        .Name("attention_model_load_failures_total")
+                        .Help("Model files that failed to load or reload, by model")
+                        .Register(*registry_);
+  for (const std::string& model : models) AddModel(model);
+}
+
+ModelMetrics* ServerMetrics::AddModel(std::string_view model) {
+  absl::MutexLock lock(&models_mu_);
+  if (auto it = models_.find(model); it != models_.end()) return &it->second;
+  const prometheus::Labels labels{{"model", std::string(model)}};
+  totals_.push_back(std::make_unique<ModelTotals>());
+  queue_capacity_gauge_->Add(labels).Set(queue_capacity_);
+  request_counters_.emplace(std::string(model), std::make_unique<RequestCounters>());
+  return &models_
+              .emplace(std::string(model),
+                       ModelMetrics{&request_duration_->Add(labels, DurationBuckets()),
+                                    &queue_duration_->Add(labels, DurationBuckets()),
+                                    &compute_duration_->Add(labels, DurationBuckets()),
+                                    &batch_size_->Add(labels, BatchSizeBuckets(max_batch_size_)),
+                                    &queue_depth_->Add(labels), totals_.back().get()})
+              .first->second;
+}
+
+ModelMetrics* ServerMetrics::ForModel(std::string_view model) {
+  absl::MutexLock lock(&models_mu_);
+  auto it = models_.find(model);
+  return it == models_.end() ? nullptr : &it->second;
+}
+
+void ServerMetrics::SetModelServed(std::string_view model, int64_t version, Kind kind,
+                                   bool served) {
+  const prometheus::Labels labels{{"model", std::string(model)},
+                                  {"version", std::to_string(version)},
+                                  {"kind", std::string(KindName(kind))}};
+  prometheus::Gauge& gauge = model_info_->Add(labels);
+  if (served) {
+    gauge.Set(1);
+  } else {
+    model_info_->Remove(&gauge);
   }
+}
+
+void ServerMetrics::CountLoadFailure(std::string_view model) {
+  load_failures_->Add({{"model", std::string(model)}}).Increment();
 }
 
 std::atomic<prometheus::Counter*>* ServerMetrics::Slot(std::string_view model,
                                                        absl::StatusCode code,
                                                        const std::string_view* api) {
-  const auto counters = request_counters_.find(model);
   const auto index = static_cast<size_t>(code);
-  if (counters == request_counters_.end() || index >= kStatusCodes) return nullptr;
-  if (api == nullptr) return &counters->second->requests[index];
+  if (index >= kStatusCodes) return nullptr;
+  RequestCounters* counters = nullptr;
+  {
+    absl::MutexLock lock(&models_mu_);
+    const auto it = request_counters_.find(model);
+    if (it == request_counters_.end()) return nullptr;
+    counters = it->second.get();
+  }
+  if (api == nullptr) return &counters->requests[index];
   for (size_t a = 0; a < kApis.size(); ++a) {
-    if (kApis[a] == *api) return &counters->second->api_requests[a][index];
+    if (kApis[a] == *api) return &counters->api_requests[a][index];
   }
   return nullptr;
-}
-
-ModelMetrics* ServerMetrics::ForModel(std::string_view model) {
-  auto it = models_.find(model);
-  return it == models_.end() ? nullptr : &it->second;
 }
 
 void ServerMetrics::CountRequest(std::string_view model, absl::StatusCode code) {

@@ -26,9 +26,14 @@
 //                                               1: the kernel path running, the
 //                                               best this CPU runs, the BLAS
 //                                               kernel core, the server version
+//   attention_model_info{model,version,kind}    1 per version served now; the
+//                                               series goes with the version
+//   attention_model_load_failures_total{model}  model files that failed to
+//                                               load (a failed reload included)
 //
 // `model` is a served model's name, or empty for a request naming no served
-// model, so clients cannot create label values at will. Durations use buckets
+// model, so clients cannot create label values at will: a model's series are
+// created when its name first appears in the repository (AddModel). Durations use buckets
 // from 50 us to 10 s.
 #pragma once
 
@@ -41,13 +46,16 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "core/model.h"
 
 namespace attention::server {
 
@@ -79,8 +87,15 @@ class ServerMetrics {
   // Series for every name in `models`; batch sizes bucketed up to max_batch_size.
   ServerMetrics(const std::vector<std::string>& models, int max_batch_size, int queue_capacity);
 
-  // nullptr for a name not given to the constructor.
+  // The series of `model`, created now at zero if they do not exist yet.
+  // Stable for the lifetime of this object; only for names of served models.
+  ModelMetrics* AddModel(std::string_view model);
+  // nullptr for a name never given to the constructor or AddModel().
   ModelMetrics* ForModel(std::string_view model);
+  // attention_model_info{model,version,kind}: 1 while served, removed after.
+  void SetModelServed(std::string_view model, int64_t version, Kind kind, bool served);
+  // attention_model_load_failures_total{model}.
+  void CountLoadFailure(std::string_view model);
   // Counts one answered request; `model` as in ForModel, or "" for none.
   void CountRequest(std::string_view model, absl::StatusCode code);
   // Counts it again by the API that served it.
@@ -97,18 +112,26 @@ class ServerMetrics {
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
+  const int max_batch_size_;
+  const int queue_capacity_;
+  prometheus::Family<prometheus::Histogram>* request_duration_;
+  prometheus::Family<prometheus::Histogram>* queue_duration_;
+  prometheus::Family<prometheus::Histogram>* compute_duration_;
+  prometheus::Family<prometheus::Histogram>* batch_size_;
+  prometheus::Family<prometheus::Gauge>* queue_depth_;
+  prometheus::Family<prometheus::Gauge>* queue_capacity_gauge_;
+  prometheus::Family<prometheus::Gauge>* model_info_;
+  prometheus::Family<prometheus::Counter>* load_failures_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Counter>* refused_streams_;
   prometheus::Family<prometheus::Counter>* api_requests_;
   prometheus::Gauge* inflight_;
-  std::map<std::string, ModelMetrics, std::less<>> models_;
-  std::vector<std::unique_ptr<ModelTotals>> totals_;
 
-  // The request counters of a served model, kept once created so that
-  // counting a request builds no label map: prometheus-cpp's Family::Add
-  // (labels as a std::map of strings, hashed, under the family's lock) took
-  // 2% of a trivial request's server CPU (BENCHMARKS.md). A series is still
-  // created by the first request it counts, as docs/api.md section 7 says.
+  // The request counters of a model, kept once created so that counting a
+  // request builds no label map: prometheus-cpp's Family::Add (labels as a
+  // std::map of strings, hashed, under the family's lock) took 2% of a
+  // trivial request's server CPU (BENCHMARKS.md). A series is still created
+  // by the first request it counts, as docs/api.md section 7 says.
   static constexpr size_t kStatusCodes = 17;  // absl::StatusCode 0..16
   static constexpr std::array<std::string_view, 2> kApis = {"attention", "inference"};
   struct RequestCounters {
@@ -116,12 +139,18 @@ class ServerMetrics {
     std::array<std::array<std::atomic<prometheus::Counter*>, kStatusCodes>, kApis.size()>
         api_requests{};
   };
-  // Built in the constructor and never changed, so read without a lock.
-  std::map<std::string, std::unique_ptr<RequestCounters>, std::less<>> request_counters_;
   // The kept slot for (model, code), or for (api, model, code) when `api`
   // is set; nullptr for a name or code with no slot (counted the slow way).
   std::atomic<prometheus::Counter*>* Slot(std::string_view model, absl::StatusCode code,
                                           const std::string_view* api);
+
+  absl::Mutex models_mu_;
+  // Node-based, so the addresses ForModel() hands out stay valid.
+  std::map<std::string, ModelMetrics, std::less<>> models_ ABSL_GUARDED_BY(models_mu_);
+  std::vector<std::unique_ptr<ModelTotals>> totals_ ABSL_GUARDED_BY(models_mu_);
+  // Same keys as models_; a slot's address is stable once its model is added.
+  std::map<std::string, std::unique_ptr<RequestCounters>, std::less<>> request_counters_
+      ABSL_GUARDED_BY(models_mu_);
 };
 
 // Seconds, as Prometheus wants them.

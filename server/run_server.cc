@@ -36,7 +36,10 @@
 #include "server/inference_service.h"
 #include "server/logging.h"
 #include "server/metrics.h"
-#include "server/model_repository.h"
+#include "server/repository_manager.h"
+#include "server/repository_poller.h"
+#include "server/repository_registry.h"
+#include "server/repository_scan.h"
 #include "server/test_gate.h"
 #include "server/tls_credentials.h"
 #include "spdlog/spdlog.h"
@@ -204,35 +207,55 @@ int RunServer(const ServerConfig& config) {
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = TlsCredentials(config);
   if (!credentials.ok()) return Fail(credentials.status());
 
-  std::vector<absl::Status> skipped;
-  std::optional<std::filesystem::path> directory;
-  if (!config.model_repository.empty()) directory = config.model_repository;
-  absl::StatusOr<ModelRepository> repository =
-      ModelRepository::Load(directory, config.strict, &skipped,
-                            static_cast<uint64_t>(config.max_model_file_bytes));
-  if (!repository.ok()) return Fail(repository.status());
-  for (const absl::Status& problem : skipped) {
-    spdlog::error("model skipped: {}", std::string(problem.message()));
+  absl::StatusOr<VersionPolicy> policy = ParseVersionPolicy(config.version_policy);
+  if (!policy.ok()) return Fail(policy.status());
+  const bool explicit_control = config.model_control == "explicit";
+  if (config.model_repository.empty() && (explicit_control || config.repository_poll_seconds > 0)) {
+    return Fail(absl::InvalidArgumentError(
+        "--model-control explicit and --repository-poll-seconds need --model-repository"));
+  }
+  ModelRegistry registry;
+  for (Model built_in : {DotProductModel(), DistanceModel()}) {
+    if (absl::Status s = registry.AddBuiltIn(std::move(built_in)); !s.ok()) return Fail(s);
   }
   std::unique_ptr<TestGate> test_gate;
   if (!config.test_gate_fifo.empty()) {
     absl::StatusOr<std::unique_ptr<TestGate>> opened = TestGate::Open(config.test_gate_fifo);
     if (!opened.ok()) return Fail(opened.status());
     test_gate = *std::move(opened);
-    if (absl::Status s = repository->Add(TestGate::GateModel()); !s.ok()) return Fail(s);
+    if (absl::Status s = registry.AddBuiltIn(TestGate::GateModel()); !s.ok()) return Fail(s);
     service_options.test_gate = test_gate.get();
     spdlog::warn("test gate on: batches of model '{}' wait for bytes on {}", kTestGateModelName,
                  config.test_gate_fifo);
   }
 
+  // Series of the built-ins now; those of file models as each first loads.
   std::vector<std::string> model_names;
-  for (const auto& model : repository->models()) model_names.push_back(model->name);
+  for (const auto& [name, entry] : *registry.snapshot()) model_names.push_back(name);
   ServerMetrics metrics(model_names, config.batching.max_batch_size,
                         config.batching.queue_capacity);
   metrics.SetBuildInfo(IsaName(ActiveIsa()), IsaName(DetectedIsa()), BlasCoreName());
+  for (const auto& [name, entry] : *registry.snapshot()) {
+    metrics.SetModelServed(name, 1, entry.versions.front().model->kind, true);
+  }
+  RepositoryManager manager(&registry, &metrics,
+                            RepositoryOptions{.directory = config.model_repository,
+                                              .policy = *policy,
+                                              .max_file_bytes = static_cast<uint64_t>(
+                                                  config.max_model_file_bytes)});
+  RepositoryListing initial;
+  if (!config.model_repository.empty()) {
+    absl::StatusOr<RepositoryListing> listing = ScanRepository(config.model_repository);
+    if (!listing.ok()) return Fail(listing.status());
+    initial = *std::move(listing);
+    for (const absl::Status& problem : manager.Sync(initial).failures) {
+      if (config.strict) return Fail(problem);
+      spdlog::error("model skipped: {}", std::string(problem.message()));
+    }
+  }
   Engine engine(EngineOptions{.num_threads = config.threads});
   absl::StatusOr<std::unique_ptr<AttentionService>> service =
-      AttentionService::Create(&*repository, &engine, &metrics, service_options);
+      AttentionService::Create(&registry, &engine, &metrics, service_options);
   if (!service.ok()) return Fail(service.status());
 
   if (!config.tls_cert.empty() && !service_options.auth_tokens.empty()) {
@@ -246,7 +269,8 @@ int RunServer(const ServerConfig& config) {
   int port = 0;
   builder.AddListeningPort(config.address, *credentials, &port);
   builder.RegisterService(service->get());
-  InferenceService inference_service(service->get(), &*repository, &metrics);
+  InferenceService inference_service(service->get(), &registry,
+                                     explicit_control ? &manager : nullptr, &metrics);
   builder.RegisterService(&inference_service);
   if (!config.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   builder.SetMaxReceiveMessageSize(config.max_message_bytes);
@@ -304,9 +328,33 @@ int RunServer(const ServerConfig& config) {
                config.batching.queue_capacity, engine.num_threads(), config.max_message_bytes,
                config.limits.max_request_elements, config.limits.max_request_work,
                config.limits.max_request_scratch_elements, config.max_queued_bytes);
-  spdlog::info("serving {} models:", repository->models().size());
-  for (const auto& model : repository->models()) {
-    spdlog::info("  model {} ({})", model->name, Describe(*model));
+  {
+    // Scoped: a snapshot held on would keep these weights alive after a reload.
+    const std::shared_ptr<const ModelRegistry::Index> served = registry.snapshot();
+    spdlog::info("serving {} models (--version-policy {}, --model-control {}):", served->size(),
+                 config.version_policy, config.model_control);
+    for (const auto& [name, entry] : *served) {
+      for (const ModelVersion& version : entry.versions) {
+        if (version.state != VersionState::kReady) continue;
+        spdlog::info("  model {} ({}), version {}", name, Describe(*version.model),
+                     version.version);
+      }
+    }
+  }
+  std::unique_ptr<RepositoryPoller> poller;
+  if (config.repository_poll_seconds > 0) {
+    poller = std::make_unique<RepositoryPoller>(
+        config.model_repository, absl::Seconds(config.repository_poll_seconds), initial,
+        [&manager](const RepositoryListing& stable) {
+          const RepositoryManager::Report report = manager.Sync(stable);
+          for (const std::string& change : report.changes) spdlog::info("repository: {}", change);
+          for (const absl::Status& failure : report.failures) {
+            spdlog::error("repository: model not loaded, what served before stays: {}",
+                          std::string(failure.message()));
+          }
+        });
+    spdlog::info("polling {} every {} s for model changes", config.model_repository,
+                 config.repository_poll_seconds);
   }
   if (!config.port_file.empty()) {
     if (absl::Status s = WritePortFile(config.port_file, grpc_address, metrics_address); !s.ok()) {

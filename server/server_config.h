@@ -28,6 +28,15 @@ struct ServerConfig {
   bool strict = false;
   // Model files larger than this are skipped (or fatal with --strict); 0: no cap.
   int64_t max_model_file_bytes = int64_t{1} << 30;
+  // Seconds between scans of the repository for new, changed and removed
+  // files (fractions allowed); 0: the repository is read once, at start-up.
+  double repository_poll_seconds = 0.0;
+  // Which versions of a model are served: "latest" (the highest-numbered
+  // one) or "all".
+  std::string version_policy = "latest";
+  // "none", or "explicit": RepositoryModelLoad/Unload may load and unload
+  // models (needs model_repository).
+  std::string model_control = "none";
 
   // Batching, per model: --max-batch-size, --max-queue-delay-us,
   // --queue-capacity (the clock stays the real one).

@@ -34,6 +34,18 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--max-model-file-bytes", &c->max_model_file_bytes,
        "Model files larger than this are skipped as bad files (fatal with --strict); 0: no cap")
       ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--repository-poll-seconds", &c->repository_poll_seconds,
+       "Seconds between scans of --model-repository: new files are loaded, changed files "
+       "reloaded (load-then-swap), removed files unloaded (0: read once, at start-up)")
+      ->check(CLI::Range(0.0, 86400.0));
+  Flag(app, "--version-policy", &c->version_policy,
+       "Versions of a model served: 'latest' (the highest-numbered <name>/<N>.safetensors) or "
+       "'all'")
+      ->check(CLI::IsMember({"latest", "all"}));
+  Flag(app, "--model-control", &c->model_control,
+       "'explicit': the Open Inference Protocol's RepositoryModelLoad/RepositoryModelUnload "
+       "load and unload models (authenticated like every call); 'none': they are refused")
+      ->check(CLI::IsMember({"none", "explicit"}));
   Flag(app, "--max-batch-size", &c->batching.max_batch_size,
        "Most requests of one model merged into one execution (1: no batching)")
       ->check(CLI::Range(1, 1 << 16));

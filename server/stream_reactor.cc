@@ -35,7 +35,8 @@ void AttentionService::StreamReactor::Submit(AttendSlot& slot) {
   service_->Submit(context_, slot.request,
                    [this, &slot](const absl::Status& status, const AttentionResult* result) {
                      Answer(slot, status, result);
-                   });
+                   },
+                   &slot.served_version);
 }
 
 void AttentionService::StreamReactor::RefuseStream(const absl::Status& status) {
@@ -48,6 +49,7 @@ void AttentionService::StreamReactor::Answer(AttendSlot& slot, const absl::Statu
   v1::AttendResponse& response = slot.response;
   if (status.ok()) {
     ToAttendResponse(*result, &response);
+    response.set_model_version(slot.served_version);
   } else {
     response.mutable_error()->set_code(static_cast<int32_t>(status.code()));
     response.mutable_error()->set_message(std::string(status.message()));

@@ -19,7 +19,8 @@ namespace attention::server {
 struct AttendSlot {
   v1::AttendRequest request;
   v1::AttendResponse response;
-  bool answered = false;  // OrderedStream's
+  int64_t served_version = 0;  // the model version that answered
+  bool answered = false;       // OrderedStream's
 };
 
 class AttentionService::StreamReactor final : public OrderedStream<AttendSlot> {
