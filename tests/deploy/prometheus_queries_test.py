@@ -221,10 +221,16 @@ def main():
     failures = []
     passed = 0
     try:
+        # The example models plus one file that is not a model, so the load
+        # failure counter (and the alert on it) has a series to show.
+        repository = os.path.join(workdir, "models")
+        shutil.copytree(os.path.join(REPO, "models"), repository)
+        with open(os.path.join(repository, "broken.safetensors"), "wb") as f:
+            f.write(b"not a safetensors file")
         port_file = os.path.join(workdir, "ports")
         processes.start("server", [
             args.server, "--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
-            "--port-file", port_file, "--model-repository", os.path.join(REPO, "models"),
+            "--port-file", port_file, "--model-repository", repository,
             "--max-batch-size", "8", "--queue-capacity", "256"])
         ports = wait_for("the server's port file", lambda: os.path.exists(port_file) and dict(
             line.split() for line in open(port_file) if line.strip()), deadline)
