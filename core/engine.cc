@@ -34,8 +34,12 @@ namespace {
 
 // Rows per projection task: a GEMM this tall runs near peak.
 constexpr int64_t kProjectionRows = 256;
-// Largest scratch a thread keeps between calls (64 MiB; see GroupScratch).
-constexpr int64_t kKeptScratchFloats = int64_t{16} << 20;
+// Largest scratch a thread keeps between calls (16 MiB; see GroupScratch):
+// the four (tokens x E) buffers of one multi_head request of 2,048 tokens
+// at E = 512, the largest shape BENCHMARKS.md measures. Larger scratch (an
+// additive model's n_k x h key projections, say) is freed after its run, so
+// a thread's memory returns near its level before an oversized request.
+constexpr int64_t kKeptScratchFloats = int64_t{1} << 22;
 // Most floats of token rows one group holds (GroupFloats: query + key rows
 // times the widest row): 2 MiB, 2,048 token rows of multi_head E=256, i.e. 32
 // small (B=1 n=32) or one large (B=8 n=128) request. Scratch then stays a few
