@@ -144,8 +144,10 @@ void ValueMean(const FlashProblem& p, float* mean) {
           .cast<float>();
 }
 
+// Vectorised (x - x is NaN exactly when x is not finite): this runs on every
+// output row.
 bool Finite(const float* row, int64_t size) {
-  return Eigen::Map<const Eigen::ArrayXf>(row, size).isFinite().all();
+  return Eigen::Map<const Eigen::VectorXf>(row, size).allFinite();
 }
 
 // The rule for one row in double, for a row whose float scores or sums
