@@ -49,7 +49,9 @@ struct AttentionService::Task {
     if (absl::Now() >= deadline_at) {
       return absl::DeadlineExceededError("the deadline passed while the request was computed");
     }
-    if (cancelled()) return absl::CancelledError("the call was cancelled while its request was computed");
+    if (cancelled()) {
+      return absl::CancelledError("the call was cancelled while its request was computed");
+    }
     return absl::OkStatus();
   }
 

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -79,7 +80,10 @@ class ComputeStopTest : public ::testing::Test {
     EXPECT_EQ(CheckAnswer(small, answer), "");
     EXPECT_EQ(Metric("attention_batch_size_count") - batches_before, 1) << "not one batch";
     // Both requests observe the batch's duration.
-    return {big_status, (Metric("attention_compute_duration_seconds_sum") - compute_before) / 2};
+    const double engine_seconds =
+        (Metric("attention_compute_duration_seconds_sum") - compute_before) / 2;
+    std::cout << "the engine held the batch " << engine_seconds << " s\n";
+    return {big_status, engine_seconds};
   }
 
   std::unique_ptr<ServerProcess> server_;
