@@ -68,8 +68,11 @@ int64_t SettledResidentBytes(pid_t pid) {
 TEST(ScratchMemoryTest, OversizedRequestsGiveTheirScratchBack) {
   TempDir repository;
   WriteWideAdditiveModel(repository.path() / "wide_additive.safetensors");
-  auto server = ServerProcess::Start(
-      {"--threads", "1", "--model-repository", repository.path().string()});
+  // No scratch cap: what is checked here is that scratch is given back, not
+  // that validation refuses it.
+  auto server = ServerProcess::Start({"--threads", "1", "--model-repository",
+                                      repository.path().string(),
+                                      "--max-request-scratch-elements", "0"});
   ASSERT_TRUE(server.ok()) << server.status();
   auto stub = (*server)->Stub();
   std::mt19937 rng(6);
