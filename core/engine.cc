@@ -8,15 +8,23 @@
 //      bounded by its queries' allowed keys;
 //   3. output projection (multi_head).
 // Tasks are handed out dynamically, so short or causal rows balance out.
+// A request with a StopCheck is polled between blocks of its work (its
+// RequestStop); once stopped, its remaining tasks return at once.
 #include "core/engine.h"
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
+#include <deque>
+#include <mutex>
 #include <vector>
+
+#include "absl/strings/str_cat.h"
 
 #include "core/blas.h"
 #include "core/flash_kernel.h"
+#include "core/flash_tile.h"
 #include "core/masked_softmax.h"
 #include "core/thread_pool.h"
 
@@ -26,8 +34,12 @@ namespace {
 
 // Rows per projection task: a GEMM this tall runs near peak.
 constexpr int64_t kProjectionRows = 256;
-// Largest scratch a thread keeps between calls (64 MiB; see GroupScratch).
-constexpr int64_t kKeptScratchFloats = int64_t{16} << 20;
+// Largest scratch a thread keeps between calls (16 MiB; see GroupScratch):
+// the four (tokens x E) buffers of one multi_head request of 2,048 tokens
+// at E = 512, the largest shape BENCHMARKS.md measures. Larger scratch (an
+// additive model's n_k x h key projections, say) is freed after its run, so
+// a thread's memory returns near its level before an oversized request.
+constexpr int64_t kKeptScratchFloats = int64_t{1} << 22;
 // Most floats of token rows one group holds (GroupFloats: query + key rows
 // times the widest row): 2 MiB, 2,048 token rows of multi_head E=256, i.e. 32
 // small (B=1 n=32) or one large (B=8 n=128) request. Scratch then stays a few
@@ -41,6 +53,39 @@ constexpr int64_t kKeptScratchFloats = int64_t{16} << 20;
 // request whole, whose 1,024 query rows already fill 256-row GEMM blocks, so
 // merging more only adds copies, and 32 small ones fill four such blocks.
 constexpr int64_t kGroupFloats = int64_t{1} << 19;
+
+// A request's stop, shared by every task that computes it: asks its
+// StopCheck and keeps the first non-OK answer.
+class RequestStop final : public WorkStop {
+ public:
+  explicit RequestStop(const StopCheck& check) : check_(check) {}
+
+  bool Stopped() override {
+    if (stopped_.load(std::memory_order_acquire)) return true;
+    absl::Status why = check_();
+    if (why.ok()) return false;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stopped_.load(std::memory_order_relaxed)) {
+      why_ = std::move(why);
+      stopped_.store(true, std::memory_order_release);
+    }
+    return true;
+  }
+  // After the run: OK, or why the request stopped.
+  absl::Status why() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return why_;
+  }
+
+ private:
+  const StopCheck& check_;
+  std::atomic<bool> stopped_{false};
+  mutable std::mutex mu_;
+  absl::Status why_;
+};
+
+// Each request's stop, or null for one never asked.
+using Stops = std::span<RequestStop* const>;
 
 using ConstMatrixMap = Eigen::Map<const RowMatrix>;
 using MatrixMap = Eigen::Map<RowMatrix>;
@@ -190,6 +235,7 @@ void AddTasks(const FlashProblem& problem, float* weights, std::vector<Attention
 void RunAttention(ThreadPool& pool, const std::vector<AttentionTask>& tasks) {
   pool.ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
     const AttentionTask& task = tasks[i];
+    // A stopped problem's RequestStop remembers why; nothing to do here.
     if (task.weights) {
       AttentionWithWeights(*task.problem, task.begin, task.end, task.weights,
                            task.problem->num_keys);
@@ -207,7 +253,7 @@ float* WeightsOf(AttentionResult& result, int64_t slice, const AttentionDims& di
 // dot_product, distance and bilinear: s = scale q'.k + r_i + c_j.
 void RunDotProductFamily(ThreadPool& pool, const Model& model,
                          std::span<const ValidatedRequest> requests,
-                         std::span<AttentionResult> results) {
+                         std::span<AttentionResult> results, Stops stops) {
   const size_t n = requests.size();
   // bilinear: q' = q^T W_k, so q'.k = q.(W_k k); one GEMM over all queries.
   const std::vector<int64_t> query_rows = TokenOffsets(requests, /*keys=*/false);
@@ -270,6 +316,8 @@ void RunDotProductFamily(ThreadPool& pool, const Model& model,
         p.key_bias = key_norms[r].data() + b * d.num_keys;
       }
       p.bounds = BoundsOf(requests[r], b);
+      p.distance = model.kind == Kind::kDistance;
+      p.stop = stops[r];
       problems.push_back(p);
       AddTasks(problems.back(), WeightsOf(results[r], b, d), tasks);
     }
@@ -280,7 +328,7 @@ void RunDotProductFamily(ThreadPool& pool, const Model& model,
 // additive: s[i,j] = w_v . tanh(W_q q_i + W_k k_j), one row at a time so the
 // (n_q x n_k x h) tensor never exists.
 void RunAdditive(ThreadPool& pool, const Model& model, std::span<const ValidatedRequest> requests,
-                 std::span<AttentionResult> results) {
+                 std::span<AttentionResult> results, Stops stops) {
   const size_t n = requests.size();
   const int64_t hidden = model.w_q.rows();
   const std::vector<int64_t> query_rows = TokenOffsets(requests, /*keys=*/false);
@@ -313,8 +361,15 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
     }
   }
   const Eigen::Map<const Vector> w_v(model.w_v.data(), hidden);
+  // Keys whose tanh features are formed at once: bounds the features'
+  // memory whatever n_k, and spaces the polls of a long row kStopPollWork
+  // apart.
+  const int64_t keys_per_chunk = std::max<int64_t>(
+      kFlashKeyTile, kStopPollWork / (hidden * static_cast<int64_t>(kAdditiveHiddenWork)));
   pool.ParallelFor(static_cast<int64_t>(blocks.size()), [&](int64_t t) {
     const Block& block = blocks[t];
+    RequestStop* const stop = stops[block.request];
+    if (stop != nullptr && stop->Stopped()) return;
     const ValidatedRequest& v = requests[block.request];
     const AttentionDims& d = v.dims;
     AttentionResult& result = results[block.request];
@@ -332,20 +387,24 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
     float* weights = WeightsOf(result, b, d);
     const KeyBounds bounds = BoundsOf(v, b);
 
-    thread_local RowMatrix features;  // (allowed keys x h) tanh features of one query
+    thread_local RowMatrix features;  // (keys of a chunk x h) tanh features of one query
     thread_local Vector scores;
     scores.resize(d.num_keys);
     for (int64_t i = block.begin; i < block.end; ++i) {
       const int64_t bound = bounds.Allowed(i, d.num_keys);
-      if (bound > 0) {
-        features.resize(bound, hidden);
-        features = (keys.topRows(bound).rowwise() + queries.row(i)).array().tanh();
-        scores.head(bound).noalias() = features * w_v;
+      for (int64_t key = 0; key < bound; key += keys_per_chunk) {
+        if (key > 0 && stop != nullptr && stop->Stopped()) return;
+        const int64_t count = std::min(keys_per_chunk, bound - key);
+        features.resize(count, hidden);
+        features = (keys.middleRows(key, count).rowwise() + queries.row(i)).array().tanh();
+        scores.segment(key, count).noalias() = features * w_v;
       }
       const int64_t nonzero = MaskedSoftmaxRow({scores.data(), static_cast<size_t>(scores.size())}, bound);
       output.row(i).noalias() = scores.head(nonzero).transpose() * values.topRows(nonzero);
       if (weights) std::copy_n(scores.data(), d.num_keys, weights + i * d.num_keys);
     }
+    // Only what ordinary requests need stays with the thread.
+    if (scores.size() > kKeptKernelScratchFloats) scores.resize(0);
   });
 }
 
@@ -401,7 +460,8 @@ void AddKeyProjections(std::span<const ValidatedRequest> requests,
 // multi_head: project, attend per head on column slices, project the concat.
 // Each of the four projections is one GEMM over the tokens of every request.
 void RunMultiHead(ThreadPool& pool, const Model& model,
-                  std::span<const ValidatedRequest> requests, std::span<AttentionResult> results) {
+                  std::span<const ValidatedRequest> requests, std::span<AttentionResult> results,
+                  Stops stops) {
   const size_t n = requests.size();
   const int64_t width = model.output_size;  // E
   const int64_t heads = model.num_heads;
@@ -468,6 +528,7 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
         p.head_size = p.value_size = head_size;
         p.scale = d.scale;
         p.bounds = BoundsOf(requests[r], b);
+        p.stop = stops[r];
         problems.push_back(p);
         AddTasks(problems.back(), WeightsOf(results[r], b * heads + h, d), tasks);
       }
@@ -497,20 +558,60 @@ int64_t GroupFloats(const Model& model, const AttentionDims& d) {
 }
 
 void RunGroup(ThreadPool& pool, const Model& model, std::span<const ValidatedRequest> requests,
-              std::span<AttentionResult> results) {
+              std::span<AttentionResult> results, Stops stops) {
   switch (model.kind) {
     case Kind::kDotProduct:
     case Kind::kDistance:
     case Kind::kBilinear:
-      RunDotProductFamily(pool, model, requests, results);
+      RunDotProductFamily(pool, model, requests, results, stops);
       break;
     case Kind::kAdditive:
-      RunAdditive(pool, model, requests, results);
+      RunAdditive(pool, model, requests, results, stops);
       break;
     case Kind::kMultiHead:
-      RunMultiHead(pool, model, requests, results);
+      RunMultiHead(pool, model, requests, results, stops);
       break;
   }
+}
+
+// The first element of `t` that is not finite, or -1. The vectorised test
+// first: it runs on every answer.
+int64_t FirstNonFinite(const Tensor& t) {
+  if (Eigen::Map<const Vector>(t.data.data(), static_cast<int64_t>(t.data.size())).allFinite()) {
+    return -1;
+  }
+  for (size_t i = 0; i < t.data.size(); ++i) {
+    if (!std::isfinite(t.data[i])) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+float LargestMagnitude(const TensorView& t) {
+  float largest = 0;
+  for (float x : t.data) largest = std::max(largest, std::abs(x));
+  return largest;
+}
+
+// OK when the answer is finite. The kernels recompute overflowing score
+// rows in double, so what is left is a finite request whose answer itself
+// overflows float32 (projections or sums of huge weights and inputs):
+// refused rather than answered with inf or NaN.
+absl::Status CheckFinite(const Model& model, const ValidatedRequest& v,
+                         const AttentionResult& result) {
+  for (const auto& [name, tensor] : {std::pair<const char*, const Tensor*>{"output", &result.output},
+                                    {"attention_weights", &result.attention_weights}}) {
+    if (const int64_t at = FirstNonFinite(*tensor); at >= 0) {
+      const AttentionRequest& request = *v.request;
+      const float largest = std::max({LargestMagnitude(request.queries),
+                                      LargestMagnitude(ResolvedKeys(request)),
+                                      LargestMagnitude(ResolvedValues(request))});
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, "[", at, "]: expected a finite value, got ", tensor->data[at],
+          ": the request overflows float32 on model '", model.name, "' (scale ", v.dims.scale,
+          ", largest input magnitude ", largest, "); send a smaller scale or smaller values"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -529,9 +630,10 @@ absl::StatusOr<AttentionResult> Engine::Attend(const Model& model, const Attenti
                                                const Limits& limits) {
   absl::StatusOr<AttentionDims> dims = Validate(model, request, limits);
   if (!dims.ok()) return dims.status();
-  const ValidatedRequest validated{&request, *dims};
+  const ValidatedRequest validated{&request, *dims, {}};
   AttentionResult result;
   Run(model, {&validated, 1}, {&result, 1});
+  if (!result.status.ok()) return result.status;
   return result;
 }
 
@@ -541,6 +643,7 @@ void Engine::Run(const Model& model, std::span<const ValidatedRequest> requests,
     const AttentionDims& d = requests[r].dims;
     results[r].output.shape = {d.batch, d.num_queries, d.output_size};
     results[r].output.data.assign(d.output_elements(), 0.0f);
+    results[r].status = absl::OkStatus();
     if (requests[r].request->return_attention_weights) {
       results[r].attention_weights.shape =
           model.kind == Kind::kMultiHead
@@ -549,6 +652,14 @@ void Engine::Run(const Model& model, std::span<const ValidatedRequest> requests,
       results[r].attention_weights.data.assign(d.weight_elements(), 0.0f);
     } else {
       results[r].attention_weights = {};
+    }
+  }
+  // A stop only for requests long enough to be polled at all.
+  std::deque<RequestStop> stop_storage;
+  std::vector<RequestStop*> stops(requests.size(), nullptr);
+  for (size_t r = 0; r < requests.size(); ++r) {
+    if (requests[r].stop && RequestWork(model, requests[r].dims) >= kStopPollWork) {
+      stops[r] = &stop_storage.emplace_back(requests[r].stop);
     }
   }
   // Each group as one execution over the whole pool; a request over the
@@ -561,8 +672,13 @@ void Engine::Run(const Model& model, std::span<const ValidatedRequest> requests,
       floats += GroupFloats(model, requests[end++].dims);
     }
     RunGroup(*pool_, model, requests.subspan(begin, end - begin),
-             results.subspan(begin, end - begin));
+             results.subspan(begin, end - begin), Stops(stops).subspan(begin, end - begin));
     begin = end;
+  }
+  for (size_t r = 0; r < requests.size(); ++r) {
+    absl::Status status = stops[r] != nullptr ? stops[r]->why() : absl::OkStatus();
+    if (status.ok()) status = CheckFinite(model, requests[r], results[r]);
+    if (!status.ok()) results[r] = {.output = {}, .attention_weights = {}, .status = status};
   }
 }
 

@@ -25,6 +25,7 @@
 //   absl::StatusOr<AttentionResult> r = engine.Attend(model, request);
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <span>
 
@@ -40,12 +41,25 @@ class ThreadPool;
 struct AttentionResult {
   Tensor output;             // (B, n_q, d_v) or (B, n_q, E)
   Tensor attention_weights;  // empty unless return_attention_weights
+  // OK when output and weights are the answer. Otherwise they are empty and
+  // this says why: the request's StopCheck stopped it (its status), or the
+  // answer is not finite in float32 although the request is
+  // (INVALID_ARGUMENT naming the scale and the inputs' magnitude).
+  absl::Status status;
 };
+
+// Asked by the engine, from any of its threads, between blocks of a
+// request's work (about kStopPollWork units apart, a millisecond of one
+// core): a non-OK status stops the request, which then costs no more CPU
+// while the rest of its batch goes on, and becomes its result's status.
+// Requests of less work than that are never asked. Must be thread-safe.
+using StopCheck = std::function<absl::Status()>;
 
 // A request that passed Validate() for the model it runs with.
 struct ValidatedRequest {
   const AttentionRequest* request = nullptr;  // not owned; outlives Run()
   AttentionDims dims;
+  StopCheck stop = nullptr;  // empty: computed to the end
 };
 
 struct EngineOptions {
@@ -67,15 +81,17 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Validates, then computes one request.
+  // Validates, then computes one request; the result's status when it is
+  // not OK.
   absl::StatusOr<AttentionResult> Attend(const Model& model, const AttentionRequest& request,
                                          const Limits& limits = {});
 
   // Computes a batch of validated requests of one model, consecutive requests
   // merged into ragged executions of at most a few MiB of tokens each, so its
   // scratch memory does not grow with the batch; results[r] answers
-  // requests[r] and equals what Attend() returns for it alone. Safe to call
-  // from several threads at once (they share the pool).
+  // requests[r] and equals what Attend() returns for it alone (a request
+  // that stopped or overflowed has only its status). Safe to call from
+  // several threads at once (they share the pool).
   void Run(const Model& model, std::span<const ValidatedRequest> requests,
            std::span<AttentionResult> results);
 

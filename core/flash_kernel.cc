@@ -8,13 +8,16 @@
 // the row's max score is far enough above -1e6 (their weight underflows to 0
 // in float). Rows where that is not so, and the weights path, take the exact
 // path: the row's scores are materialised and go through MaskedSoftmaxRow
-// (masked_softmax.h), the rule's one home.
+// (masked_softmax.h), the rule's one home. Rows that still end non-finite
+// (float overflow of a finite request) are recomputed in double
+// (ExactRowInDouble).
 #include "core/flash_kernel.h"
 
 #include <xmmintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <new>
 #include <vector>
@@ -46,6 +49,11 @@ class AlignedFloats {
         ::operator new(static_cast<size_t>(size) * sizeof(float), std::align_val_t{64})));
     size_ = size;
   }
+  int64_t size() const { return size_; }
+  void Release() {
+    data_.reset();
+    size_ = 0;
+  }
 
  private:
   struct Free {
@@ -70,8 +78,22 @@ struct Scratch {
     accumulator.Grow(p.value_size * kFlashQueryTile);
     scores.Grow(kFlashKeyTile * kFlashQueryTile);
     lanes.Grow(4 * kFlashQueryTile);
-    if (static_cast<int64_t>(exact_row.size()) < p.num_keys) exact_row.resize(p.num_keys);
     if (static_cast<int64_t>(value_mean.size()) < p.value_size) value_mean.resize(p.value_size);
+  }
+  // The exact path's row, sized when a row first takes it.
+  float* ExactRow(int64_t num_keys) {
+    if (static_cast<int64_t>(exact_row.size()) < num_keys) exact_row.resize(num_keys);
+    return exact_row.data();
+  }
+  void Trim() {
+    if (queries_t.size() > kKeptKernelScratchFloats) queries_t.Release();
+    if (accumulator.size() > kKeptKernelScratchFloats) accumulator.Release();
+    if (static_cast<int64_t>(exact_row.capacity()) > kKeptKernelScratchFloats) {
+      std::vector<float>().swap(exact_row);
+    }
+    if (static_cast<int64_t>(value_mean.capacity()) > kKeptKernelScratchFloats) {
+      std::vector<float>().swap(value_mean);
+    }
   }
 };
 
@@ -113,9 +135,58 @@ void ScoreTile(const FlashProblem& p, int64_t row, int64_t rows, int64_t key, in
 
 // mean_j v_j over all n_k keys: the output of a row with no allowed key,
 // whose n_k scores are all -1e6 and so weigh 1/n_k each.
+// Summed in double: a float sum of huge values can overflow where the mean
+// does not.
 void ValueMean(const FlashProblem& p, float* mean) {
   Eigen::Map<Eigen::RowVectorXf>(mean, p.value_size) =
-      ValueRows(p, 0, p.num_keys).colwise().sum() / static_cast<float>(p.num_keys);
+      (ValueRows(p, 0, p.num_keys).cast<double>().colwise().sum() /
+       static_cast<double>(p.num_keys))
+          .cast<float>();
+}
+
+// Vectorised (x - x is NaN exactly when x is not finite): this runs on every
+// output row.
+bool Finite(const float* row, int64_t size) {
+  return Eigen::Map<const Eigen::VectorXf>(row, size).allFinite();
+}
+
+// The rule for one row in double, for a row whose float scores or sums
+// overflowed: no product or sum of float inputs overflows a double (each
+// score is below d * FLT_MAX^3), so a finite request gets the rule's answer.
+// Writes the output row, and the row's n_k weights when `weights` is set.
+void ExactRowInDouble(const FlashProblem& p, int64_t row, float* weights) {
+  const int64_t n_k = p.num_keys;
+  const int64_t bound = p.AllowedKeys(row);
+  const double scale = p.scale;
+  const Eigen::VectorXd q = QueryRows(p, row, 1).row(0).transpose().cast<double>();
+  thread_local std::vector<double> scores;
+  scores.assign(n_k, static_cast<double>(kMaskedScore));
+  double max_score = bound < n_k ? static_cast<double>(kMaskedScore)
+                                 : -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < bound; ++j) {
+    const Eigen::VectorXd k = KeyRows(p, j, 1).row(0).transpose().cast<double>();
+    double s;
+    if (p.distance) {
+      s = -0.5 * scale * (q - k).squaredNorm();
+    } else {
+      s = scale * q.dot(k) + (p.key_bias != nullptr ? p.key_bias[j] : 0.0);
+    }
+    scores[j] = s;
+    max_score = std::max(max_score, s);
+  }
+  double sum = 0;
+  for (double& s : scores) {
+    s = std::exp(s - max_score);
+    sum += s;
+  }
+  Eigen::RowVectorXd out = Eigen::RowVectorXd::Zero(p.value_size);
+  for (int64_t j = 0; j < n_k; ++j) {
+    scores[j] /= sum;
+    if (scores[j] != 0) out += scores[j] * ValueRows(p, j, 1).row(0).cast<double>();
+    if (weights != nullptr) weights[j] = static_cast<float>(scores[j]);
+  }
+  OutputRows(p, row, 1).row(0) = out.cast<float>();
+  if (n_k > kKeptKernelScratchFloats) std::vector<double>().swap(scores);
 }
 
 // Exact path for rows [row, row + rows):
@@ -140,6 +211,12 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
   }
   Tile w(weights, rows, weighted_keys, Eigen::OuterStride<>(weights_stride));
   OutputRows(p, row, rows).noalias() = w * ValueRows(p, 0, weighted_keys);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = p.output + (row + r) * p.output_stride;
+    if (!Finite(out, p.value_size) || !Finite(weights + r * weights_stride, n_k)) {
+      ExactRowInDouble(p, row + r, weights + r * weights_stride);
+    }
+  }
 }
 
 // to[c * to_stride + r] = from[r * from_stride + c] * factor(c) for r < rows,
@@ -176,7 +253,15 @@ void TransposeScaled(const float* from, int64_t from_stride, float* to, int64_t 
 // FlashAttention for at most kFlashQueryTile rows starting at `row`: the
 // path's tile kernel (flash_tile.h) on the tile's queries, then each row
 // normalised, or handed to the value mean or the exact path.
-void FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& scratch) {
+// Keys per kernel call between two polls of the problem's WorkStop: about
+// kStopPollWork units of a full query tile, a multiple of the key tile so
+// that chunking changes no result.
+int64_t KeysPerPoll(const FlashProblem& p) {
+  const int64_t per_key = kFlashQueryTile * (p.head_size + p.value_size + 16);
+  return std::max<int64_t>(1, kStopPollWork / per_key / kFlashKeyTile) * kFlashKeyTile;
+}
+
+bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& scratch) {
   const int64_t dv = p.value_size;
   FlashTile tile;
   float* bounds = scratch.lanes.data();
@@ -213,11 +298,19 @@ void FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   tile.head_size = p.head_size;
   tile.value_size = dv;
   tile.rows = rows;
-  tile.key_end = key_end;
   tile.min_bound = min_bound;
   tile.accumulator_t = scratch.accumulator.data();
   tile.scores = scratch.scores.data();
-  FlashTileKernelFor(ActiveIsa())(tile);
+  const FlashTileKernel kernel = FlashTileKernelFor(ActiveIsa());
+  // Without a WorkStop, one call over every key, as the kernel always ran.
+  const int64_t chunk = p.stop != nullptr ? KeysPerPoll(p) : std::max<int64_t>(key_end, 1);
+  tile.key_begin = 0;
+  do {
+    tile.key_end = std::min(key_end, tile.key_begin + chunk);
+    kernel(tile);
+    tile.key_begin = tile.key_end;
+  } while (tile.key_begin < key_end && !p.Stopped());
+  if (tile.key_begin < key_end) return false;
 
   // Every row normalised, out_i = acc_i / l_i (if any key was visited);
   // the rows below that need another answer overwrite theirs.
@@ -238,11 +331,17 @@ void FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
       if (!have_mean) ValueMean(p, scratch.value_mean.data());
       have_mean = true;
       std::copy_n(scratch.value_mean.data(), dv, out);
+    } else if (!std::isfinite(true_max) || !(tile.row_sum[r] > 0) ||
+               !std::isfinite(tile.row_sum[r]) || !Finite(out, dv)) {
+      // Float overflow: scores of +-inf (or inf - inf), or an unnormalised
+      // output beyond FLT_MAX.
+      ExactRowInDouble(p, row + r, nullptr);
     } else if (bounds[r] < p.num_keys && true_max < kMaskedScore + kMaskedWeightVanishes) {
       // Allowed scores near or below -1e6: disallowed keys carry weight.
-      ExactRows(p, row + r, 1, scratch.exact_row.data(), p.num_keys);
+      ExactRows(p, row + r, 1, scratch.ExactRow(p.num_keys), p.num_keys);
     }
   }
+  return true;
 }
 
 }  // namespace
@@ -254,25 +353,39 @@ int64_t KeyBounds::Allowed(int64_t query, int64_t num_keys) const {
   return bound;
 }
 
-void FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t query_end) {
+bool FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t query_end) {
   // Queries (n_q x head_size), keys (n_k x head_size), values (n_k x value_size),
   // output (n_q x value_size); rows [query_begin, query_end) are computed.
-  if (query_begin >= query_end) return;
+  if (query_begin >= query_end) return true;
   Scratch& scratch = ThreadScratch();
   scratch.Reserve(problem);
-  for (int64_t row = query_begin; row < query_end; row += kFlashQueryTile) {
-    FlashQueryTile(problem, row, std::min(kFlashQueryTile, query_end - row), scratch);
+  bool completed = true;
+  for (int64_t row = query_begin; row < query_end && completed; row += kFlashQueryTile) {
+    completed = !problem.Stopped() &&
+                FlashQueryTile(problem, row, std::min(kFlashQueryTile, query_end - row), scratch);
   }
+  // A thread keeps only what ordinary problems need: an oversized one (very
+  // wide rows, or the exact path over a very long row) gives its memory back.
+  scratch.Trim();
+  return completed;
 }
 
-void AttentionWithWeights(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
+bool AttentionWithWeights(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
                           float* weights, int64_t weights_stride) {
   // As FlashAttention; weights (n_q x n_k) rows [query_begin, query_end) double
-  // as the score buffer, so this path needs no scratch.
-  for (int64_t row = query_begin; row < query_end; row += kFlashQueryTile) {
-    ExactRows(problem, row, std::min(kFlashQueryTile, query_end - row),
+  // as the score buffer, so this path needs no scratch. With a WorkStop,
+  // fewer rows at a time when rows are long, so polls stay about
+  // kStopPollWork apart.
+  const int64_t per_row = problem.num_keys * (problem.head_size + problem.value_size + 16);
+  const int64_t rows_per_call =
+      problem.stop != nullptr ? std::clamp<int64_t>(kStopPollWork / per_row, 1, kFlashQueryTile)
+                              : kFlashQueryTile;
+  for (int64_t row = query_begin; row < query_end; row += rows_per_call) {
+    if (problem.Stopped()) return false;
+    ExactRows(problem, row, std::min(rows_per_call, query_end - row),
               weights + row * weights_stride, weights_stride);
   }
+  return true;
 }
 
 }  // namespace attention

@@ -15,7 +15,14 @@
 // query with bound 0 gets uniform weights over all n_k keys, i.e. the mean of
 // the values. Exactly so: if a row's allowed scores are themselves near or
 // below -1e6, its disallowed keys carry weight, and the kernel computes that
-// row on an exact path.
+// row on an exact path. Rows whose float scores or sums overflow (a finite
+// request with a huge scale or huge inputs) are computed again in double,
+// where no product of float inputs overflows, so they get the rule's answer
+// (finite huge scores: the weight goes to the largest).
+//
+// A problem may carry a WorkStop, polled between blocks of its work (query
+// tiles, and chunks of keys within a tile): once it says stop, the kernel
+// returns and leaves the rows it did not finish unspecified.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +32,23 @@ namespace attention {
 // Query rows the kernel processes together (one tile). Callers splitting a
 // problem's rows into tasks use multiples of it.
 inline constexpr int64_t kFlashQueryTile = 64;
+
+// Work units (docs/api.md, section 6.2: about one multiply-add each) a
+// kernel does between two polls of a problem's WorkStop: about a millisecond
+// of one core, so a stopped request stops costing CPU within milliseconds,
+// and a poll (a clock read, a call-state check) costs well under 0.1%.
+inline constexpr int64_t kStopPollWork = int64_t{1} << 24;
+
+// Whether the request a problem belongs to should stop (its caller's
+// deadline passed, or the caller went away). Polled from any thread of the
+// engine; once Stopped() returned true it must keep returning true.
+class WorkStop {
+ public:
+  virtual bool Stopped() = 0;
+
+ protected:
+  ~WorkStop() = default;
+};
 
 // Which keys each query of one (example, head) may see: [0, Allowed(i)).
 struct KeyBounds {
@@ -50,17 +74,29 @@ struct FlashProblem {
   const float* query_bias = nullptr;  // [n_q] or null
   const float* key_bias = nullptr;    // [n_k] or null
   KeyBounds bounds;
+  // The distance kind: the biases are -scale/2 |q|^2 and -scale/2 |k|^2, and
+  // a row recomputed in double takes -scale/2 |q - k|^2 from q and k instead,
+  // since those float biases may have overflowed.
+  bool distance = false;
+  WorkStop* stop = nullptr;  // null: never stops
 
+  bool Stopped() const { return stop != nullptr && stop->Stopped(); }
   int64_t AllowedKeys(int64_t query) const { return bounds.Allowed(query, num_keys); }
 };
 
 // Writes output rows [query_begin, query_end) of `problem`. Thread-safe for
-// disjoint row ranges.
-void FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t query_end);
+// disjoint row ranges. Returns false when the problem's WorkStop stopped it
+// (then some of those rows are unspecified).
+bool FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t query_end);
 
 // As FlashAttention, and also writes the attention weights of those rows into
 // `weights` (n_q x n_k, row stride weights_stride), disallowed keys included.
-void AttentionWithWeights(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
+bool AttentionWithWeights(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
                           float* weights, int64_t weights_stride);
+
+// Most floats one buffer of a thread's kernel scratch keeps between calls
+// (1 MiB): an oversized problem's larger buffers are freed when it is done,
+// so a thread's scratch returns to what ordinary problems need.
+inline constexpr int64_t kKeptKernelScratchFloats = int64_t{1} << 18;
 
 }  // namespace attention

@@ -141,11 +141,13 @@ void FlashTileImpl(const FlashTile& t) {
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const int64_t group = 2 * n;  // lanes per micro-kernel
   const int64_t lanes = (t.rows + group - 1) / group * group;
-  for (int64_t lane = 0; lane < lanes; lane += n) {
-    hn::StoreU(hn::Set(d, std::numeric_limits<float>::lowest()), d, t.row_max + lane);
-    hn::StoreU(hn::Zero(d), d, t.row_sum + lane);
+  if (t.key_begin == 0) {
+    for (int64_t lane = 0; lane < lanes; lane += n) {
+      hn::StoreU(hn::Set(d, std::numeric_limits<float>::lowest()), d, t.row_max + lane);
+      hn::StoreU(hn::Zero(d), d, t.row_sum + lane);
+    }
   }
-  for (int64_t key = 0; key < t.key_end; key += kFlashKeyTile) {
+  for (int64_t key = t.key_begin; key < t.key_end; key += kFlashKeyTile) {
     const int64_t keys = t.key_end - key < kFlashKeyTile ? t.key_end - key : kFlashKeyTile;
     const bool masked = key + keys > t.min_bound;
     for (int64_t lane = 0; lane < lanes; lane += group) {

@@ -45,7 +45,11 @@ struct FlashTile {
   int64_t key_stride = 0, value_stride = 0;
   int64_t head_size = 0, value_size = 0;
   int64_t rows = 0;                  // live lanes, 1..kFlashQueryTile
-  int64_t key_end = 0;               // keys [0, key_end) are visited
+  // Keys [key_begin, key_end) are visited. A call with key_begin > 0
+  // continues the running max, sum and output of the call that ended there,
+  // so a caller can stop between chunks of keys.
+  int64_t key_begin = 0;
+  int64_t key_end = 0;
   int64_t min_bound = 0;             // keys below it are allowed for every live lane
   // Outputs, lane-major: the unnormalised output (value_size x lanes), the
   // running max of the allowed scores and the sum of exp(s - max).

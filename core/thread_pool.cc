@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <thread>
 
 namespace attention {
@@ -23,29 +26,70 @@ ThreadPool::ThreadPool(int num_threads)
 
 ThreadPool::~ThreadPool() = default;
 
+namespace {
+
+// One ParallelFor call, shared with the helpers it schedules. A helper that
+// starts after the call has closed (every index taken, the caller done)
+// leaves without touching the task, so the call waits only for helpers
+// running one of its tasks, never for helpers still queued behind another
+// call's work: a small batch of one model no longer waits for a large batch
+// of another to finish before it returns.
+class ParallelJob {
+ public:
+  ParallelJob(int64_t count, const std::function<void(int64_t)>& task)
+      : count_(count), task_(task) {}
+
+  // Runs tasks until none is left.
+  void Drain() {
+    for (int64_t i = next_.fetch_add(1, std::memory_order_relaxed); i < count_;
+         i = next_.fetch_add(1, std::memory_order_relaxed)) {
+      task_(i);
+    }
+  }
+  // A helper's whole part: nothing once the call is closed.
+  void Help() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return;
+      ++helping_;
+    }
+    Drain();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--helping_ == 0) done_.notify_all();
+  }
+  // After the caller's own Drain(): no helper starts from now on, and those
+  // running finish their last task. The task reference dies after this.
+  void Close() {
+    std::unique_lock<std::mutex> lock(mu_);
+    closed_ = true;
+    done_.wait(lock, [this] { return helping_ == 0; });
+  }
+
+ private:
+  const int64_t count_;
+  const std::function<void(int64_t)>& task_;
+  std::atomic<int64_t> next_{0};
+  std::mutex mu_;
+  std::condition_variable done_;
+  int helping_ = 0;
+  bool closed_ = false;
+};
+
+}  // namespace
+
 void ThreadPool::ParallelFor(int64_t count, const std::function<void(int64_t)>& task) {
   if (count <= 0) return;
   if (!impl_ || count == 1) {
     for (int64_t i = 0; i < count; ++i) task(i);
     return;
   }
-  std::atomic<int64_t> next{0};
-  auto drain = [&] {
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < count;
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      task(i);
-    }
-  };
+  auto job = std::make_shared<ParallelJob>(count, task);
   const int helpers = static_cast<int>(std::min<int64_t>(num_threads_ - 1, count - 1));
-  Eigen::Barrier done(helpers);
   for (int h = 0; h < helpers; ++h) {
-    impl_->pool.Schedule([&] {
-      drain();
-      done.Notify();
-    });
+    impl_->pool.Schedule([job] { job->Help(); });
   }
-  drain();
-  done.Wait();
+  job->Drain();
+  job->Close();
 }
 
 }  // namespace attention

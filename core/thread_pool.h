@@ -24,7 +24,9 @@ class ThreadPool {
   int num_threads() const { return num_threads_; }
 
   // Calls task(i) for every i in [0, count), spread over the pool; returns
-  // when all have run. Tasks must not throw.
+  // when all have run. Tasks must not throw. Calls from several threads share
+  // the pool: each call's caller works through its own tasks, and returns
+  // without waiting for workers busy with another call (thread_pool.cc).
   void ParallelFor(int64_t count, const std::function<void(int64_t)>& task);
 
  private:

@@ -50,6 +50,16 @@ AttentionService::Incoming FromAttend(const v1::AttendRequest& request,
 struct AttentionService::Task {
   absl::Time deadline() const { return deadline_at; }
   bool cancelled() const { return context->IsCancelled(); }
+  // Polled by the engine while the request computes (docs/api.md, section 3).
+  absl::Status StopReason() const {
+    if (absl::Now() >= deadline_at) {
+      return absl::DeadlineExceededError("the deadline passed while the request was computed");
+    }
+    if (cancelled()) {
+      return absl::CancelledError("the call was cancelled while its request was computed");
+    }
+    return absl::OkStatus();
+  }
 
   grpc::CallbackServerContext* context = nullptr;  // owned by gRPC; alive until done runs
   std::string_view api;                            // these three: owned by the caller
@@ -293,6 +303,7 @@ void AttentionService::RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<T
     queue.metrics->queue_depth->Decrement();
     task->queued = start - task->enqueued;
     requests.push_back(task->validated);
+    requests.back().stop = [&t = *task] { return t.StopReason(); };
   }
   queue.metrics->batch_size->Observe(static_cast<double>(batch.size()));
 
@@ -307,7 +318,8 @@ void AttentionService::RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<T
   const absl::Duration computed = absl::Now() - start;
   for (size_t i = 0; i < batch.size(); ++i) {
     batch[i]->computed = computed;
-    Answer(*batch[i], status, status.ok() ? &results[i] : nullptr);
+    const absl::Status& answer = status.ok() ? results[i].status : status;
+    Answer(*batch[i], answer, answer.ok() ? &results[i] : nullptr);
   }
 }
 

@@ -15,7 +15,18 @@ namespace attention::server {
 namespace {
 
 constexpr std::string_view kBearerPrefix = "Bearer ";
-constexpr std::string_view kProtectedPrefix = "/attention.v1.AttentionService/";
+constexpr std::string_view kAttentionPrefix = "/attention.v1.AttentionService/";
+constexpr std::string_view kInferencePrefix = "/inference.GRPCInferenceService/";
+
+// Calls that need a token: every AttentionService call, and every
+// GRPCInferenceService call but the probes ServerLive and ServerReady; health
+// checks and reflection stay open (docs/api.md, sections 6.3 and 9.5).
+bool NeedsToken(std::string_view path) {
+  if (path.starts_with(kAttentionPrefix)) return true;
+  if (!path.starts_with(kInferencePrefix)) return false;
+  const std::string_view method = path.substr(kInferencePrefix.size());
+  return method != "ServerLive" && method != "ServerReady";
+}
 
 // Compares without stopping at the first difference, so the time taken does
 // not tell an attacker how much of a guessed token was right.
@@ -71,11 +82,9 @@ absl::Status CheckBearerToken(const grpc::ServerContextBase& context,
 
 grpc::Status EarlyTokenCheck::Process(const InputMetadata& auth_metadata, grpc::AuthContext*,
                                       OutputMetadata*, OutputMetadata*) {
-  // Health checks and reflection stay open (docs/api.md, section 6.3).
   const auto path = auth_metadata.find(":path");
   if (path == auth_metadata.end() ||
-      std::string_view(path->second.data(), path->second.size())
-              .substr(0, kProtectedPrefix.size()) != kProtectedPrefix) {
+      !NeedsToken(std::string_view(path->second.data(), path->second.size()))) {
     return grpc::Status::OK;
   }
   const std::shared_ptr<const std::vector<std::string>> accepted = tokens_();

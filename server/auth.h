@@ -35,9 +35,8 @@ absl::Status CheckBearerToken(const grpc::ServerContextBase& context,
 // gRPC's auth filter runs this on each call's metadata before the message is
 // read or parsed: calls to attention.v1.AttentionService without an accepted
 // token end UNAUTHENTICATED there, so an unauthenticated client cannot make
-// the server parse a large message first. gRPC 1.51 attaches processors to
-// TLS credentials only; on a plaintext port CheckBearerToken() in the
-// handlers is the only check (it stays on TLS ports too).
+// the server parse a large message first. On TLS and plaintext ports alike
+// (tls_credentials.h); CheckBearerToken() in the handlers stays as well.
 class EarlyTokenCheck final : public grpc::AuthMetadataProcessor {
  public:
   // `tokens` returns the tokens accepted now (they may be reloaded).

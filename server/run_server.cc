@@ -258,7 +258,7 @@ int RunServer(const ServerConfig& config) {
       AttentionService::Create(&registry, &engine, &metrics, service_options);
   if (!service.ok()) return Fail(service.status());
 
-  if (!config.tls_cert.empty() && !service_options.auth_tokens.empty()) {
+  if (!service_options.auth_tokens.empty()) {
     AttentionService* const attention = service->get();
     (*credentials)->SetAuthMetadataProcessor(
         std::make_shared<EarlyTokenCheck>([attention] { return attention->auth_tokens(); }));

@@ -5,7 +5,9 @@
 // files are reread every kCertificateRefreshSeconds, so that certificates are
 // rotated by replacing them (key before certificate, each atomically):
 // connections made after a change use the new ones; a key that does not match
-// its certificate is not taken.
+// its certificate is not taken. Plaintext credentials take an auth metadata
+// processor as TLS ones do (grpc::InsecureServerCredentials() cannot), so
+// tokens are checked from a call's metadata before its message is read.
 #pragma once
 
 #include <memory>

@@ -167,5 +167,26 @@ TEST(Validate, ElementLimitCountsWeights) {
               AllOf(HasSubstr("at most 154"), HasSubstr("got 178")));
 }
 
+// additive's projections, B (n_q + n_k) h floats at once, count against the
+// scratch cap: a 4 MB request over 500,000 keys at h = 256 took 525 MiB.
+TEST(Validate, AdditiveProjectionsCountAgainstTheScratchCap) {
+  Fixture f;  // B=2, n_q=3, n_k=4, d=5
+  Model additive;
+  additive.name = "wide";
+  additive.kind = Kind::kAdditive;
+  additive.query_size = additive.key_size = 5;
+  additive.w_q = RowMatrix::Zero(200, 5);
+  additive.w_k = RowMatrix::Zero(200, 5);
+  additive.w_v = RowMatrix::Zero(1, 200);
+  Limits limits;
+  // Exactly the projections, above the 64 x 22 floats per thread.
+  limits.max_request_scratch_elements = 2 * (3 + 4) * 200;
+  EXPECT_TRUE(Validate(additive, f.request(), limits).ok());
+  limits.max_request_scratch_elements -= 1;
+  EXPECT_THAT(Refusal(additive, f.request(), limits),
+              AllOf(HasSubstr("at most 2799 floats of additive projections"),
+                    HasSubstr("got 2800"), HasSubstr("n_k=4) x h=200")));
+}
+
 }  // namespace
 }  // namespace attention

@@ -5,8 +5,9 @@
 // answer: sizes taken from the model (2 where it accepts any), values from a
 // fixed pattern in [-1, 1]. CheckAnswer holds what docs/api.md promises of
 // any valid request, whatever its values: the validated output shape, weight
-// rows that sum to 1, finite numbers for moderate inputs, and the same answer
-// alone as inside a batch.
+// rows that sum to 1, finite numbers in every answer with status OK (a refusal
+// only for an answer with no float32 form, never for moderate inputs), and
+// the same answer alone as inside a batch.
 #pragma once
 
 #include <cstdint>
@@ -41,8 +42,8 @@ float MaxAbs(std::span<const float> values);
 // alone and batched after `companion` (a valid request for the same model),
 // and aborts if the answer breaks a promise. `moderate` says the request's
 // values, scale and the model's weights are small enough (|x| <= 1e3) that
-// the answer must be finite and batching must change it by at most the
-// 1e-5 of docs/api.md (scores of larger inputs may overflow float32).
+// the answer must not be refused and batching must change it by at most the
+// 1e-5 of docs/api.md (scores of larger inputs depend on summation order).
 void CheckAnswer(Engine& engine, const Model& model, const AttentionRequest& request,
                  const AttentionDims& dims, const AttentionRequest& companion, bool moderate);
 
