@@ -71,14 +71,20 @@ struct Projection {
   int64_t out_cols() const { return transposed ? weight->rows() : weight->cols(); }
   int64_t out_row_stride() const { return out_stride != 0 ? out_stride : out_cols(); }
   // Projections with packed weights (multi_head models, PackProjections) run
-  // on them (core/packed_gemm.h) whatever their rows; the others on the BLAS.
-  // Measured per shape, one thread, E x E weights, attention-bench
-  // projection/M:m/E:e/gemm:packed|blas (BENCHMARKS.md, "Projections"): the
-  // packed kernel is never slower: equal at 1 row (both read the weights once,
-  // memory-bound), 2-5x at 8 rows (the BLAS repacks all of E x E for 8 rows),
-  // 1.3-2x at 32-64, and still 1.02-1.17x at 512-2048 rows, where the BLAS
-  // packs once per 256-row block. So there is no crossover to switch at.
-  bool UsesPackedWeights() const { return packed != nullptr && !packed->empty(); }
+  // on them (core/packed_gemm.h) on the avx512 and avx2 paths, whatever their
+  // rows; the others, and all on the portable path, on the BLAS. Measured
+  // per shape, one thread, E x E weights, attention-bench
+  // projection/M:m/E:e/gemm:packed|blas (BENCHMARKS.md, "Projections"):
+  // on avx512 the packed kernel is never slower: equal at 1 row (both read
+  // the weights once, memory-bound), 4-5x at 8 rows (the BLAS repacks all of
+  // E x E for 8 rows), 1.4-2x at 32-64, and still 1.01-1.17x at 512-2048
+  // rows, where the BLAS packs once per 256-row block: no crossover to
+  // switch at. On avx2 1.2-2x up to 64 rows, equal at 512. The portable
+  // kernel is scalar (GCC's baseline target): 1.2x slower at 8 rows and
+  // 4.5x at 64 than the BLAS, whose kernels OpenBLAS picks itself there.
+  bool UsesPackedWeights() const {
+    return packed != nullptr && !packed->empty() && ActiveIsa() != Isa::kPortable;
+  }
 };
 
 void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections) {
