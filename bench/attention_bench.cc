@@ -25,7 +25,8 @@
 //   projection/M:m/E:e/gemm:packed|blas  one projection out = in W^T + b of
 //       m rows, W e x e, on one thread: over the weights packed at load
 //       (core/packed_gemm.h) or through Eigen and the BLAS as the engine
-//       calls it; where they cross sets the engine's kPackedGemmMaxRows.
+//       calls it: the measurement behind the engine's choice between them
+//       (Projection::UsesPackedWeights in core/engine.cc).
 //
 // masked:1 gives every example a valid length drawn uniformly from [n/4, n]
 // (fixed seed). GFLOPS counts useful work per wall-clock second:

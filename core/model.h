@@ -51,11 +51,12 @@ struct Model {
   // multi_head: W_q, W_k, W_v and W_o with their biases, packed once for the
   // projection GEMM (core/packed_gemm.h) by PackProjections (LoadModel calls
   // it); empty until then, and the engine then uses the BLAS throughout.
-  // The row-major copies above stay: the engine hands products of many rows
-  // to the BLAS, which packs its own way. So a model holds each weight twice
-  // (row-major and packed), no more: self-attention's Q, K and V are three
-  // products over the same tokens into one (tokens x 3E) buffer, read from
-  // these packs, rather than a third, concatenated [W_q; W_k; W_v].
+  // The row-major copies above stay (the portable path still runs the
+  // BLAS on them, and the loader's callers read them), so a model holds each
+  // weight twice, row-major and packed, no more: self-attention's Q, K and V
+  // are three products over the same tokens into one (tokens x 3E) buffer,
+  // read from these packs, rather than a third, concatenated [W_q; W_k; W_v].
+  // Copies of a model share the packed storage.
   PackedWeights packed_q, packed_k, packed_v, packed_o;
 };
 
