@@ -20,8 +20,13 @@
 //       one Engine::Run, as the server's batcher runs them: time and CPU per
 //       request against requests:1, and the memory the calls add.
 //   batch/self/multi_head/B:1/n:1/E:1024/H:16/masked:0/requests:k  the same
-//       with queries only (self-attention, the fused Q/K/V product): issue
+//       with queries only (self-attention: Q, K and V into one buffer): issue
 //       13's single-token service request, without the service around it.
+//   projection/M:m/E:e/gemm:packed|blas  one projection out = in W^T + b of
+//       m rows, W e x e, on one thread: over the weights packed at load
+//       (core/packed_gemm.h) or through Eigen and the BLAS as the engine
+//       calls it: the measurement behind the engine's choice between them
+//       (Projection::UsesPackedWeights in core/engine.cc).
 //
 // masked:1 gives every example a valid length drawn uniformly from [n/4, n]
 // (fixed seed). GFLOPS counts useful work per wall-clock second:
@@ -52,6 +57,7 @@
 #include "core/cpu_features.h"
 #include "core/engine.h"
 #include "core/model.h"
+#include "core/packed_gemm.h"
 #include "core/request.h"
 #include "core/thread_pool.h"
 
@@ -94,7 +100,7 @@ Model MultiHeadModel(int64_t width, int64_t heads, std::mt19937& rng) {
     std::vector<float> data = RandomData(width, rng);
     *b = Eigen::Map<Vector>(data.data(), width) * bound;
   }
-  PackSelfAttention(model);  // as LoadModel does
+  PackProjections(model);  // as LoadModel does
   return model;
 }
 
@@ -233,6 +239,31 @@ void Gemm(benchmark::State& state, int threads) {
     benchmark::DoNotOptimize(c.data());
   }
   stopwatch.Report(state, 2.0 * kGemmSize * kGemmSize * static_cast<double>(kGemmSize));
+}
+
+// One projection of `rows` rows through E x E weights and bias on the calling
+// thread, packed or through the BLAS; inputs fixed, so the weights are as
+// warm as a server's that projects every batch with them.
+void ProjectionProduct(benchmark::State& state, int64_t rows, int64_t width, bool packed) {
+  std::mt19937 rng(kSeed);
+  const Model model = MultiHeadModel(width, 1, rng);
+  const std::vector<float> in = RandomData(rows * width, rng);
+  RowMatrix out(rows, width);
+  SharedEngine();  // its constructor keeps OpenBLAS to one thread per call
+  const PackedKernel kernel = PackedKernelFor(ActiveIsa());
+  const Eigen::Map<const RowMatrix> in_rows(in.data(), rows, width);
+  const Stopwatch stopwatch;
+  for (auto _ : state) {
+    if (packed) {
+      kernel({in.data(), width, out.data(), width, &model.packed_q}, 0, rows, 0,
+             model.packed_q.panels());
+    } else {
+      out.rowwise() = model.b_q.transpose();
+      out.noalias() += in_rows * model.w_q.transpose();
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  stopwatch.Report(state, 2.0 * rows * static_cast<double>(width) * width);
 }
 
 // One point of a cost-scaling sweep: B examples, n_q queries, n_k keys (and
@@ -455,6 +486,16 @@ void RegisterAll() {
     Register("batch/self/" + ShapeName("multi_head", token, false) + "/requests:" +
                  std::to_string(requests),
              Batch, token, requests, true);
+  }
+
+  for (int64_t width : {256, 512, 1024}) {
+    for (int64_t rows : {1, 8, 32, 64, 128, 256, 512, 1024, 2048}) {
+      for (bool packed : {true, false}) {
+        Register("projection/M:" + std::to_string(rows) + "/E:" + std::to_string(width) +
+                     "/gemm:" + (packed ? "packed" : "blas"),
+                 ProjectionProduct, rows, width, packed);
+      }
+    }
   }
 
   constexpr int64_t kMemoryBatch = 8, kMemoryLength = 16384, kMemorySize = 64;

@@ -26,6 +26,7 @@
 #include "core/flash_kernel.h"
 #include "core/flash_tile.h"
 #include "core/masked_softmax.h"
+#include "core/packed_gemm.h"
 #include "core/thread_pool.h"
 
 
@@ -89,6 +90,14 @@ using Stops = std::span<RequestStop* const>;
 
 using ConstMatrixMap = Eigen::Map<const RowMatrix>;
 using MatrixMap = Eigen::Map<RowMatrix>;
+using StridedMatrixMap = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+// A packed task: rows x panels. With few rows the panels give the tasks
+// (a 1-row product over N = 1024 is 8 tasks of 128 columns); with many the
+// rows do, and 96 rows (a multiple of 8 and 3 rows per micro-kernel) of 4
+// panels read the same 4 x 128 KiB of panels (K = 1024) from L2 12-32 times.
+constexpr int64_t kPackedGemmRowBlock = 96;
+constexpr int64_t kPackedGemmPanelBlock = 4;
 
 // out (rows x out_cols) = in (rows x in_cols) * weight^T + bias, or
 // in * weight when `transposed` is false (bilinear's q^T W_k).
@@ -99,28 +108,67 @@ struct Projection {
   const RowMatrix* weight;
   const Vector* bias;  // null: none
   bool transposed = true;
+  // The same weight and bias packed (core/packed_gemm.h); null or empty: none.
+  const PackedWeights* packed = nullptr;
+  int64_t out_stride = 0;  // floats between output rows; 0: out_cols()
 
   int64_t in_cols() const { return transposed ? weight->cols() : weight->rows(); }
   int64_t out_cols() const { return transposed ? weight->rows() : weight->cols(); }
+  int64_t out_row_stride() const { return out_stride != 0 ? out_stride : out_cols(); }
+  // Projections with packed weights (multi_head models, PackProjections) run
+  // on them (core/packed_gemm.h) on the avx512 and avx2 paths, whatever their
+  // rows; the others, and all on the portable path, on the BLAS. Measured
+  // per shape, one thread, E x E weights, attention-bench
+  // projection/M:m/E:e/gemm:packed|blas (BENCHMARKS.md, "Projections"):
+  // on avx512 the packed kernel is never slower: equal at 1 row (both read
+  // the weights once, memory-bound), 4-5x at 8 rows (the BLAS repacks all of
+  // E x E for 8 rows), 1.4-2x at 32-64, and still 1.01-1.17x at 512-2048
+  // rows, where the BLAS packs once per 256-row block: no crossover to
+  // switch at. On avx2 1.2-2x up to 64 rows, equal at 512. The portable
+  // kernel is scalar (GCC's baseline target): 1.2x slower at 8 rows and
+  // 4.5x at 64 than the BLAS, whose kernels OpenBLAS picks itself there.
+  bool UsesPackedWeights() const {
+    return packed != nullptr && !packed->empty() && ActiveIsa() != Isa::kPortable;
+  }
 };
 
 void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections) {
+  // A BLAS block is rows [begin, end) of every column; a packed block also
+  // names its panels [panel_begin, panel_end) (panel_end 0 for the BLAS).
   struct Block {
     const Projection* projection;
     int64_t begin, end;
+    int64_t panel_begin = 0, panel_end = 0;
   };
   std::vector<Block> blocks;
   for (const Projection& p : projections) {
+    if (p.UsesPackedWeights()) {
+      const int64_t panels = p.packed->panels();
+      for (int64_t begin = 0; begin < p.rows; begin += kPackedGemmRowBlock) {
+        for (int64_t panel = 0; panel < panels; panel += kPackedGemmPanelBlock) {
+          blocks.push_back({&p, begin, std::min(p.rows, begin + kPackedGemmRowBlock), panel,
+                            std::min(panels, panel + kPackedGemmPanelBlock)});
+        }
+      }
+      continue;
+    }
     for (int64_t begin = 0; begin < p.rows; begin += kProjectionRows) {
       blocks.push_back({&p, begin, std::min(p.rows, begin + kProjectionRows)});
     }
   }
+  const PackedKernel packed_kernel = PackedKernelFor(ActiveIsa());
   pool.ParallelFor(static_cast<int64_t>(blocks.size()), [&](int64_t i) {
     const Block& block = blocks[i];
     const Projection& p = *block.projection;
+    if (block.panel_end > 0) {
+      packed_kernel({p.in, p.in_cols(), p.out, p.out_row_stride(), p.packed}, block.begin,
+                    block.end, block.panel_begin, block.panel_end);
+      return;
+    }
     const int64_t rows = block.end - block.begin;
     ConstMatrixMap in(p.in + block.begin * p.in_cols(), rows, p.in_cols());
-    MatrixMap out(p.out + block.begin * p.out_cols(), rows, p.out_cols());
+    StridedMatrixMap out(p.out + block.begin * p.out_row_stride(), rows, p.out_cols(),
+                         Eigen::OuterStride<>(p.out_row_stride()));
     // The bias is written first and the product added to it (BLAS beta = 1),
     // so the output is not read and written again after the product.
     if (p.bias) {
@@ -435,7 +483,7 @@ void AddKeyProjections(std::span<const ValidatedRequest> requests,
     if (run_end > run_begin) {
       projections.push_back({stacked_keys + run_begin * in_cols,
                              projected_keys + run_begin * out_cols, run_end - run_begin,
-                             &model.w_k, &model.b_k});
+                             &model.w_k, &model.b_k, true, &model.packed_k});
     }
   };
   for (size_t r = 0; r < requests.size(); ++r) {
@@ -472,11 +520,10 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
 
   // (tokens x E) projections of every request, stacked like the inputs, the
   // concatenated heads and, for more than one request, their stacked output.
-  // Self-attention (keys and values omitted) of a packed model: Q, K and V
-  // side by side in one (tokens x 3E) product, stored where q, k and v
-  // (consecutive, tokens x E each) would be.
+  // Self-attention (keys and values omitted): Q, K and V side by side, three
+  // products over the same tokens into one (tokens x 3E) buffer, stored
+  // where q, k and v (consecutive, tokens x E each) would be.
   const bool self_attention =
-      model.w_qkv.size() > 0 &&
       std::all_of(requests.begin(), requests.end(), [](const ValidatedRequest& r) {
         return !r.request->keys.has_value() && !r.request->values.has_value();
       });
@@ -492,12 +539,19 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
   const float* const projected_keys = self_attention ? q + width : k;
   const float* const projected_values = self_attention ? q + 2 * width : v;
   if (self_attention) {
-    RunProjections(pool, {{StackRows(requests, QueriesOf, stacked_queries), q, total_queries,
-                           &model.w_qkv, &model.b_qkv}});
+    const float* tokens = StackRows(requests, QueriesOf, stacked_queries);
+    RunProjections(pool, {{tokens, q, total_queries, &model.w_q, &model.b_q, true,
+                           &model.packed_q, qkv_stride},
+                          {tokens, q + width, total_queries, &model.w_k, &model.b_k, true,
+                           &model.packed_k, qkv_stride},
+                          {tokens, q + 2 * width, total_queries, &model.w_v, &model.b_v, true,
+                           &model.packed_v, qkv_stride}});
   } else {
     std::vector<Projection> projections = {
-        {StackRows(requests, QueriesOf, stacked_queries), q, total_queries, &model.w_q, &model.b_q},
-        {StackRows(requests, ValuesOf, stacked_values), v, total_keys, &model.w_v, &model.b_v}};
+        {StackRows(requests, QueriesOf, stacked_queries), q, total_queries, &model.w_q, &model.b_q,
+         true, &model.packed_q},
+        {StackRows(requests, ValuesOf, stacked_values), v, total_keys, &model.w_v, &model.b_v,
+         true, &model.packed_v}};
     AddKeyProjections(requests, key_rows, StackRows(requests, KeysOf, stacked_keys), k, model,
                       projections);
     RunProjections(pool, projections);
@@ -538,10 +592,11 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
 
   if (n == 1) {
     RunProjections(pool, {{concat, results[0].output.data.data(), total_queries,
-                           &model.w_o, &model.b_o}});
+                           &model.w_o, &model.b_o, true, &model.packed_o}});
     return;
   }
-  RunProjections(pool, {{concat, stacked_output, total_queries, &model.w_o, &model.b_o}});
+  RunProjections(pool, {{concat, stacked_output, total_queries, &model.w_o, &model.b_o, true,
+                         &model.packed_o}});
   for (size_t r = 0; r < n; ++r) {
     std::copy_n(stacked_output + query_rows[r] * width, results[r].output.data.size(),
                 results[r].output.data.begin());

@@ -1,4 +1,5 @@
-// model.cc: kind names and the built-in weightless models.
+// model.cc: kind names, the built-in weightless models and the packing of
+// multi_head projection weights.
 #include "core/model.h"
 
 #include <array>
@@ -39,16 +40,16 @@ Model DotProductModel() {
   return model;
 }
 
-void PackSelfAttention(Model& model) {
-  if (model.kind != Kind::kMultiHead || model.w_q.cols() != model.w_k.cols() ||
-      model.w_q.cols() != model.w_v.cols()) {
-    return;
-  }
-  const int64_t width = model.w_q.rows();
-  model.w_qkv.resize(3 * width, model.w_q.cols());
-  model.w_qkv << model.w_q, model.w_k, model.w_v;
-  model.b_qkv.resize(3 * width);
-  model.b_qkv << model.b_q, model.b_k, model.b_v;
+void PackProjections(Model& model) {
+  if (model.kind != Kind::kMultiHead) return;
+  const auto pack = [](const RowMatrix& weight, const Vector& bias) {
+    return PackedWeights::Pack(weight.data(), weight.rows(), weight.cols(),
+                               bias.size() > 0 ? bias.data() : nullptr);
+  };
+  model.packed_q = pack(model.w_q, model.b_q);
+  model.packed_k = pack(model.w_k, model.b_k);
+  model.packed_v = pack(model.w_v, model.b_v);
+  model.packed_o = pack(model.w_o, model.b_o);
 }
 
 Model DistanceModel() {

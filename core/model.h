@@ -15,6 +15,8 @@
 #include <string>
 #include <string_view>
 
+#include "core/packed_gemm.h"
+
 namespace attention {
 
 using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -46,17 +48,21 @@ struct Model {
   RowMatrix w_q, w_k, w_v, w_o;
   Vector b_q, b_k, b_v, b_o;
 
-  // multi_head with d_q = d_k = d_v: [W_q; W_k; W_v] (3E x d) and
-  // [b_q; b_k; b_v], so self-attention's Q, K and V come from one product
-  // over its tokens (N = 3E). Empty: three products (PackSelfAttention
-  // fills them; LoadModel does).
-  RowMatrix w_qkv;
-  Vector b_qkv;
+  // multi_head: W_q, W_k, W_v and W_o with their biases, packed once for the
+  // projection GEMM (core/packed_gemm.h) by PackProjections (LoadModel calls
+  // it); empty until then, and the engine then uses the BLAS throughout.
+  // The row-major copies above stay (the portable path still runs the
+  // BLAS on them, and the loader's callers read them), so a model holds each
+  // weight twice, row-major and packed, no more: self-attention's Q, K and V
+  // are three products over the same tokens into one (tokens x 3E) buffer,
+  // read from these packs, rather than a third, concatenated [W_q; W_k; W_v].
+  // Copies of a model share the packed storage.
+  PackedWeights packed_q, packed_k, packed_v, packed_o;
 };
 
-// Fills w_qkv and b_qkv of a multi_head model whose input sizes agree; does
-// nothing for any other model.
-void PackSelfAttention(Model& model);
+// Fills the packed_* weights of a multi_head model; does nothing for any
+// other model.
+void PackProjections(Model& model);
 
 // The built-in models, present in every server.
 Model DotProductModel();

@@ -375,7 +375,7 @@ absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const u
       break;
   }
   if (!status.ok()) return status;
-  PackSelfAttention(model);
+  PackProjections(model);
   return model;
 }
 

@@ -76,7 +76,7 @@ Model RandomModel(Kind kind, std::mt19937& rng, int64_t d_q, int64_t d_k, int64_
       m.b_v = RandomVector(rng, width);
       m.b_o = RandomVector(rng, width);
       // Half the models take the fused Q/K/V product for self-attention.
-      if (rng() % 2 == 0) PackSelfAttention(m);
+      if (rng() % 2 == 0) PackProjections(m);
       break;
     }
   }

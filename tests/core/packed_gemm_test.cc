@@ -1,0 +1,101 @@
+// packed_gemm_test.cc: the packed projection GEMM (core/packed_gemm.h)
+// against a double-precision reference, on the path ATTENTION_ISA selects
+// (ctest runs it once per path: core_packed_gemm_test/<isa>).
+#include "core/packed_gemm.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace attention {
+namespace {
+
+struct Shape {
+  int64_t rows, out_cols, in_cols;
+};
+
+std::vector<float> Random(int64_t count, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> data(count);
+  for (float& x : data) x = dist(rng);
+  return data;
+}
+
+// Rows `rows` of in W^T + b in double, in_stride floats between input rows.
+std::vector<double> Reference(const std::vector<float>& in, int64_t in_stride,
+                              const std::vector<float>& weight, const float* bias,
+                              const Shape& s) {
+  std::vector<double> out(s.rows * s.out_cols);
+  for (int64_t r = 0; r < s.rows; ++r) {
+    for (int64_t n = 0; n < s.out_cols; ++n) {
+      double sum = bias != nullptr ? bias[n] : 0.0;
+      for (int64_t k = 0; k < s.in_cols; ++k) {
+        sum += static_cast<double>(in[r * in_stride + k]) * weight[n * s.in_cols + k];
+      }
+      out[r * s.out_cols + n] = sum;
+    }
+  }
+  return out;
+}
+
+// Runs the whole product on the active path in blocks of `row_block` rows
+// and `panel_block` panels, as the engine's tasks do.
+void RunBlocks(const PackedProduct& product, int64_t rows, int64_t row_block,
+               int64_t panel_block) {
+  const PackedKernel kernel = PackedKernelFor(ActiveIsa());
+  const int64_t panels = product.weights->panels();
+  for (int64_t row = 0; row < rows; row += row_block) {
+    for (int64_t panel = 0; panel < panels; panel += panel_block) {
+      kernel(product, row, std::min(rows, row + row_block), panel,
+             std::min(panels, panel + panel_block));
+    }
+  }
+}
+
+// float accumulation over in_cols terms of size <= 1: error grows ~sqrt(K).
+double Tolerance(int64_t in_cols) { return 1e-5 * (1.0 + std::sqrt(static_cast<double>(in_cols))) * 4; }
+
+// Odd shapes: none of M, N, K a multiple of a path's tile (8 or 3 rows,
+// 32 columns), and the edges M = 1, K = 1, N = 1.
+const Shape kShapes[] = {{1, 1, 1},    {1, 33, 1},   {1, 3072 - 5, 17}, {7, 45, 13},
+                         {9, 97, 65},  {17, 64, 1},  {25, 31, 129},     {64, 96, 256},
+                         {3, 200, 300}, {11, 1, 513}};
+
+TEST(PackedGemmTest, MatchesDoubleReferenceWithAndWithoutBias) {
+  std::mt19937 rng(7);
+  for (const Shape& s : kShapes) {
+    for (bool with_bias : {false, true}) {
+      SCOPED_TRACE("M=" + std::to_string(s.rows) + " N=" + std::to_string(s.out_cols) +
+                   " K=" + std::to_string(s.in_cols) + " bias=" + std::to_string(with_bias));
+      // Strides wider than the rows, as the engine's Q|K|V output has: the
+      // columns between must be left alone.
+      const int64_t in_stride = s.in_cols + 3, out_stride = s.out_cols + 5;
+      const std::vector<float> in = Random(s.rows * in_stride, rng);
+      const std::vector<float> weight = Random(s.out_cols * s.in_cols, rng);
+      const std::vector<float> bias = Random(s.out_cols, rng);
+      const float* b = with_bias ? bias.data() : nullptr;
+      const PackedWeights packed = PackedWeights::Pack(weight.data(), s.out_cols, s.in_cols, b);
+      ASSERT_EQ(packed.out_cols(), s.out_cols);
+      ASSERT_EQ(packed.in_cols(), s.in_cols);
+      constexpr float kUntouched = 12345.0f;
+      std::vector<float> out(s.rows * out_stride, kUntouched);
+      RunBlocks({in.data(), in_stride, out.data(), out_stride, &packed}, s.rows, 5, 2);
+      const std::vector<double> expected = Reference(in, in_stride, weight, b, s);
+      for (int64_t r = 0; r < s.rows; ++r) {
+        for (int64_t n = 0; n < s.out_cols; ++n) {
+          ASSERT_NEAR(out[r * out_stride + n], expected[r * s.out_cols + n], Tolerance(s.in_cols))
+              << "row " << r << " column " << n;
+        }
+        for (int64_t n = s.out_cols; n < out_stride; ++n) {
+          ASSERT_EQ(out[r * out_stride + n], kUntouched) << "row " << r << " column " << n;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attention
