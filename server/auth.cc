@@ -82,11 +82,10 @@ absl::Status CheckBearerToken(const grpc::ServerContextBase& context,
 
 grpc::Status EarlyTokenCheck::Process(const InputMetadata& auth_metadata, grpc::AuthContext*,
                                       OutputMetadata*, OutputMetadata*) {
-  const auto path = auth_metadata.find(":path");
-  if (path == auth_metadata.end() ||
-      !NeedsToken(std::string_view(path->second.data(), path->second.size()))) {
-    return grpc::Status::OK;
-  }
+  const auto path_entry = auth_metadata.find(":path");
+  if (path_entry == auth_metadata.end()) return grpc::Status::OK;
+  const std::string_view path(path_entry->second.data(), path_entry->second.size());
+  if (!NeedsToken(path)) return grpc::Status::OK;
   const std::shared_ptr<const std::vector<std::string>> accepted = tokens_();
   if (accepted->empty()) return grpc::Status::OK;
   const auto [begin, end] = auth_metadata.equal_range("authorization");
@@ -95,6 +94,7 @@ grpc::Status EarlyTokenCheck::Process(const InputMetadata& auth_metadata, grpc::
       return grpc::Status::OK;
     }
   }
+  if (refused_) refused_(path.starts_with(kAttentionPrefix) ? "attention" : "inference", path);
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kRefusal);
 }
 

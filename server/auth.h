@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -39,10 +40,15 @@ absl::Status CheckBearerToken(const grpc::ServerContextBase& context,
 // (tls_credentials.h); CheckBearerToken() in the handlers stays as well.
 class EarlyTokenCheck final : public grpc::AuthMetadataProcessor {
  public:
+  // Told of each call refused here, with its API ("attention" or
+  // "inference") and method path, so refusals stay counted and logged
+  // although the service never sees them.
+  using Refused = std::function<void(std::string_view api, std::string_view path)>;
+
   // `tokens` returns the tokens accepted now (they may be reloaded).
-  explicit EarlyTokenCheck(
-      std::function<std::shared_ptr<const std::vector<std::string>>()> tokens)
-      : tokens_(std::move(tokens)) {}
+  EarlyTokenCheck(std::function<std::shared_ptr<const std::vector<std::string>>()> tokens,
+                  Refused refused)
+      : tokens_(std::move(tokens)), refused_(std::move(refused)) {}
 
   bool IsBlocking() const override { return false; }
   grpc::Status Process(const InputMetadata& auth_metadata, grpc::AuthContext* context,
@@ -51,6 +57,7 @@ class EarlyTokenCheck final : public grpc::AuthMetadataProcessor {
 
  private:
   const std::function<std::shared_ptr<const std::vector<std::string>>()> tokens_;
+  const Refused refused_;
 };
 
 // Mutual TLS identity allow-list (--tls-client-allow): OK when `allowed` is

@@ -57,6 +57,12 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
                    .Name("attention_requests_total")
                    .Help("Answered attention requests by model and gRPC status code")
                    .Register(*registry_);
+  unauthenticated_calls_ =
+      &prometheus::BuildCounter()
+           .Name("attention_unauthenticated_calls_total")
+           .Help("Calls refused UNAUTHENTICATED from their metadata before their message was "
+                 "read, by API (attention, inference)")
+           .Register(*registry_);
   refused_streams_ = &prometheus::BuildCounter()
                           .Name("attention_streams_refused_total")
                           .Help("AttendStream calls refused before reading a request, by gRPC "
@@ -197,6 +203,10 @@ void ServerMetrics::SetBuildInfo(std::string_view isa, std::string_view detected
 
 void ServerMetrics::CountRefusedStream(absl::StatusCode code) {
   refused_streams_->Add({{"code", absl::StatusCodeToString(code)}}).Increment();
+}
+
+void ServerMetrics::CountUnauthenticatedCall(std::string_view api) {
+  unauthenticated_calls_->Add({{"api", std::string(api)}}).Increment();
 }
 
 }  // namespace attention::server

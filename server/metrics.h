@@ -16,6 +16,10 @@
 //                                               read (bad token, or opened
 //                                               while draining), which the
 //                                               requests counter cannot see
+//   attention_unauthenticated_calls_total{api} calls refused UNAUTHENTICATED
+//                                               from their metadata, before
+//                                               the message was read (api:
+//                                               "attention" or "inference")
 //   attention_api_requests_total{api,model,code}
 //                                               the same count split by the API
 //                                               that served the request:
@@ -106,6 +110,9 @@ class ServerMetrics {
                     std::string_view blas_core);
   // Counts one AttendStream call refused before it read a request.
   void CountRefusedStream(absl::StatusCode code);
+  // Counts one call refused UNAUTHENTICATED from its metadata, before any
+  // service saw it; `api` is "attention" or "inference".
+  void CountUnauthenticatedCall(std::string_view api);
   prometheus::Gauge& inflight() { return *inflight_; }
 
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
@@ -124,6 +131,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>* load_failures_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Counter>* refused_streams_;
+  prometheus::Family<prometheus::Counter>* unauthenticated_calls_;
   prometheus::Family<prometheus::Counter>* api_requests_;
   prometheus::Gauge* inflight_;
 

@@ -40,6 +40,7 @@
 #include "server/repository_poller.h"
 #include "server/repository_registry.h"
 #include "server/repository_scan.h"
+#include "server/request_names.h"
 #include "server/test_gate.h"
 #include "server/tls_credentials.h"
 #include "spdlog/spdlog.h"
@@ -258,10 +259,25 @@ int RunServer(const ServerConfig& config) {
       AttentionService::Create(&registry, &engine, &metrics, service_options);
   if (!service.ok()) return Fail(service.status());
 
+  // Refusals of the early token check, logged as the service logs its own
+  // (at most AttentionService::kRefusalLinesPerSecond lines a second).
+  RefusalLogLimiter unauthenticated_log(AttentionService::kRefusalLinesPerSecond);
   if (!service_options.auth_tokens.empty()) {
     AttentionService* const attention = service->get();
-    (*credentials)->SetAuthMetadataProcessor(
-        std::make_shared<EarlyTokenCheck>([attention] { return attention->auth_tokens(); }));
+    (*credentials)
+        ->SetAuthMetadataProcessor(std::make_shared<EarlyTokenCheck>(
+            [attention] { return attention->auth_tokens(); },
+            [&metrics, &unauthenticated_log](std::string_view api, std::string_view path) {
+              metrics.CountUnauthenticatedCall(api);
+              int64_t suppressed = 0;
+              if (!unauthenticated_log.Admit(&suppressed)) return;
+              spdlog::warn("call refused before its message was read: api={} method='{}' "
+                           "code=UNAUTHENTICATED{}",
+                           api, Printable(path),
+                           suppressed == 0 ? std::string()
+                                           : absl::StrCat(" (", suppressed,
+                                                          " more refused calls not logged)"));
+            }));
   }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -171,6 +171,11 @@ TEST_F(SecurityTest, TokensAreRequiredExceptForHealth) {
     // sees the stream (docs/api.md, section 6.3).
     EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
   }
+  // The five Attend calls, ListModels and the stream: counted and logged
+  // although no service saw them.
+  EXPECT_EQ(MetricValue(ScrapeMetrics((*server)->metrics_address()),
+                        "attention_unauthenticated_calls_total", {{"api", "attention"}}),
+            7);
   {
     grpc::ClientContext context;
     context.AddMetadata("authorization", "Bearer second-token");
@@ -192,6 +197,9 @@ TEST_F(SecurityTest, TokensAreRequiredExceptForHealth) {
   EXPECT_EQ((*server)->Stop(), 0);
   const std::string log = (*server)->Log();
   EXPECT_THAT(log, ::testing::HasSubstr("bearer tokens required"));
+  EXPECT_THAT(log, ::testing::HasSubstr("call refused before its message was read: api=attention "
+                                        "method='/attention.v1.AttentionService/AttendStream' "
+                                        "code=UNAUTHENTICATED"));
   EXPECT_THAT(log, ::testing::Not(::testing::HasSubstr("first-token")))
       << "tokens must never be logged";
 }
