@@ -12,8 +12,10 @@
 // input rows are read where they are (no copy).
 //
 // One Highway source (packed_gemm.cc) builds the kernel per path, like
-// flash_tile.cc; PackedKernelFor picks one. The engine chooses between this
-// and the BLAS per product by its row count (core/engine.cc).
+// flash_tile.cc; PackedKernelFor picks one. The engine uses it on the avx512
+// and avx2 paths at every row count, where it measured as fast as the BLAS or
+// faster, and the BLAS on the portable path (Projection::UsesPackedWeights,
+// core/engine.cc).
 #pragma once
 
 #include <cstdint>
