@@ -48,7 +48,9 @@
 namespace attention::server {
 namespace {
 
-constexpr char kServiceName[] = "attention.v1.AttentionService";
+// The services health answers for by name, besides the server's "".
+constexpr const char* kHealthServiceNames[] = {"attention.v1.AttentionService",
+                                               "inference.GRPCInferenceService"};
 // Least time from NOT_SERVING to the end of the process (see RunServer).
 constexpr absl::Duration kFlushPause = absl::Milliseconds(100);
 
@@ -324,7 +326,7 @@ int RunServer(const ServerConfig& config) {
 
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   health->SetServingStatus(true);
-  health->SetServingStatus(kServiceName, true);
+  for (const char* name : kHealthServiceNames) health->SetServingStatus(name, true);
 
   spdlog::info("listening on {} ({}{})", grpc_address,
                config.tls_cert.empty() ? "plaintext"
@@ -391,7 +393,7 @@ int RunServer(const ServerConfig& config) {
                signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.drain_delay_seconds,
                config.shutdown_grace_seconds);
   health->SetServingStatus(false);
-  health->SetServingStatus(kServiceName, false);
+  for (const char* name : kHealthServiceNames) health->SetServingStatus(name, false);
   const absl::Time not_serving_since = absl::Now();
   // While accepted calls finish, the server keeps answering new calls itself
   // (UNAVAILABLE, and NOT_SERVING to health checks), which clients retry

@@ -175,7 +175,8 @@ TEST_F(ServerConformanceTest, ListModelsHasBuiltInsAndEveryRepositoryFile) {
 
 TEST_F(ServerConformanceTest, HealthIsServing) {
   auto health = grpc::health::v1::Health::NewStub(server_->Channel());
-  for (const std::string service : {"", "attention.v1.AttentionService"}) {
+  for (const std::string service :
+       {"", "attention.v1.AttentionService", "inference.GRPCInferenceService"}) {
     grpc::ClientContext context;
     grpc::health::v1::HealthCheckRequest request;
     request.set_service(service);
