@@ -310,13 +310,12 @@ class InferenceService::StreamReactor final : public OrderedStream<InferSlot> {
     if (absl::Status auth = attention.Authenticate(*context); !auth.ok()) {
       spdlog::warn("ModelStreamInfer refused: peer={}: {}", context->peer(),
                    std::string(auth.message()));
-      Refuse(ToGrpcStatus(auth));
+      RefuseStream(auth);
       return;
     }
     admitted_ = attention.AdmitCall();
     if (!admitted_) {
-      Refuse(ToGrpcStatus(
-          absl::UnavailableError("the server is shutting down and takes no new streams")));
+      RefuseStream(absl::UnavailableError("the server is shutting down and takes no new streams"));
       return;
     }
     Progress();
@@ -325,6 +324,12 @@ class InferenceService::StreamReactor final : public OrderedStream<InferSlot> {
   void OnDone() override {
     if (admitted_) service_->attention_->CallDone();
     delete this;
+  }
+
+  // Counted, as AttendStream's are (attention_streams_refused_total).
+  void RefuseStream(const absl::Status& status) {
+    service_->metrics_->CountRefusedStream("inference", status.code());
+    Refuse(ToGrpcStatus(status));
   }
 
  private:

@@ -65,7 +65,8 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
            .Register(*registry_);
   refused_streams_ = &prometheus::BuildCounter()
                           .Name("attention_streams_refused_total")
-                          .Help("AttendStream calls refused before reading a request, by gRPC "
+                          .Help("Stream calls refused before reading a request, by API "
+                                "(attention: AttendStream, inference: ModelStreamInfer) and gRPC "
                                 "status code")
                           .Register(*registry_);
   api_requests_ = &prometheus::BuildCounter()
@@ -201,8 +202,9 @@ void ServerMetrics::SetBuildInfo(std::string_view isa, std::string_view detected
       .Set(1);
 }
 
-void ServerMetrics::CountRefusedStream(absl::StatusCode code) {
-  refused_streams_->Add({{"code", absl::StatusCodeToString(code)}}).Increment();
+void ServerMetrics::CountRefusedStream(std::string_view api, absl::StatusCode code) {
+  refused_streams_->Add({{"api", std::string(api)}, {"code", absl::StatusCodeToString(code)}})
+      .Increment();
 }
 
 void ServerMetrics::CountUnauthenticatedCall(std::string_view api) {

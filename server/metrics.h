@@ -11,11 +11,13 @@
 //   attention_queue_capacity{model}            requests the queue holds at most
 //                                               (so alerts need not hard-code it)
 //   attention_inflight_requests                requests accepted, not answered
-//   attention_streams_refused_total{code}      AttendStream calls refused as a
+//   attention_streams_refused_total{api,code} stream calls (AttendStream,
+//                                               ModelStreamInfer) refused as a
 //                                               whole before any request was
-//                                               read (bad token, or opened
-//                                               while draining), which the
-//                                               requests counter cannot see
+//                                               read (opened while draining,
+//                                               or a token dropped by a
+//                                               reload), which the requests
+//                                               counter cannot see
 //   attention_unauthenticated_calls_total{api} calls refused UNAUTHENTICATED
 //                                               from their metadata, before
 //                                               the message was read (api:
@@ -109,7 +111,9 @@ class ServerMetrics {
   void SetBuildInfo(std::string_view isa, std::string_view detected_isa,
                     std::string_view blas_core);
   // Counts one AttendStream call refused before it read a request.
-  void CountRefusedStream(absl::StatusCode code);
+  // Counts one stream call (AttendStream: `api` "attention"; ModelStreamInfer:
+  // "inference") refused before it read a request.
+  void CountRefusedStream(std::string_view api, absl::StatusCode code);
   // Counts one call refused UNAUTHENTICATED from its metadata, before any
   // service saw it; `api` is "attention" or "inference".
   void CountUnauthenticatedCall(std::string_view api);

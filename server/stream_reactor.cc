@@ -40,7 +40,7 @@ void AttentionService::StreamReactor::Submit(AttendSlot& slot) {
 }
 
 void AttentionService::StreamReactor::RefuseStream(const absl::Status& status) {
-  service_->metrics_->CountRefusedStream(status.code());
+  service_->metrics_->CountRefusedStream("attention", status.code());
   Refuse(ToGrpcStatus(status));
 }
 

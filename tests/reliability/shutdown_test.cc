@@ -25,6 +25,7 @@
 
 #include "absl/strings/str_split.h"
 #include "health.grpc.pb.h"
+#include "inference/grpc_service.grpc.pb.h"
 #include "tests/support/metrics.h"
 #include "tests/support/requests.h"
 #include "tests/support/server_process.h"
@@ -303,8 +304,21 @@ TEST(ShutdownTest, OpenStreamHoldsTheDrainAndNewStreamsAreRefused) {
   const grpc::Status late_status = late->Finish();
   EXPECT_EQ(late_status.error_code(), grpc::StatusCode::UNAVAILABLE) << late_status.error_message();
   EXPECT_THAT(late_status.error_message(), ::testing::HasSubstr("shutting down"));
-  EXPECT_EQ(MetricValue(ScrapeMetrics((*server)->metrics_address()),
-                        "attention_streams_refused_total", {{"code", "UNAVAILABLE"}}),
+  {
+    // The Open Inference Protocol's stream is refused and counted the same way.
+    auto inference = inference::GRPCInferenceService::NewStub((*server)->Channel());
+    grpc::ClientContext context;
+    auto late_infer = inference->ModelStreamInfer(&context);
+    late_infer->WritesDone();
+    const grpc::Status status = late_infer->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  }
+  const std::string metrics = ScrapeMetrics((*server)->metrics_address());
+  EXPECT_EQ(MetricValue(metrics, "attention_streams_refused_total",
+                        {{"api", "attention"}, {"code", "UNAVAILABLE"}}),
+            1);
+  EXPECT_EQ(MetricValue(metrics, "attention_streams_refused_total",
+                        {{"api", "inference"}, {"code", "UNAVAILABLE"}}),
             1);
 
   const v1::AttendRequest second = SelfAttentionRequest(1, 8, 4, 3);
