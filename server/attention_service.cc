@@ -29,6 +29,12 @@ absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
+// A client ends its call at its own deadline, which comes before the
+// server's by the time the call took to arrive (the server's is its arrival
+// plus the grpc-timeout the client sent). A cancel this close to the
+// server's deadline is the deadline's, and is reported as DEADLINE_EXCEEDED.
+constexpr absl::Duration kDeadlineSkew = absl::Milliseconds(100);
+
 // The `api` label of attention.v1 requests.
 constexpr std::string_view kAttentionApi = "attention";
 
@@ -56,10 +62,15 @@ struct AttentionService::Task {
       return absl::DeadlineExceededError("the deadline passed while the request was computed");
     }
     if (cancelled()) {
-      return absl::CancelledError("the call was cancelled while its request was computed");
+      return CancelledNearTheDeadline()
+                 ? absl::DeadlineExceededError(
+                       "the deadline passed while the request was computed (the client's "
+                       "deadline, just ahead of the server's)")
+                 : absl::CancelledError("the call was cancelled while its request was computed");
     }
     return absl::OkStatus();
   }
+  bool CancelledNearTheDeadline() const { return deadline_at - absl::Now() <= kDeadlineSkew; }
 
   grpc::CallbackServerContext* context = nullptr;  // owned by gRPC; alive until done runs
   std::string_view api;                            // these three: owned by the caller
@@ -327,6 +338,14 @@ void AttentionService::DropTask(ModelQueue& queue, std::unique_ptr<Task> task,
                                 const absl::Status& why) {
   queue.metrics->queue_depth->Decrement();
   task->queued = absl::Now() - task->enqueued;
+  if (why.code() == absl::StatusCode::kCancelled && task->CancelledNearTheDeadline()) {
+    Answer(*task,
+           absl::DeadlineExceededError(
+               "the deadline passed while the request was queued (the client's deadline, just "
+               "ahead of the server's); it was not computed"),
+           nullptr);
+    return;
+  }
   Answer(*task, why, nullptr);
 }
 
