@@ -61,16 +61,21 @@ struct AttentionService::Task {
     if (absl::Now() >= deadline_at) {
       return absl::DeadlineExceededError("the deadline passed while the request was computed");
     }
-    if (cancelled()) {
-      return CancelledNearTheDeadline()
-                 ? absl::DeadlineExceededError(
-                       "the deadline passed while the request was computed (the client's "
-                       "deadline, just ahead of the server's)")
-                 : absl::CancelledError("the call was cancelled while its request was computed");
-    }
+    if (cancelled()) return WhyCancelled("computed");
     return absl::OkStatus();
   }
-  bool CancelledNearTheDeadline() const { return deadline_at - absl::Now() <= kDeadlineSkew; }
+  // Why a cancelled call ended while its request was `stage` ("queued",
+  // "computed"): its client's deadline when the cancel came within
+  // kDeadlineSkew of the server's, the client's cancel otherwise.
+  absl::Status WhyCancelled(const char* stage) const {
+    if (deadline_at - absl::Now() <= kDeadlineSkew) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the deadline passed while the request was ", stage,
+          " (the client's deadline, just ahead of the server's)"));
+    }
+    return absl::CancelledError(
+        absl::StrCat("the call was cancelled while its request was ", stage));
+  }
 
   grpc::CallbackServerContext* context = nullptr;  // owned by gRPC; alive until done runs
   std::string_view api;                            // these three: owned by the caller
@@ -338,15 +343,9 @@ void AttentionService::DropTask(ModelQueue& queue, std::unique_ptr<Task> task,
                                 const absl::Status& why) {
   queue.metrics->queue_depth->Decrement();
   task->queued = absl::Now() - task->enqueued;
-  if (why.code() == absl::StatusCode::kCancelled && task->CancelledNearTheDeadline()) {
-    Answer(*task,
-           absl::DeadlineExceededError(
-               "the deadline passed while the request was queued (the client's deadline, just "
-               "ahead of the server's); it was not computed"),
-           nullptr);
-    return;
-  }
-  Answer(*task, why, nullptr);
+  // The batcher cannot tell a client's deadline from its cancel; the task can.
+  Answer(*task, why.code() == absl::StatusCode::kCancelled ? task->WhyCancelled("queued") : why,
+         nullptr);
 }
 
 void AttentionService::Answer(Task& task, const absl::Status& status,
@@ -375,9 +374,7 @@ void AttentionService::Answer(Task& task, const absl::Status& status,
                  task.api, Printable(task.model_name), Printable(task.request_id),
                  task.context->peer(), absl::StatusCodeToString(status.code()), Micros(total),
                  std::string(status.message()),
-                 suppressed == 0
-                     ? std::string()
-                     : absl::StrCat(" (", suppressed, " more failed requests not logged)"));
+                 RefusalLogLimiter::SuppressedNote(suppressed, "failed requests"));
   } else if (status.ok() && spdlog::should_log(spdlog::level::debug)) {
     spdlog::debug("request done: api={} model='{}' request_id='{}' peer={} batch_wait={} us "
                   "compute={} us total={} us",

@@ -22,6 +22,12 @@ std::string Printable(std::string_view name) {
                       " bytes)");
 }
 
+std::string RefusalLogLimiter::SuppressedNote(int64_t suppressed, std::string_view what) {
+  if (suppressed == 0) return "";
+  return absl::StrCat(" (", suppressed, " more ", absl::string_view(what.data(), what.size()),
+                      " not logged)");
+}
+
 bool RefusalLogLimiter::Admit(int64_t* suppressed) {
   const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);

@@ -38,6 +38,10 @@ class RefusalLogLimiter {
   // left out since the previous one written (0 if none).
   bool Admit(int64_t* suppressed);
 
+  // What ends a line written after `suppressed` others were left out:
+  // " (N more <what> not logged)", or nothing when none were.
+  static std::string SuppressedNote(int64_t suppressed, std::string_view what);
+
  private:
   const int per_second_;
   absl::Mutex mu_;

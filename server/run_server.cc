@@ -276,9 +276,7 @@ int RunServer(const ServerConfig& config) {
               spdlog::warn("call refused before its message was read: api={} method='{}' "
                            "code=UNAUTHENTICATED{}",
                            api, Printable(path),
-                           suppressed == 0 ? std::string()
-                                           : absl::StrCat(" (", suppressed,
-                                                          " more refused calls not logged)"));
+                           RefusalLogLimiter::SuppressedNote(suppressed, "refused calls"));
             }));
   }
   grpc::EnableDefaultHealthCheckService(true);
