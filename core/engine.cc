@@ -132,6 +132,33 @@ struct Projection {
   }
 };
 
+// Rows [begin, end) of a projection on the calling thread: on the packed
+// weights' panels [panel_begin, panel_end), or (panel_end 0) on the BLAS.
+void ProjectBlock(const Projection& p, int64_t begin, int64_t end, int64_t panel_begin,
+                  int64_t panel_end) {
+  if (panel_end > 0) {
+    PackedKernelFor(ActiveIsa())({p.in, p.in_cols(), p.out, p.out_row_stride(), p.packed}, begin,
+                                 end, panel_begin, panel_end);
+    return;
+  }
+  const int64_t rows = end - begin;
+  ConstMatrixMap in(p.in + begin * p.in_cols(), rows, p.in_cols());
+  StridedMatrixMap out(p.out + begin * p.out_row_stride(), rows, p.out_cols(),
+                       Eigen::OuterStride<>(p.out_row_stride()));
+  // The bias is written first and the product added to it (BLAS beta = 1),
+  // so the output is not read and written again after the product.
+  if (p.bias) {
+    out.rowwise() = p.bias->transpose();
+  } else {
+    out.setZero();
+  }
+  if (p.transposed) {
+    out.noalias() += in * p.weight->transpose();
+  } else {
+    out.noalias() += in * *p.weight;
+  }
+}
+
 void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections) {
   // A BLAS block is rows [begin, end) of every column; a packed block also
   // names its panels [panel_begin, panel_end) (panel_end 0 for the BLAS).
@@ -156,31 +183,9 @@ void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections
       blocks.push_back({&p, begin, std::min(p.rows, begin + kProjectionRows)});
     }
   }
-  const PackedKernel packed_kernel = PackedKernelFor(ActiveIsa());
   pool.ParallelFor(static_cast<int64_t>(blocks.size()), [&](int64_t i) {
     const Block& block = blocks[i];
-    const Projection& p = *block.projection;
-    if (block.panel_end > 0) {
-      packed_kernel({p.in, p.in_cols(), p.out, p.out_row_stride(), p.packed}, block.begin,
-                    block.end, block.panel_begin, block.panel_end);
-      return;
-    }
-    const int64_t rows = block.end - block.begin;
-    ConstMatrixMap in(p.in + block.begin * p.in_cols(), rows, p.in_cols());
-    StridedMatrixMap out(p.out + block.begin * p.out_row_stride(), rows, p.out_cols(),
-                         Eigen::OuterStride<>(p.out_row_stride()));
-    // The bias is written first and the product added to it (BLAS beta = 1),
-    // so the output is not read and written again after the product.
-    if (p.bias) {
-      out.rowwise() = p.bias->transpose();
-    } else {
-      out.setZero();
-    }
-    if (p.transposed) {
-      out.noalias() += in * p.weight->transpose();
-    } else {
-      out.noalias() += in * *p.weight;
-    }
+    ProjectBlock(*block.projection, block.begin, block.end, block.panel_begin, block.panel_end);
   });
 }
 
@@ -456,54 +461,83 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
   });
 }
 
-// Keys example b of a request needs projected: [0, max_i bound(i)). Scores
-// stop at each query's bound, and the two cases where masked keys carry
-// weight (no key allowed, e.g. valid length 0; allowed scores near -1e6)
-// read values, not keys. So key rows at or past the largest bound of their
-// example are not projected (none when no query of it has an allowed key).
-// Values are projected whole: those masked keys' weights reach them.
-int64_t KeysRead(const ValidatedRequest& v, int64_t b) {
+// Key and value rows example b of a request needs projected before its
+// attention. Scores stop at each query's bound, so keys at or past the
+// largest bound are never read: keys [0, max_i bound(i)). Values: the same
+// rows, or all n_k when some query has no allowed key (e.g. valid length 0:
+// its answer is the mean of every value row). The one other reader of the
+// value rows past them is a query whose allowed scores sit near or below
+// -1e6, which gives its disallowed keys weight; that is known only once its
+// scores are, so those rows are projected then (PendingValueRows).
+struct RowsRead {
+  int64_t keys = 0, values = 0;
+};
+
+RowsRead RowsReadOf(const ValidatedRequest& v, int64_t b) {
   const KeyBounds bounds = BoundsOf(v, b);
+  const int64_t n_k = v.dims.num_keys;
   int64_t read = 0;
-  for (int64_t i = 0; i < v.dims.num_queries && read < v.dims.num_keys; ++i) {
-    read = std::max(read, bounds.Allowed(i, v.dims.num_keys));
+  bool some_query_sees_none = false;
+  for (int64_t i = 0; i < v.dims.num_queries && !(read == n_k && some_query_sees_none); ++i) {
+    const int64_t allowed = bounds.Allowed(i, n_k);
+    read = std::max(read, allowed);
+    some_query_sees_none = some_query_sees_none || allowed == 0;
   }
-  return read;
+  return {read, some_query_sees_none ? n_k : read};
 }
 
-// The key projection of a group, as few products as the rule above allows:
-// consecutive examples whose keys are all read make one product.
-void AddKeyProjections(std::span<const ValidatedRequest> requests,
-                       const std::vector<int64_t>& key_rows, const float* stacked_keys,
-                       float* projected_keys, const Model& model,
-                       std::vector<Projection>& projections) {
-  const int64_t in_cols = model.w_k.cols(), out_cols = model.w_k.rows();
-  int64_t run_begin = 0, run_end = 0;  // stacked key rows of the current product
+// Projections of the key (or value) rows each example reads, `read[e]` of
+// the n_k rows of example e (requests' examples in order), as few products
+// as that allows: consecutive examples whose rows are all read make one.
+// `in` and `out` hold every example's n_k rows, stacked.
+void AddReadRows(std::span<const ValidatedRequest> requests, const std::vector<int64_t>& read,
+                 const Projection& whole, std::vector<Projection>& projections) {
+  const int64_t in_stride = whole.in_cols(), out_stride = whole.out_row_stride();
+  int64_t run_begin = 0, run_end = 0;  // stacked rows of the current product
   auto flush = [&] {
     if (run_end > run_begin) {
-      projections.push_back({stacked_keys + run_begin * in_cols,
-                             projected_keys + run_begin * out_cols, run_end - run_begin,
-                             &model.w_k, &model.b_k, true, &model.packed_k});
+      Projection part = whole;
+      part.in = whole.in + run_begin * in_stride;
+      part.out = whole.out + run_begin * out_stride;
+      part.rows = run_end - run_begin;
+      projections.push_back(part);
     }
   };
-  for (size_t r = 0; r < requests.size(); ++r) {
-    const AttentionDims& d = requests[r].dims;
-    for (int64_t b = 0; b < d.batch; ++b) {
-      const int64_t first = key_rows[r] + b * d.num_keys;
-      const int64_t read = KeysRead(requests[r], b);
+  int64_t first = 0;  // the example's first stacked row
+  size_t example = 0;
+  for (const ValidatedRequest& v : requests) {
+    for (int64_t b = 0; b < v.dims.batch; ++b, ++example, first += v.dims.num_keys) {
       if (first != run_end) {
         flush();
         run_begin = first;
       }
-      run_end = first + read;
-      if (read < d.num_keys) {
+      run_end = first + read[example];
+      if (read[example] < v.dims.num_keys) {
         flush();
-        run_begin = run_end = first + d.num_keys;
+        run_begin = run_end = first + v.dims.num_keys;
       }
     }
   }
   flush();
 }
+
+// The value rows of one example that RowsRead left out, projected by the
+// first query that needs them, on its own thread (the pool is busy with the
+// attention that asks): a rare path, taken only by scores near -1e6.
+class PendingValueRows final : public PendingValues {
+ public:
+  explicit PendingValueRows(const Projection& rest) : rest_(rest) {}
+
+  void Complete() override {
+    std::call_once(done_, [this] {
+      ProjectBlock(rest_, 0, rest_.rows, 0, rest_.UsesPackedWeights() ? rest_.packed->panels() : 0);
+    });
+  }
+
+ private:
+  const Projection rest_;
+  std::once_flag done_;
+};
 
 // multi_head: project, attend per head on column slices, project the concat.
 // Each of the four projections is one GEMM over the tokens of every request.
@@ -536,26 +570,28 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
                        self_attention ? 0 : StackedFloats(requests, ValuesOf)},
                       once);
   const int64_t qkv_stride = self_attention ? 3 * width : width;
-  const float* const projected_keys = self_attention ? q + width : k;
-  const float* const projected_values = self_attention ? q + 2 * width : v;
-  if (self_attention) {
-    const float* tokens = StackRows(requests, QueriesOf, stacked_queries);
-    RunProjections(pool, {{tokens, q, total_queries, &model.w_q, &model.b_q, true,
-                           &model.packed_q, qkv_stride},
-                          {tokens, q + width, total_queries, &model.w_k, &model.b_k, true,
-                           &model.packed_k, qkv_stride},
-                          {tokens, q + 2 * width, total_queries, &model.w_v, &model.b_v, true,
-                           &model.packed_v, qkv_stride}});
-  } else {
-    std::vector<Projection> projections = {
-        {StackRows(requests, QueriesOf, stacked_queries), q, total_queries, &model.w_q, &model.b_q,
-         true, &model.packed_q},
-        {StackRows(requests, ValuesOf, stacked_values), v, total_keys, &model.w_v, &model.b_v,
-         true, &model.packed_v}};
-    AddKeyProjections(requests, key_rows, StackRows(requests, KeysOf, stacked_keys), k, model,
-                      projections);
-    RunProjections(pool, projections);
+  const float* const queries_in = StackRows(requests, QueriesOf, stacked_queries);
+  // Each example's key and value rows that are read (RowsRead), in order.
+  std::vector<int64_t> keys_read, values_read;
+  for (const ValidatedRequest& request : requests) {
+    for (int64_t b = 0; b < request.dims.batch; ++b) {
+      const RowsRead read = RowsReadOf(request, b);
+      keys_read.push_back(read.keys);
+      values_read.push_back(read.values);
+    }
   }
+  const Projection keys_whole{self_attention ? queries_in : StackRows(requests, KeysOf, stacked_keys),
+                              self_attention ? q + width : k, total_keys, &model.w_k, &model.b_k,
+                              true, &model.packed_k, qkv_stride};
+  const Projection values_whole{
+      self_attention ? queries_in : StackRows(requests, ValuesOf, stacked_values),
+      self_attention ? q + 2 * width : v, total_keys, &model.w_v, &model.b_v, true,
+      &model.packed_v, qkv_stride};
+  std::vector<Projection> projections = {
+      {queries_in, q, total_queries, &model.w_q, &model.b_q, true, &model.packed_q, qkv_stride}};
+  AddReadRows(requests, keys_read, keys_whole, projections);
+  AddReadRows(requests, values_read, values_whole, projections);
+  RunProjections(pool, projections);
 
   // Tasks point into `problems`: reserve it whole so it never reallocates.
   std::vector<FlashProblem> problems;
@@ -563,17 +599,29 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
   for (size_t r = 0; r < n; ++r) num_problems += requests[r].dims.batch * heads;
   problems.reserve(num_problems);
   std::vector<AttentionTask> tasks;
+  std::deque<PendingValueRows> pending_values;
+  size_t example = 0;
   for (size_t r = 0; r < n; ++r) {
     const AttentionDims& d = requests[r].dims;
-    for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t b = 0; b < d.batch; ++b, ++example) {
       const int64_t query_row = query_rows[r] + b * d.num_queries;
       const int64_t key_row = key_rows[r] + b * d.num_keys;
+      PendingValues* pending = nullptr;
+      if (values_read[example] < d.num_keys) {
+        const int64_t first = key_row + values_read[example];
+        Projection rest = values_whole;
+        rest.in += first * rest.in_cols();
+        rest.out += first * qkv_stride;
+        rest.rows = d.num_keys - values_read[example];
+        pending = &pending_values.emplace_back(rest);
+      }
       for (int64_t h = 0; h < heads; ++h) {
         FlashProblem p;
         const int64_t column = h * head_size;
         p.queries = q + query_row * qkv_stride + column;
-        p.keys = projected_keys + key_row * qkv_stride + column;
-        p.values = projected_values + key_row * qkv_stride + column;
+        p.keys = keys_whole.out + key_row * qkv_stride + column;
+        p.values = values_whole.out + key_row * qkv_stride + column;
+        p.pending_values = pending;
         p.output = concat + query_row * width + column;
         p.query_stride = p.key_stride = p.value_stride = qkv_stride;
         p.output_stride = width;

@@ -138,6 +138,7 @@ void ScoreTile(const FlashProblem& p, int64_t row, int64_t rows, int64_t key, in
 // Summed in double: a float sum of huge values can overflow where the mean
 // does not.
 void ValueMean(const FlashProblem& p, float* mean) {
+  p.CompleteValues();
   Eigen::Map<Eigen::RowVectorXf>(mean, p.value_size) =
       (ValueRows(p, 0, p.num_keys).cast<double>().colwise().sum() /
        static_cast<double>(p.num_keys))
@@ -180,6 +181,7 @@ void ExactRowInDouble(const FlashProblem& p, int64_t row, float* weights) {
     sum += s;
   }
   Eigen::RowVectorXd out = Eigen::RowVectorXd::Zero(p.value_size);
+  if (bound < n_k && scores[bound] != 0) p.CompleteValues();  // disallowed keys all weigh alike
   for (int64_t j = 0; j < n_k; ++j) {
     scores[j] /= sum;
     if (scores[j] != 0) out += scores[j] * ValueRows(p, j, 1).row(0).cast<double>();
@@ -209,6 +211,7 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
     weighted_keys = std::max(
         weighted_keys, MaskedSoftmaxRow({scores, static_cast<size_t>(n_k)}, bound));
   }
+  if (weighted_keys > key_end) p.CompleteValues();
   Tile w(weights, rows, weighted_keys, Eigen::OuterStride<>(weights_stride));
   OutputRows(p, row, rows).noalias() = w * ValueRows(p, 0, weighted_keys);
   for (int64_t r = 0; r < rows; ++r) {

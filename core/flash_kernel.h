@@ -50,6 +50,20 @@ class WorkStop {
   ~WorkStop() = default;
 };
 
+// Value rows a problem was given unfinished. The engine projects only the
+// value rows that allowed keys read (core/engine.cc, RowsRead); a row whose
+// allowed scores sit near or below -1e6 gives its disallowed keys weight and
+// so reads the rest, which it asks for first. Complete() makes all n_k value
+// rows readable; thread-safe and idempotent, since every head of an example
+// may ask at once.
+class PendingValues {
+ public:
+  virtual void Complete() = 0;
+
+ protected:
+  ~PendingValues() = default;
+};
+
 // Which keys each query of one (example, head) may see: [0, Allowed(i)).
 struct KeyBounds {
   // Per-query lengths [n_q] if set, else `valid_len` for all queries
@@ -79,8 +93,14 @@ struct FlashProblem {
   // since those float biases may have overflowed.
   bool distance = false;
   WorkStop* stop = nullptr;  // null: never stops
+  // Set when value rows at or past the largest bound are not computed yet.
+  PendingValues* pending_values = nullptr;
 
   bool Stopped() const { return stop != nullptr && stop->Stopped(); }
+  // Before reading a value row at or past a query's bound.
+  void CompleteValues() const {
+    if (pending_values != nullptr) pending_values->Complete();
+  }
   int64_t AllowedKeys(int64_t query) const { return bounds.Allowed(query, num_keys); }
 };
 

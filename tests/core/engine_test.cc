@@ -304,5 +304,55 @@ TEST(Engine, ValidLenZeroGivesUniformWeights) {
   EXPECT_FLOAT_EQ(result->output.data[1], 25.0f);
 }
 
+// Value rows past every allowed key are projected only when read (RowsRead,
+// core/engine.cc): here every allowed score is -1e6 - 1, so each disallowed
+// key (score -1e6) weighs e times an allowed one and the answer needs all
+// value rows. Each request runs after one with other inputs of the same
+// shape, so rows it failed to project would hold that run's values, not
+// zeros or its own.
+TEST(Engine, MultiHeadReadsValueRowsPastTheBoundWhenDisallowedKeysCarryWeight) {
+  constexpr int64_t kHeads = 2, kWidth = 4, kBatch = 3, kTokens = 9;
+  std::mt19937 rng(7);
+  for (const bool packed : {false, true}) {
+    Model m;
+    m.kind = Kind::kMultiHead;
+    m.name = "multi_head";
+    m.num_heads = kHeads;
+    m.query_size = m.key_size = m.value_size = m.output_size = kWidth;
+    // Every head's q = (1000, 1) and k = -q: with scale 1 every score is
+    // -1e6 - 1, exactly, in float as in double.
+    m.w_q = RowMatrix::Zero(kWidth, kWidth);
+    m.w_k = RowMatrix::Zero(kWidth, kWidth);
+    m.b_q = Vector{{1000.0f, 1.0f, 1000.0f, 1.0f}};
+    m.b_k = -m.b_q;
+    m.w_v = RandomMatrix(rng, kWidth, kWidth);
+    m.b_v = RandomVector(rng, kWidth);
+    m.w_o = RowMatrix::Identity(kWidth, kWidth);
+    m.b_o = Vector::Zero(kWidth);
+    if (packed) PackProjections(m);
+    for (const bool weights : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "packed " << packed << " weights " << weights);
+      const Tensor other = RandomTensor(rng, kBatch, kTokens, kWidth);
+      const Tensor tokens = RandomTensor(rng, kBatch, kTokens, kWidth);
+      const std::vector<int32_t> lens = {2, 5, 9};
+      Engine engine(EngineOptions{.num_threads = 2});
+      AttentionRequest before{other.view(), std::nullopt, std::nullopt, {}, false, false,
+                              std::nullopt};
+      ASSERT_TRUE(engine.Attend(m, before).ok());
+      AttentionRequest request{tokens.view(), std::nullopt, std::nullopt, lens, false, weights,
+                               1.0f};
+      absl::StatusOr<AttentionResult> result = engine.Attend(m, request);
+      ASSERT_TRUE(result.ok()) << result.status();
+      const AttentionResult expected = ReferenceAttention(m, request);
+      ExpectNear(result->output, expected.output, "output");
+      if (weights) ExpectNear(result->attention_weights, expected.attention_weights, "weights");
+      // The rule's answer, not the allowed keys' alone: a disallowed key of
+      // the first example weighs e / (2 + 7e).
+      const float masked_weight = std::exp(1.0f) / (2.0f + 7.0f * std::exp(1.0f));
+      if (weights) EXPECT_NEAR(result->attention_weights.data[kTokens - 1], masked_weight, 1e-5f);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attention
