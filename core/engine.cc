@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <deque>
 #include <mutex>
@@ -677,12 +678,18 @@ void RunGroup(ThreadPool& pool, const Model& model, std::span<const ValidatedReq
   }
 }
 
-// The first element of `t` that is not finite, or -1. The vectorised test
-// first: it runs on every answer.
+// The first element of `t` that is not finite, or -1. It runs over every
+// answer, so first a pass the compiler vectorises on any path: a float is
+// inf or NaN exactly when its exponent bits are all ones, an integer test
+// with no branch per element (Eigen's allFinite took 4% of a small
+// multi_head call).
 int64_t FirstNonFinite(const Tensor& t) {
-  if (Eigen::Map<const Vector>(t.data.data(), static_cast<int64_t>(t.data.size())).allFinite()) {
-    return -1;
+  constexpr uint32_t kExponent = 0x7f800000u;
+  uint32_t all_ones = 0;
+  for (const float x : t.data) {
+    all_ones |= static_cast<uint32_t>((std::bit_cast<uint32_t>(x) & kExponent) == kExponent);
   }
+  if (all_ones == 0) return -1;
   for (size_t i = 0; i < t.data.size(); ++i) {
     if (!std::isfinite(t.data[i])) return static_cast<int64_t>(i);
   }
