@@ -55,12 +55,12 @@ def machine():
     return (f"{fields.get('Model name', '?')} (family {fields.get('CPU family', '?')} model "
             f"{fields.get('Model', '?')}), {fields.get('CPU(s)', '?')} CPUs; {' '.join(vector)}")
 
-# What the caller set for the engine (and, with ATEN_CPU_CAPABILITY and
-# OPENBLAS_CORETYPE, for PyTorch too: an AVX2-only host is imitated on an
-# AVX-512 one by forcing both sides), before compare_torch sets OpenMP's wait
-# policy for PyTorch in this process.
+# What the caller set for the engine (and, with ATEN_CPU_CAPABILITY,
+# DNNL_MAX_CPU_ISA and OPENBLAS_CORETYPE, for PyTorch too: an AVX2-only host
+# is imitated on an AVX-512 one by forcing both sides), before compare_torch
+# sets OpenMP's wait policy for PyTorch in this process.
 CALLER_ENVIRONMENT = {k: v for k, v in os.environ.items()
-                      if k.startswith(("OPENBLAS_", "ATTENTION_", "ATEN_"))}
+                      if k.startswith(("OPENBLAS_", "ATTENTION_", "ATEN_", "DNNL_"))}
 TORCH_LINE = re.compile(r"^torch_(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$")
 
 
