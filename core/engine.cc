@@ -89,6 +89,10 @@ class RequestStop final : public WorkStop {
 // Each request's stop, or null for one never asked.
 using Stops = std::span<RequestStop* const>;
 
+// The stop of a group of one request, else null. A request over the group
+// bound, where a stop matters, is always a group of its own (Engine::Run).
+WorkStop* LoneStop(Stops stops) { return stops.size() == 1 ? stops[0] : nullptr; }
+
 using ConstMatrixMap = Eigen::Map<const RowMatrix>;
 using MatrixMap = Eigen::Map<RowMatrix>;
 using StridedMatrixMap = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
@@ -160,7 +164,12 @@ void ProjectBlock(const Projection& p, int64_t begin, int64_t end, int64_t panel
   }
 }
 
-void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections) {
+// With a `stop`, each block asks it first, so a stopped request's
+// remaining blocks are skipped (a block is at most a few milliseconds of
+// one core). Only a group of one request passes its stop (LoneStop): the
+// rows of a larger group's products belong to all of its requests.
+void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections,
+                    WorkStop* stop = nullptr) {
   // A BLAS block is rows [begin, end) of every column; a packed block also
   // names its panels [panel_begin, panel_end) (panel_end 0 for the BLAS).
   struct Block {
@@ -185,6 +194,7 @@ void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections
     }
   }
   pool.ParallelFor(static_cast<int64_t>(blocks.size()), [&](int64_t i) {
+    if (stop != nullptr && stop->Stopped()) return;
     const Block& block = blocks[i];
     ProjectBlock(*block.projection, block.begin, block.end, block.panel_begin, block.panel_end);
   });
@@ -317,7 +327,8 @@ void RunDotProductFamily(ThreadPool& pool, const Model& model,
     const auto [stacked_queries, mapped] = GroupScratch<2>(
         {StackedFloats(requests, QueriesOf), query_rows.back() * model.w_k.cols()}, once);
     RunProjections(pool, {{StackRows(requests, QueriesOf, stacked_queries), mapped,
-                           query_rows.back(), &model.w_k, nullptr, /*transposed=*/false}});
+                           query_rows.back(), &model.w_k, nullptr, /*transposed=*/false}},
+                   LoneStop(stops));
     mapped_queries = mapped;
   }
   // distance: -scale/2 |q - k|^2 = scale q.k - scale/2 |q|^2 - scale/2 |k|^2.
@@ -399,7 +410,8 @@ void RunAdditive(ThreadPool& pool, const Model& model, std::span<const Validated
   RunProjections(pool, {{StackRows(requests, QueriesOf, scratch[2]), scratch[0],
                          query_rows.back(), &model.w_q, nullptr},
                         {StackRows(requests, KeysOf, scratch[3]), scratch[1], key_rows.back(),
-                         &model.w_k, nullptr}});
+                         &model.w_k, nullptr}},
+                 LoneStop(stops));
 
   struct Block {
     size_t request;
@@ -592,7 +604,7 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
       {queries_in, q, total_queries, &model.w_q, &model.b_q, true, &model.packed_q, qkv_stride}};
   AddReadRows(requests, keys_read, keys_whole, projections);
   AddReadRows(requests, values_read, values_whole, projections);
-  RunProjections(pool, projections);
+  RunProjections(pool, projections, LoneStop(stops));
 
   // Tasks point into `problems`: reserve it whole so it never reallocates.
   std::vector<FlashProblem> problems;
@@ -641,7 +653,8 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
 
   if (n == 1) {
     RunProjections(pool, {{concat, results[0].output.data.data(), total_queries,
-                           &model.w_o, &model.b_o, true, &model.packed_o}});
+                           &model.w_o, &model.b_o, true, &model.packed_o}},
+                   LoneStop(stops));
     return;
   }
   RunProjections(pool, {{concat, stacked_output, total_queries, &model.w_o, &model.b_o, true,

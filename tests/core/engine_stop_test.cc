@@ -193,5 +193,47 @@ TEST(EngineStop, AdditiveAndMultiHeadStop) {
   }
 }
 
+// multi_head's projections are polled between their blocks: here they are
+// nearly all of the work (E = 2048, 64 tokens) and the attention is one
+// head of one query tile, which polls at most twice, so more polls than that
+// come from the projections; and a stop found there ends the request.
+TEST(EngineStop, MultiHeadProjectionsArePolled) {
+  std::mt19937 rng(5);
+  constexpr int64_t kWidth = 2048, kTokens = 64;
+  auto matrix = [&](int64_t rows, int64_t cols) {
+    const Tensor t = Random(rng, {rows, cols});
+    return RowMatrix(Eigen::Map<const RowMatrix>(t.data.data(), rows, cols));
+  };
+  Model model;
+  model.kind = Kind::kMultiHead;
+  model.name = "multi_head";
+  model.num_heads = 1;
+  model.query_size = model.key_size = model.value_size = model.output_size = kWidth;
+  model.w_q = matrix(kWidth, kWidth);
+  model.w_k = matrix(kWidth, kWidth);
+  model.w_v = matrix(kWidth, kWidth);
+  model.w_o = matrix(kWidth, kWidth);
+  model.b_q = model.b_k = model.b_v = model.b_o = Vector::Zero(kWidth);
+  PackProjections(model);
+  const Tensor tokens = Random(rng, {1, kTokens, kWidth});
+  const AttentionRequest request = RequestOf(tokens);
+  const absl::StatusOr<AttentionDims> dims = Validate(model, request);
+  ASSERT_TRUE(dims.ok()) << dims.status();
+  ASSERT_GE(RequestWork(model, *dims), kStopPollWork);
+  Engine engine(EngineOptions{.num_threads = 2});
+
+  CountingStop never(1 << 30);
+  std::vector<AttentionResult> answered(1);
+  engine.Run(model, std::vector<ValidatedRequest>{{&request, *dims, never.Check()}}, answered);
+  ASSERT_TRUE(answered[0].status.ok()) << answered[0].status;
+  EXPECT_GT(never.polls.load(), 2);
+
+  CountingStop stop(2);
+  std::vector<AttentionResult> stopped(1);
+  engine.Run(model, std::vector<ValidatedRequest>{{&request, *dims, stop.Check()}}, stopped);
+  EXPECT_EQ(stopped[0].status, absl::DeadlineExceededError("late"));
+  EXPECT_EQ(stop.polls.load(), 2);
+}
+
 }  // namespace
 }  // namespace attention
