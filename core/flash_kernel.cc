@@ -13,8 +13,6 @@
 // (ExactRowInDouble).
 #include "core/flash_kernel.h"
 
-#include <xmmintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -144,10 +142,10 @@ void ValueMean(const FlashProblem& p, float* mean) {
           .cast<float>();
 }
 
-// Vectorised (x - x is NaN exactly when x is not finite): this runs on every
-// output row.
+// x * 0 is NaN exactly when x is not finite, so one vectorised sum checks a
+// row (Eigen's allFinite is a scalar loop): this runs on every output row.
 bool Finite(const float* row, int64_t size) {
-  return Eigen::Map<const Eigen::VectorXf>(row, size).allFinite();
+  return !std::isnan((Eigen::Map<const Eigen::ArrayXf>(row, size) * 0.0f).sum());
 }
 
 // The rule for one row in double, for a row whose float scores or sums
@@ -219,37 +217,6 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
   }
 }
 
-// to[c * to_stride + r] = from[r * from_stride + c] * factor(c) for r < rows,
-// c < cols, where factor(c) = column_factors[c], or `factor` if that is null.
-// In 4 x 4 blocks through SSE registers (every x86-64 has SSE): the query
-// tile's transpose and the output's cost rows x width per tile, as much as
-// the tile kernel itself when rows see only a few dozen keys.
-void TransposeScaled(const float* from, int64_t from_stride, float* to, int64_t to_stride,
-                     int64_t rows, int64_t cols, const float* column_factors, float factor) {
-  auto factor_of = [&](int64_t c) { return column_factors ? column_factors[c] : factor; };
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    int64_t c = 0;
-    for (; c + 4 <= cols; c += 4) {
-      __m128 a0 = _mm_loadu_ps(from + r * from_stride + c);
-      __m128 a1 = _mm_loadu_ps(from + (r + 1) * from_stride + c);
-      __m128 a2 = _mm_loadu_ps(from + (r + 2) * from_stride + c);
-      __m128 a3 = _mm_loadu_ps(from + (r + 3) * from_stride + c);
-      _MM_TRANSPOSE4_PS(a0, a1, a2, a3);
-      _mm_storeu_ps(to + c * to_stride + r, _mm_mul_ps(a0, _mm_set1_ps(factor_of(c))));
-      _mm_storeu_ps(to + (c + 1) * to_stride + r, _mm_mul_ps(a1, _mm_set1_ps(factor_of(c + 1))));
-      _mm_storeu_ps(to + (c + 2) * to_stride + r, _mm_mul_ps(a2, _mm_set1_ps(factor_of(c + 2))));
-      _mm_storeu_ps(to + (c + 3) * to_stride + r, _mm_mul_ps(a3, _mm_set1_ps(factor_of(c + 3))));
-    }
-    for (; c < cols; ++c) {
-      for (int64_t k = r; k < r + 4; ++k) to[c * to_stride + k] = from[k * from_stride + c] * factor_of(c);
-    }
-  }
-  for (; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) to[c * to_stride + r] = from[r * from_stride + c] * factor_of(c);
-  }
-}
-
 // FlashAttention for at most kFlashQueryTile rows starting at `row`: the
 // path's tile kernel (flash_tile.h) on the tile's queries, then each row
 // normalised, or handed to the value mean or the exact path.
@@ -280,16 +247,10 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
     min_bound = std::min(min_bound, bound);
   }
   std::fill(bounds + rows, bounds + lanes, 0.0f);
-  // Q^T, scaled; padding lanes are zero so they stay finite.
-  float* queries_t = scratch.queries_t.data();
-  TransposeScaled(p.queries + row * p.query_stride, p.query_stride, queries_t, kFlashQueryTile,
-                  rows, p.head_size, nullptr, p.scale);
-  if (rows < lanes) {
-    for (int64_t c = 0; c < p.head_size; ++c) {
-      std::fill(queries_t + c * kFlashQueryTile + rows, queries_t + c * kFlashQueryTile + lanes, 0.0f);
-    }
-  }
-  tile.queries_t = queries_t;
+  const FlashTilePath path = FlashTilePathFor(ActiveIsa());
+  path.load_queries(p.queries + row * p.query_stride, p.query_stride, rows, p.head_size, p.scale,
+                    scratch.queries_t.data());
+  tile.queries_t = scratch.queries_t.data();
   tile.keys = p.keys;
   tile.key_bias = p.key_bias;
   tile.values = p.values;
@@ -301,25 +262,20 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   tile.min_bound = min_bound;
   tile.accumulator_t = scratch.accumulator.data();
   tile.scores = scratch.scores.data();
-  const FlashTileKernel kernel = FlashTileKernelFor(ActiveIsa());
   // Without a WorkStop, one call over every key, as the kernel always ran.
   const int64_t chunk = p.stop != nullptr ? KeysPerPoll(p) : std::max<int64_t>(key_end, 1);
   tile.key_begin = 0;
   do {
     tile.key_end = std::min(key_end, tile.key_begin + chunk);
-    kernel(tile);
+    path.kernel(tile);
     tile.key_begin = tile.key_end;
   } while (tile.key_begin < key_end && !p.Stopped());
   if (tile.key_begin < key_end) return false;
 
   // Every row normalised, out_i = acc_i / l_i (if any key was visited);
   // the rows below that need another answer overwrite theirs.
-  if (key_end > 0) {
-    float* inverse_sum = tile.rescale;  // free once the kernel is done
-    for (int64_t r = 0; r < rows; ++r) inverse_sum[r] = 1.0f / tile.row_sum[r];
-    TransposeScaled(tile.accumulator_t, kFlashQueryTile, p.output + row * p.output_stride,
-                    p.output_stride, dv, rows, inverse_sum, 1.0f);
-  }
+  const float* nonfinite = tile.rescale;  // NaN where a row's output is not finite
+  if (key_end > 0) path.store_output(tile, p.output + row * p.output_stride, p.output_stride);
   bool have_mean = false;
   for (int64_t r = 0; r < rows; ++r) {
     float* out = p.output + (row + r) * p.output_stride;
@@ -332,7 +288,7 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
       have_mean = true;
       std::copy_n(scratch.value_mean.data(), dv, out);
     } else if (!std::isfinite(true_max) || !(tile.row_sum[r] > 0) ||
-               !std::isfinite(tile.row_sum[r]) || !Finite(out, dv)) {
+               !std::isfinite(tile.row_sum[r]) || std::isnan(nonfinite[r])) {
       // Float overflow: scores of +-inf (or inf - inf), or an unnormalised
       // output beyond FLT_MAX.
       ExactRowInDouble(p, row + r, nullptr);
