@@ -240,11 +240,17 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   // Lanes the kernel reads: rows rounded up to its group of two vectors,
   // which divides kFlashPaddedLanes on every path.
   const int64_t lanes = (rows + kFlashPaddedLanes - 1) / kFlashPaddedLanes * kFlashPaddedLanes;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t bound = p.AllowedKeys(row + r);
-    bounds[r] = static_cast<float>(bound);
-    key_end = std::max(key_end, bound);
-    min_bound = std::min(min_bound, bound);
+  if (p.bounds.valid_lens == nullptr && !p.bounds.causal) {
+    // One bound for every row (no mask, or one valid length per example).
+    key_end = min_bound = p.AllowedKeys(row);
+    std::fill(bounds, bounds + rows, static_cast<float>(key_end));
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t bound = p.AllowedKeys(row + r);
+      bounds[r] = static_cast<float>(bound);
+      key_end = std::max(key_end, bound);
+      min_bound = std::min(min_bound, bound);
+    }
   }
   std::fill(bounds + rows, bounds + lanes, 0.0f);
   const FlashTilePath path = FlashTilePathFor(ActiveIsa());
@@ -283,17 +289,23 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
     // only when comparing the true max score with -1e6.
     const float true_max =
         tile.row_max[r] + (p.query_bias != nullptr ? p.query_bias[row + r] : 0.0f);
+    // Float overflow: scores of +-inf (or inf - inf), or an unnormalised
+    // output beyond FLT_MAX.
+    const float sum = tile.row_sum[r];
+    const bool overflow =
+        !std::isfinite(true_max) | !(sum > 0) | !std::isfinite(sum) | std::isnan(nonfinite[r]);
+    // Allowed scores near or below -1e6: disallowed keys carry weight.
+    const bool masked_keys_weigh =
+        (bounds[r] < p.num_keys) & (true_max < kMaskedScore + kMaskedWeightVanishes);
+    // Bitwise, so the common row costs one branch.
+    if ((bounds[r] > 0) & !overflow & !masked_keys_weigh) continue;
     if (bounds[r] == 0) {
       if (!have_mean) ValueMean(p, scratch.value_mean.data());
       have_mean = true;
       std::copy_n(scratch.value_mean.data(), dv, out);
-    } else if (!std::isfinite(true_max) || !(tile.row_sum[r] > 0) ||
-               !std::isfinite(tile.row_sum[r]) || std::isnan(nonfinite[r])) {
-      // Float overflow: scores of +-inf (or inf - inf), or an unnormalised
-      // output beyond FLT_MAX.
+    } else if (overflow) {
       ExactRowInDouble(p, row + r, nullptr);
-    } else if (bounds[r] < p.num_keys && true_max < kMaskedScore + kMaskedWeightVanishes) {
-      // Allowed scores near or below -1e6: disallowed keys carry weight.
+    } else {
       ExactRows(p, row + r, 1, scratch.ExactRow(p.num_keys), p.num_keys);
     }
   }

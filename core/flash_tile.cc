@@ -105,6 +105,12 @@ HWY_INLINE void SoftmaxVector(const FlashTile& t, int64_t key, int64_t keys, int
     hn::StoreU(p, d, row);
     sum = hn::Add(sum, p);
   }
+  // The first key tile starts from a zero sum and output: no factor.
+  if (key == 0) {
+    hn::StoreU(sum, d, t.row_sum + lane);
+    hn::StoreU(max, d, t.row_max + lane);
+    return;
+  }
   // Lanes with no allowed key yet keep the lowest float as max: the factor
   // is exp(0) = 1 on nothing, or exp(lowest - m') = 0 once a key is allowed.
   const V rescale = hn::Exp(d, hn::Sub(old_max, max));
