@@ -280,8 +280,21 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
 
   // Every row normalised, out_i = acc_i / l_i (if any key was visited);
   // the rows below that need another answer overwrite theirs.
-  const float* nonfinite = tile.rescale;  // NaN where a row's output is not finite
+  const float* nonfinite = tile.rescale;  // NaN where a row overflowed (store_output)
   if (key_end > 0) path.store_output(tile, p.output + row * p.output_stride, p.output_stride);
+  // Without a query bias, one pass over the lanes (which the compiler
+  // vectorises) finds whether any row needs another answer than its
+  // normalised output: most tiles have none.
+  const float* row_max = tile.row_max;
+  if (key_end > 0 && p.query_bias == nullptr) {
+    const float num_keys = static_cast<float>(p.num_keys);
+    int redo = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      redo |= (bounds[r] == 0) | std::isnan(nonfinite[r]) |
+              ((bounds[r] < num_keys) & (row_max[r] < kMaskedScore + kMaskedWeightVanishes));
+    }
+    if (redo == 0) return true;
+  }
   bool have_mean = false;
   for (int64_t r = 0; r < rows; ++r) {
     float* out = p.output + (row + r) * p.output_stride;
@@ -290,10 +303,9 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
     const float true_max =
         tile.row_max[r] + (p.query_bias != nullptr ? p.query_bias[row + r] : 0.0f);
     // Float overflow: scores of +-inf (or inf - inf), or an unnormalised
-    // output beyond FLT_MAX.
-    const float sum = tile.row_sum[r];
-    const bool overflow =
-        !std::isfinite(true_max) | !(sum > 0) | !std::isfinite(sum) | std::isnan(nonfinite[r]);
+    // output beyond FLT_MAX (store_output's probe covers the row's max and
+    // sum; the query bias may overflow on its own).
+    const bool overflow = std::isnan(nonfinite[r]) | !std::isfinite(true_max);
     // Allowed scores near or below -1e6: disallowed keys carry weight.
     const bool masked_keys_weigh =
         (bounds[r] < p.num_keys) & (true_max < kMaskedScore + kMaskedWeightVanishes);

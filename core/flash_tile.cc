@@ -271,11 +271,14 @@ void StoreOutputImpl(const FlashTile& t, float* output, int64_t output_stride) {
   const float* acc = t.accumulator_t;
   const V one = hn::Set(d, 1.0f);
   const V zero = hn::Zero(d);
-  // The finiteness probe adds x * 0 for every output x: 0, or NaN exactly
-  // when some x is not finite. Four sums, so the adds do not form one chain.
+  // The finiteness probe adds x * 0 for every output x and for the row's
+  // max, sum and 1 / sum: 0, or NaN exactly when one of them is not finite.
+  // Four sums, so the adds do not form one chain.
   for (int64_t lane = 0; lane < full_rows; lane += N) {
-    const V inverse_sum = hn::Div(one, hn::LoadU(d, t.row_sum + lane));
-    V probe[4] = {zero, zero, zero, zero};
+    const V sum = hn::LoadU(d, t.row_sum + lane);
+    const V inverse_sum = hn::Div(one, sum);
+    V probe[4] = {hn::Mul(hn::LoadU(d, t.row_max + lane), zero), hn::Mul(sum, zero),
+                  hn::Mul(inverse_sum, zero), zero};
     for (int64_t c = 0; c < full_columns; c += N) {
       V v[N];
       for (int64_t k = 0; k < N; ++k) {
@@ -292,7 +295,8 @@ void StoreOutputImpl(const FlashTile& t, float* output, int64_t output_stride) {
   for (int64_t r = 0; r < t.rows; ++r) {
     const float inverse_sum = 1.0f / t.row_sum[r];
     float* out = output + r * output_stride;
-    float probe = r < full_rows ? t.rescale[r] : 0.0f;
+    float probe = r < full_rows ? t.rescale[r]
+                                : t.row_max[r] * 0.0f + t.row_sum[r] * 0.0f + inverse_sum * 0.0f;
     for (int64_t c = r < full_rows ? full_columns : 0; c < t.value_size; ++c) {
       out[c] = acc[c * kFlashQueryTile + r] * inverse_sum;
       probe += out[c] * 0.0f;

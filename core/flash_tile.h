@@ -71,8 +71,8 @@ struct FlashTilePath {
   void (*kernel)(const FlashTile& tile);
   // Output rows [0, rows) (row-major, row stride output_stride) = the
   // tile's accumulator / row_sum; and tile.rescale[r] is NaN exactly when
-  // row r has a non-finite entry (0 otherwise), so no row is read again to
-  // check it.
+  // row r's output, row_max or row_sum has a value that is not finite or
+  // its row_sum is 0 (0 otherwise), so no row is read again to check it.
   void (*store_output)(const FlashTile& tile, float* output, int64_t output_stride);
 };
 

@@ -61,11 +61,12 @@ TEST(FlashTilePathTest, LoadQueriesIsScaledTransposeWithZeroPadding) {
 // A tile whose accumulator (value_size x lanes) and row sums are set; the
 // kernel itself plays no part.
 struct StoredTile {
-  std::vector<float> accumulator, row_sum, probe;
+  std::vector<float> accumulator, row_max, row_sum, probe;
   FlashTile tile;
 
   StoredTile(int64_t rows, int64_t value_size, std::mt19937& rng)
       : accumulator(RandomFloats(value_size * kFlashQueryTile, rng)),
+        row_max(RandomFloats(kFlashQueryTile, rng)),
         row_sum(kFlashQueryTile),
         probe(kFlashQueryTile, kUntouched) {
     std::uniform_real_distribution<float> sums(1.0f, 40.0f);
@@ -73,6 +74,7 @@ struct StoredTile {
     tile.rows = rows;
     tile.value_size = value_size;
     tile.accumulator_t = accumulator.data();
+    tile.row_max = row_max.data();
     tile.row_sum = row_sum.data();
     tile.rescale = probe.data();
   }
@@ -105,9 +107,10 @@ TEST(FlashTilePathTest, StoreOutputWritesNormalisedRowsAndNothingElse) {
   }
 }
 
-// The probe is NaN exactly on the rows with an entry that is not finite:
-// one stored as +-inf or NaN, or a finite one whose normalised value
-// overflows; at columns and rows spread over full blocks and remainders.
+// The probe is NaN exactly on the rows with an entry that is not finite
+// (one stored as +-inf or NaN, or a finite one whose normalised value
+// overflows; at columns and rows spread over full blocks and remainders), a
+// max or sum that is not finite, or a zero sum.
 TEST(FlashTilePathTest, StoreOutputProbesEveryNonFiniteRow) {
   const FlashTilePath path = FlashTilePathFor(ActiveIsa());
   const float inf = std::numeric_limits<float>::infinity();
@@ -123,10 +126,14 @@ TEST(FlashTilePathTest, StoreOutputProbesEveryNonFiniteRow) {
         t.At((r * 7) % value_size, r) = kind;
         if (kind == std::numeric_limits<float>::max()) t.row_sum[r] = 0.5f;  // max / 0.5 overflows
       }
+      // Rows 1, 4 and 7 (every third row is bad above): a row's max or sum.
+      t.row_max[1] = -inf;
+      t.row_sum[4] = 0.0f;
+      t.row_sum[7] = inf;
       std::vector<float> output(rows * value_size);
       path.store_output(t.tile, output.data(), value_size);
       for (int64_t r = 0; r < rows; ++r) {
-        if (r % 3 == 0) {
+        if (r % 3 == 0 || r == 1 || r == 4 || r == 7) {
           EXPECT_TRUE(std::isnan(t.probe[r]))
               << "rows=" << rows << " value_size=" << value_size << " row " << r;
         } else {
