@@ -143,7 +143,7 @@ void ValueMean(const FlashProblem& p, float* mean) {
 }
 
 // x * 0 is NaN exactly when x is not finite, so one vectorised sum checks a
-// row (Eigen's allFinite is a scalar loop): this runs on every output row.
+// row (Eigen's allFinite is a scalar loop).
 bool Finite(const float* row, int64_t size) {
   return !std::isnan((Eigen::Map<const Eigen::ArrayXf>(row, size) * 0.0f).sum());
 }

@@ -249,11 +249,13 @@ void LoadQueriesImpl(const float* queries, int64_t query_stride, int64_t rows, i
     for (int64_t c = 0; c < full_columns; c += N) {
       V v[N];
       for (int64_t k = 0; k < N; ++k) {
-        v[k] = lane + k < rows ? hn::Mul(hn::LoadU(d, queries + (lane + k) * query_stride + c), factor)
-                               : hn::Zero(d);
+        const float* query = queries + (lane + k) * query_stride + c;
+        v[k] = lane + k < rows ? hn::Mul(hn::LoadU(d, query), factor) : hn::Zero(d);
       }
       TransposeBlock(d, v);
-      for (int64_t k = 0; k < N; ++k) hn::StoreU(v[k], d, queries_t + (c + k) * kFlashQueryTile + lane);
+      for (int64_t k = 0; k < N; ++k) {
+        hn::StoreU(v[k], d, queries_t + (c + k) * kFlashQueryTile + lane);
+      }
     }
   }
   for (int64_t c = full_columns; c < head_size; ++c) {

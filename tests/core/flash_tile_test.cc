@@ -101,7 +101,8 @@ TEST(FlashTilePathTest, StoreOutputWritesNormalisedRowsAndNothingElse) {
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        ASSERT_EQ(t.probe[r], 0.0f) << "rows=" << rows << " value_size=" << value_size << " row " << r;
+        ASSERT_EQ(t.probe[r], 0.0f)
+            << "rows=" << rows << " value_size=" << value_size << " row " << r;
       }
     }
   }
