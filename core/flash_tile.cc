@@ -248,9 +248,15 @@ void LoadQueriesImpl(const float* queries, int64_t query_stride, int64_t rows, i
   for (int64_t lane = 0; lane < lanes; lane += N) {
     for (int64_t c = 0; c < full_columns; c += N) {
       V v[N];
-      for (int64_t k = 0; k < N; ++k) {
-        const float* query = queries + (lane + k) * query_stride + c;
-        v[k] = lane + k < rows ? hn::Mul(hn::LoadU(d, query), factor) : hn::Zero(d);
+      if (lane + N <= rows) {
+        for (int64_t k = 0; k < N; ++k) {
+          v[k] = hn::Mul(hn::LoadU(d, queries + (lane + k) * query_stride + c), factor);
+        }
+      } else {
+        for (int64_t k = 0; k < N; ++k) {
+          const float* query = queries + (lane + k) * query_stride + c;
+          v[k] = lane + k < rows ? hn::Mul(hn::LoadU(d, query), factor) : hn::Zero(d);
+        }
       }
       TransposeBlock(d, v);
       for (int64_t k = 0; k < N; ++k) {
