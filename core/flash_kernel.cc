@@ -305,12 +305,11 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
     // Float overflow: scores of +-inf (or inf - inf), or an unnormalised
     // output beyond FLT_MAX (store_output's probe covers the row's max and
     // sum; the query bias may overflow on its own).
-    const bool overflow = std::isnan(nonfinite[r]) | !std::isfinite(true_max);
+    const bool overflow = std::isnan(nonfinite[r]) || !std::isfinite(true_max);
     // Allowed scores near or below -1e6: disallowed keys carry weight.
     const bool masked_keys_weigh =
-        (bounds[r] < p.num_keys) & (true_max < kMaskedScore + kMaskedWeightVanishes);
-    // Bitwise, so the common row costs one branch.
-    if ((bounds[r] > 0) & !overflow & !masked_keys_weigh) continue;
+        bounds[r] < p.num_keys && true_max < kMaskedScore + kMaskedWeightVanishes;
+    if (bounds[r] > 0 && !overflow && !masked_keys_weigh) continue;
     if (bounds[r] == 0) {
       if (!have_mean) ValueMean(p, scratch.value_mean.data());
       have_mean = true;
