@@ -13,8 +13,6 @@
 // (ExactRowInDouble).
 #include "core/flash_kernel.h"
 
-#include <xmmintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -145,10 +143,10 @@ void ValueMean(const FlashProblem& p, float* mean) {
           .cast<float>();
 }
 
-// Vectorised (x - x is NaN exactly when x is not finite): this runs on every
-// output row.
+// x * 0 is NaN exactly when x is not finite, so one vectorised sum checks a
+// row (Eigen's allFinite is a scalar loop).
 bool Finite(const float* row, int64_t size) {
-  return Eigen::Map<const Eigen::VectorXf>(row, size).allFinite();
+  return !std::isnan((Eigen::Map<const Eigen::ArrayXf>(row, size) * 0.0f).sum());
 }
 
 // The rule for one row in double, for a row whose float scores or sums
@@ -222,37 +220,6 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
   }
 }
 
-// to[c * to_stride + r] = from[r * from_stride + c] * factor(c) for r < rows,
-// c < cols, where factor(c) = column_factors[c], or `factor` if that is null.
-// In 4 x 4 blocks through SSE registers (every x86-64 has SSE): the query
-// tile's transpose and the output's cost rows x width per tile, as much as
-// the tile kernel itself when rows see only a few dozen keys.
-void TransposeScaled(const float* from, int64_t from_stride, float* to, int64_t to_stride,
-                     int64_t rows, int64_t cols, const float* column_factors, float factor) {
-  auto factor_of = [&](int64_t c) { return column_factors ? column_factors[c] : factor; };
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    int64_t c = 0;
-    for (; c + 4 <= cols; c += 4) {
-      __m128 a0 = _mm_loadu_ps(from + r * from_stride + c);
-      __m128 a1 = _mm_loadu_ps(from + (r + 1) * from_stride + c);
-      __m128 a2 = _mm_loadu_ps(from + (r + 2) * from_stride + c);
-      __m128 a3 = _mm_loadu_ps(from + (r + 3) * from_stride + c);
-      _MM_TRANSPOSE4_PS(a0, a1, a2, a3);
-      _mm_storeu_ps(to + c * to_stride + r, _mm_mul_ps(a0, _mm_set1_ps(factor_of(c))));
-      _mm_storeu_ps(to + (c + 1) * to_stride + r, _mm_mul_ps(a1, _mm_set1_ps(factor_of(c + 1))));
-      _mm_storeu_ps(to + (c + 2) * to_stride + r, _mm_mul_ps(a2, _mm_set1_ps(factor_of(c + 2))));
-      _mm_storeu_ps(to + (c + 3) * to_stride + r, _mm_mul_ps(a3, _mm_set1_ps(factor_of(c + 3))));
-    }
-    for (; c < cols; ++c) {
-      for (int64_t k = r; k < r + 4; ++k) to[c * to_stride + k] = from[k * from_stride + c] * factor_of(c);
-    }
-  }
-  for (; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) to[c * to_stride + r] = from[r * from_stride + c] * factor_of(c);
-  }
-}
-
 // FlashAttention for at most kFlashQueryTile rows starting at `row`: the
 // path's tile kernel (flash_tile.h) on the tile's queries, then each row
 // normalised, or handed to the value mean or the exact path.
@@ -276,23 +243,23 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   // Lanes the kernel reads: rows rounded up to its group of two vectors,
   // which divides kFlashPaddedLanes on every path.
   const int64_t lanes = (rows + kFlashPaddedLanes - 1) / kFlashPaddedLanes * kFlashPaddedLanes;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t bound = p.AllowedKeys(row + r);
-    bounds[r] = static_cast<float>(bound);
-    key_end = std::max(key_end, bound);
-    min_bound = std::min(min_bound, bound);
-  }
-  std::fill(bounds + rows, bounds + lanes, 0.0f);
-  // Q^T, scaled; padding lanes are zero so they stay finite.
-  float* queries_t = scratch.queries_t.data();
-  TransposeScaled(p.queries + row * p.query_stride, p.query_stride, queries_t, kFlashQueryTile,
-                  rows, p.head_size, nullptr, p.scale);
-  if (rows < lanes) {
-    for (int64_t c = 0; c < p.head_size; ++c) {
-      std::fill(queries_t + c * kFlashQueryTile + rows, queries_t + c * kFlashQueryTile + lanes, 0.0f);
+  if (p.bounds.valid_lens == nullptr && !p.bounds.causal) {
+    // One bound for every row (no mask, or one valid length per example).
+    key_end = min_bound = p.AllowedKeys(row);
+    std::fill(bounds, bounds + rows, static_cast<float>(key_end));
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t bound = p.AllowedKeys(row + r);
+      bounds[r] = static_cast<float>(bound);
+      key_end = std::max(key_end, bound);
+      min_bound = std::min(min_bound, bound);
     }
   }
-  tile.queries_t = queries_t;
+  std::fill(bounds + rows, bounds + lanes, 0.0f);
+  const FlashTilePath path = FlashTilePathFor(ActiveIsa());
+  path.load_queries(p.queries + row * p.query_stride, p.query_stride, rows, p.head_size, p.scale,
+                    scratch.queries_t.data());
+  tile.queries_t = scratch.queries_t.data();
   tile.keys = p.keys;
   tile.key_bias = p.key_bias;
   tile.values = p.values;
@@ -304,24 +271,32 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   tile.min_bound = min_bound;
   tile.accumulator_t = scratch.accumulator.data();
   tile.scores = scratch.scores.data();
-  const FlashTileKernel kernel = FlashTileKernelFor(ActiveIsa());
   // Without a WorkStop, one call over every key, as the kernel always ran.
   const int64_t chunk = p.stop != nullptr ? KeysPerPoll(p) : std::max<int64_t>(key_end, 1);
   tile.key_begin = 0;
   do {
     tile.key_end = std::min(key_end, tile.key_begin + chunk);
-    kernel(tile);
+    path.kernel(tile);
     tile.key_begin = tile.key_end;
   } while (tile.key_begin < key_end && !p.Stopped());
   if (tile.key_begin < key_end) return false;
 
   // Every row normalised, out_i = acc_i / l_i (if any key was visited);
   // the rows below that need another answer overwrite theirs.
-  if (key_end > 0) {
-    float* inverse_sum = tile.rescale;  // free once the kernel is done
-    for (int64_t r = 0; r < rows; ++r) inverse_sum[r] = 1.0f / tile.row_sum[r];
-    TransposeScaled(tile.accumulator_t, kFlashQueryTile, p.output + row * p.output_stride,
-                    p.output_stride, dv, rows, inverse_sum, 1.0f);
+  const float* nonfinite = tile.rescale;  // NaN where a row overflowed (store_output)
+  if (key_end > 0) path.store_output(tile, p.output + row * p.output_stride, p.output_stride);
+  // Without a query bias, one pass over the lanes (which the compiler
+  // vectorises) finds whether any row needs another answer than its
+  // normalised output: most tiles have none.
+  const float* row_max = tile.row_max;
+  if (key_end > 0 && p.query_bias == nullptr) {
+    const float num_keys = static_cast<float>(p.num_keys);
+    int redo = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      redo |= (bounds[r] == 0) | std::isnan(nonfinite[r]) |
+              ((bounds[r] < num_keys) & (row_max[r] < kMaskedScore + kMaskedWeightVanishes));
+    }
+    if (redo == 0) return true;
   }
   bool have_mean = false;
   for (int64_t r = 0; r < rows; ++r) {
@@ -330,17 +305,21 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
     // only when comparing the true max score with -1e6.
     const float true_max =
         tile.row_max[r] + (p.query_bias != nullptr ? p.query_bias[row + r] : 0.0f);
+    // Float overflow: scores of +-inf (or inf - inf), or an unnormalised
+    // output beyond FLT_MAX (store_output's probe covers the row's max and
+    // sum; the query bias may overflow on its own).
+    const bool overflow = std::isnan(nonfinite[r]) || !std::isfinite(true_max);
+    // Allowed scores near or below -1e6: disallowed keys carry weight.
+    const bool masked_keys_weigh =
+        bounds[r] < p.num_keys && true_max < kMaskedScore + kMaskedWeightVanishes;
+    if (bounds[r] > 0 && !overflow && !masked_keys_weigh) continue;
     if (bounds[r] == 0) {
       if (!have_mean) ValueMean(p, scratch.value_mean.data());
       have_mean = true;
       std::copy_n(scratch.value_mean.data(), dv, out);
-    } else if (!std::isfinite(true_max) || !(tile.row_sum[r] > 0) ||
-               !std::isfinite(tile.row_sum[r]) || !Finite(out, dv)) {
-      // Float overflow: scores of +-inf (or inf - inf), or an unnormalised
-      // output beyond FLT_MAX.
+    } else if (overflow) {
       ExactRowInDouble(p, row + r, nullptr);
-    } else if (bounds[r] < p.num_keys && true_max < kMaskedScore + kMaskedWeightVanishes) {
-      // Allowed scores near or below -1e6: disallowed keys carry weight.
+    } else {
       ExactRows(p, row + r, 1, scratch.ExactRow(p.num_keys), p.num_keys);
     }
   }

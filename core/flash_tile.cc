@@ -1,7 +1,8 @@
 // flash_tile.cc: the fused tile kernel (flash_tile.h), compiled by Highway
 // once per vector path: AVX-512 (HWY_AVX3), AVX2 (HWY_AVX2) and the portable
-// path (the compiler's baseline target, any x86-64). FlashTileKernelFor picks
-// among them.
+// path (the compiler's baseline target, any x86-64), with the query tile's
+// transpose into lanes and the output's back into rows. FlashTilePathFor
+// picks among them.
 #include "core/flash_tile.h"
 
 #include <cstddef>
@@ -67,6 +68,18 @@ HWY_INLINE void ScoreKeys(const FlashTile& t, int64_t key, int64_t lane, float* 
   }
 }
 
+// ScoreKeys for the last `count` (< kBlock) keys of a tile in one pass: key
+// by key, each pass would be a chain of head_size dependent FMAs, and a
+// masked tile's length is rarely a multiple of kBlock.
+template <int R = kBlock - 1>
+HWY_INLINE void ScoreTail(const FlashTile& t, int64_t key, int64_t count, int64_t lane,
+                          float* scores) {
+  if constexpr (R > 0) {
+    if (count == R) return ScoreKeys<R>(t, key, lane, scores);
+    ScoreTail<R - 1>(t, key, count, lane, scores);
+  }
+}
+
 // Online softmax of one query vector over the tile's keys [key, key + keys):
 //   m' = max(m, max_j s_j);  P_j = exp(s_j - m') (0 if disallowed);
 //   l' = exp(m - m') l + sum_j P_j;  rescale = exp(m - m')
@@ -91,6 +104,12 @@ HWY_INLINE void SoftmaxVector(const FlashTile& t, int64_t key, int64_t keys, int
     if (masked) p = hn::IfThenElseZero(hn::Lt(hn::Set(d, static_cast<float>(key + j)), bound), p);
     hn::StoreU(p, d, row);
     sum = hn::Add(sum, p);
+  }
+  // The first key tile starts from a zero sum and output: no factor.
+  if (key == 0) {
+    hn::StoreU(sum, d, t.row_sum + lane);
+    hn::StoreU(max, d, t.row_max + lane);
+    return;
   }
   // Lanes with no allowed key yet keep the lowest float as max: the factor
   // is exp(0) = 1 on nothing, or exp(lowest - m') = 0 once a key is allowed.
@@ -155,7 +174,7 @@ void FlashTileImpl(const FlashTile& t) {
       for (; j + kBlock <= keys; j += kBlock) {
         ScoreKeys<kBlock>(t, key + j, lane, t.scores + j * kFlashQueryTile);
       }
-      for (; j < keys; ++j) ScoreKeys<1>(t, key + j, lane, t.scores + j * kFlashQueryTile);
+      ScoreTail(t, key + j, keys - j, lane, t.scores + j * kFlashQueryTile);
       SoftmaxVector(t, key, keys, lane, masked);
       SoftmaxVector(t, key, keys, lane + n, masked);
       int64_t col = 0;
@@ -167,6 +186,133 @@ void FlashTileImpl(const FlashTile& t) {
   }
 }
 
+// v[k] = row k of an N x N block, N = the vector's lanes, becomes v[k] =
+// column k: 4 x 4 transposes inside each 128-bit block, then the blocks
+// themselves are transposed (two 256-bit halves on AVX2, four blocks on
+// AVX-512). The portable path's single lane is its own transpose.
+template <class DF>
+HWY_INLINE void TransposeBlock(DF d, hn::Vec<DF>* v) {
+  constexpr size_t N = HWY_LANES(float);
+  static_assert(N == 1 || N == 4 || N == 8 || N == 16,
+                "a path of another vector width needs its block transpose");
+#if HWY_TARGET == HWY_SCALAR
+  (void)d;
+  (void)v;
+#else
+  {
+    const hn::Repartition<uint64_t, DF> d64;
+    for (size_t g = 0; g < N; g += 4) {
+      // Rows a, b, c, e of the group: t0 = a0 b0 a1 b1, t1 = c0 e0 c1 e1, ...
+      const auto t0 = hn::BitCast(d64, hn::InterleaveLower(d, v[g], v[g + 1]));
+      const auto t1 = hn::BitCast(d64, hn::InterleaveLower(d, v[g + 2], v[g + 3]));
+      const auto t2 = hn::BitCast(d64, hn::InterleaveUpper(d, v[g], v[g + 1]));
+      const auto t3 = hn::BitCast(d64, hn::InterleaveUpper(d, v[g + 2], v[g + 3]));
+      v[g] = hn::BitCast(d, hn::InterleaveLower(d64, t0, t1));
+      v[g + 1] = hn::BitCast(d, hn::InterleaveUpper(d64, t0, t1));
+      v[g + 2] = hn::BitCast(d, hn::InterleaveLower(d64, t2, t3));
+      v[g + 3] = hn::BitCast(d, hn::InterleaveUpper(d64, t2, t3));
+    }
+  }
+  // Now block b of v[g + i] holds column 4b + i of rows g..g+3.
+  if constexpr (N == 8) {
+    for (size_t i = 0; i < 4; ++i) {
+      const auto lo = v[i], hi = v[4 + i];
+      v[i] = hn::ConcatLowerLower(d, hi, lo);
+      v[4 + i] = hn::ConcatUpperUpper(d, hi, lo);
+    }
+  } else if constexpr (N == 16) {
+    for (size_t i = 0; i < 4; ++i) {
+      const auto a = v[i], b = v[4 + i], c = v[8 + i], e = v[12 + i];
+      // Blocks 0 and 2 of a and b, interleaved; then blocks 1 and 3.
+      const auto ab_even = hn::OddEvenBlocks(hn::SwapAdjacentBlocks(b), a);
+      const auto ab_odd = hn::OddEvenBlocks(b, hn::SwapAdjacentBlocks(a));
+      const auto ce_even = hn::OddEvenBlocks(hn::SwapAdjacentBlocks(e), c);
+      const auto ce_odd = hn::OddEvenBlocks(e, hn::SwapAdjacentBlocks(c));
+      v[i] = hn::ConcatLowerLower(d, ce_even, ab_even);
+      v[4 + i] = hn::ConcatLowerLower(d, ce_odd, ab_odd);
+      v[8 + i] = hn::ConcatUpperUpper(d, ce_even, ab_even);
+      v[12 + i] = hn::ConcatUpperUpper(d, ce_odd, ab_odd);
+    }
+  }
+#endif
+}
+
+void LoadQueriesImpl(const float* queries, int64_t query_stride, int64_t rows, int64_t head_size,
+                     float scale, float* queries_t) {
+  const D d;
+  constexpr int64_t N = HWY_LANES(float);
+  const int64_t lanes = (rows + kFlashPaddedLanes - 1) / kFlashPaddedLanes * kFlashPaddedLanes;
+  const V factor = hn::Set(d, scale);
+  const int64_t full_columns = head_size / N * N;
+  // Rows at or past `rows` load as zeros: the padding lanes come out zero.
+  for (int64_t lane = 0; lane < lanes; lane += N) {
+    for (int64_t c = 0; c < full_columns; c += N) {
+      V v[N];
+      if (lane + N <= rows) {
+        for (int64_t k = 0; k < N; ++k) {
+          v[k] = hn::Mul(hn::LoadU(d, queries + (lane + k) * query_stride + c), factor);
+        }
+      } else {
+        for (int64_t k = 0; k < N; ++k) {
+          const float* query = queries + (lane + k) * query_stride + c;
+          v[k] = lane + k < rows ? hn::Mul(hn::LoadU(d, query), factor) : hn::Zero(d);
+        }
+      }
+      TransposeBlock(d, v);
+      for (int64_t k = 0; k < N; ++k) {
+        hn::StoreU(v[k], d, queries_t + (c + k) * kFlashQueryTile + lane);
+      }
+    }
+  }
+  for (int64_t c = full_columns; c < head_size; ++c) {
+    float* column = queries_t + c * kFlashQueryTile;
+    for (int64_t r = 0; r < rows; ++r) column[r] = queries[r * query_stride + c] * scale;
+    for (int64_t r = rows; r < lanes; ++r) column[r] = 0.0f;
+  }
+}
+
+void StoreOutputImpl(const FlashTile& t, float* output, int64_t output_stride) {
+  const D d;
+  constexpr int64_t N = HWY_LANES(float);
+  const int64_t full_rows = t.rows / N * N;
+  const int64_t full_columns = t.value_size / N * N;
+  const float* acc = t.accumulator_t;
+  const V one = hn::Set(d, 1.0f);
+  const V zero = hn::Zero(d);
+  // The finiteness probe adds x * 0 for every output x and for the row's
+  // max, sum and 1 / sum: 0, or NaN exactly when one of them is not finite.
+  // Four sums, so the adds do not form one chain.
+  for (int64_t lane = 0; lane < full_rows; lane += N) {
+    const V sum = hn::LoadU(d, t.row_sum + lane);
+    const V inverse_sum = hn::Div(one, sum);
+    V probe[4] = {hn::Mul(hn::LoadU(d, t.row_max + lane), zero), hn::Mul(sum, zero),
+                  hn::Mul(inverse_sum, zero), zero};
+    for (int64_t c = 0; c < full_columns; c += N) {
+      V v[N];
+      for (int64_t k = 0; k < N; ++k) {
+        v[k] = hn::Mul(hn::LoadU(d, acc + (c + k) * kFlashQueryTile + lane), inverse_sum);
+        probe[k % 4] = hn::MulAdd(v[k], zero, probe[k % 4]);
+      }
+      TransposeBlock(d, v);
+      for (int64_t k = 0; k < N; ++k) hn::StoreU(v[k], d, output + (lane + k) * output_stride + c);
+    }
+    hn::StoreU(hn::Add(hn::Add(probe[0], probe[1]), hn::Add(probe[2], probe[3])), d,
+               t.rescale + lane);
+  }
+  // Columns past the last full block, and rows past the last full block.
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const float inverse_sum = 1.0f / t.row_sum[r];
+    float* out = output + r * output_stride;
+    float probe = r < full_rows ? t.rescale[r]
+                                : t.row_max[r] * 0.0f + t.row_sum[r] * 0.0f + inverse_sum * 0.0f;
+    for (int64_t c = r < full_rows ? full_columns : 0; c < t.value_size; ++c) {
+      out[c] = acc[c * kFlashQueryTile + r] * inverse_sum;
+      probe += out[c] * 0.0f;
+    }
+    t.rescale[r] = probe;
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace attention
 HWY_AFTER_NAMESPACE();
@@ -174,16 +320,16 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace attention {
 
-FlashTileKernel FlashTileKernelFor(Isa isa) {
+FlashTilePath FlashTilePathFor(Isa isa) {
   switch (isa) {
     case Isa::kAvx512:
 #if HWY_TARGETS & HWY_AVX3
-      return &N_AVX3::FlashTileImpl;
+      return {&N_AVX3::LoadQueriesImpl, &N_AVX3::FlashTileImpl, &N_AVX3::StoreOutputImpl};
 #endif
       [[fallthrough]];
     case Isa::kAvx2:
 #if HWY_TARGETS & HWY_AVX2
-      return &N_AVX2::FlashTileImpl;
+      return {&N_AVX2::LoadQueriesImpl, &N_AVX2::FlashTileImpl, &N_AVX2::StoreOutputImpl};
 #endif
       [[fallthrough]];
     case Isa::kPortable:
@@ -191,7 +337,8 @@ FlashTileKernel FlashTileKernelFor(Isa isa) {
   }
   // The baseline every x86-64 runs: HWY_SCALAR with GCC 12.2, EMU128 (SSE2)
   // with Clang.
-  return &HWY_STATIC_DISPATCH(FlashTileImpl);
+  return {&HWY_STATIC_DISPATCH(LoadQueriesImpl), &HWY_STATIC_DISPATCH(FlashTileImpl),
+          &HWY_STATIC_DISPATCH(StoreOutputImpl)};
 }
 
 }  // namespace attention

@@ -60,9 +60,23 @@ struct FlashTile {
   float* rescale = nullptr; // scratch: lanes
 };
 
-using FlashTileKernel = void (*)(const FlashTile& tile);
+// One path's functions for a query tile, in the order a caller runs them.
+struct FlashTilePath {
+  // queries_t (head_size x lanes) = scale * Q^T of rows [0, rows) of
+  // `queries` (row-major, row stride query_stride); padding lanes, up to a
+  // multiple of kFlashPaddedLanes, are zero so their scores stay finite.
+  void (*load_queries)(const float* queries, int64_t query_stride, int64_t rows, int64_t head_size,
+                       float scale, float* queries_t);
+  // Visits the tile's keys [key_begin, key_end) (FlashTile).
+  void (*kernel)(const FlashTile& tile);
+  // Output rows [0, rows) (row-major, row stride output_stride) = the
+  // tile's accumulator / row_sum; and tile.rescale[r] is NaN exactly when
+  // row r's output, row_max or row_sum has a value that is not finite or
+  // its row_sum is 0 (0 otherwise), so no row is read again to check it.
+  void (*store_output)(const FlashTile& tile, float* output, int64_t output_stride);
+};
 
-// The kernel built for `isa`.
-FlashTileKernel FlashTileKernelFor(Isa isa);
+// The functions built for `isa`.
+FlashTilePath FlashTilePathFor(Isa isa);
 
 }  // namespace attention
