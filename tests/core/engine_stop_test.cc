@@ -26,6 +26,28 @@ Tensor Random(std::mt19937& rng, std::vector<int64_t> shape) {
   return t;
 }
 
+RowMatrix RandomMatrix(std::mt19937& rng, int64_t rows, int64_t cols) {
+  const Tensor t = Random(rng, {rows, cols});
+  return RowMatrix(Eigen::Map<const RowMatrix>(t.data.data(), rows, cols));
+}
+
+// A multi_head model of `heads` heads, inputs of `input` features, width
+// `width`, random weights and zero biases.
+Model RandomMultiHead(std::mt19937& rng, int64_t heads, int64_t input, int64_t width) {
+  Model m;
+  m.kind = Kind::kMultiHead;
+  m.name = "multi_head";
+  m.num_heads = heads;
+  m.query_size = m.key_size = m.value_size = input;
+  m.output_size = width;
+  m.w_q = RandomMatrix(rng, width, input);
+  m.w_k = RandomMatrix(rng, width, input);
+  m.w_v = RandomMatrix(rng, width, input);
+  m.w_o = RandomMatrix(rng, width, width);
+  m.b_q = m.b_k = m.b_v = m.b_o = Vector::Zero(width);
+  return m;
+}
+
 // A StopCheck that answers `why` from its `stop_at`-th poll on, counting polls.
 struct CountingStop {
   explicit CountingStop(int stop_at, absl::Status why = absl::DeadlineExceededError("late"))
@@ -152,28 +174,14 @@ TEST(EngineStop, UnstoppedRequestsAreAnsweredAsWithoutACheck) {
 TEST(EngineStop, AdditiveAndMultiHeadStop) {
   std::mt19937 rng(4);
   Engine engine(EngineOptions{.num_threads = 1});
-  auto matrix = [&](int64_t rows, int64_t cols) {
-    const Tensor t = Random(rng, {rows, cols});
-    return RowMatrix(Eigen::Map<const RowMatrix>(t.data.data(), rows, cols));
-  };
   Model additive;
   additive.kind = Kind::kAdditive;
   additive.name = "additive";
   additive.query_size = additive.key_size = 4;
-  additive.w_q = matrix(8, 4);
-  additive.w_k = matrix(8, 4);
-  additive.w_v = matrix(1, 8);
-  Model multi_head;
-  multi_head.kind = Kind::kMultiHead;
-  multi_head.name = "multi_head";
-  multi_head.num_heads = 2;
-  multi_head.query_size = multi_head.key_size = multi_head.value_size = 4;
-  multi_head.output_size = 8;
-  multi_head.w_q = matrix(8, 4);
-  multi_head.w_k = matrix(8, 4);
-  multi_head.w_v = matrix(8, 4);
-  multi_head.w_o = matrix(8, 8);
-  multi_head.b_q = multi_head.b_k = multi_head.b_v = multi_head.b_o = Vector::Zero(8);
+  additive.w_q = RandomMatrix(rng, 8, 4);
+  additive.w_k = RandomMatrix(rng, 8, 4);
+  additive.w_v = RandomMatrix(rng, 1, 8);
+  const Model multi_head = RandomMultiHead(rng, 2, 4, 8);
 
   const Tensor one_query = Random(rng, {1, 1, 4});
   const Tensor many_keys = Random(rng, {1, 300000, 4});
@@ -200,20 +208,7 @@ TEST(EngineStop, AdditiveAndMultiHeadStop) {
 TEST(EngineStop, MultiHeadProjectionsArePolled) {
   std::mt19937 rng(5);
   constexpr int64_t kWidth = 2048, kTokens = 64;
-  auto matrix = [&](int64_t rows, int64_t cols) {
-    const Tensor t = Random(rng, {rows, cols});
-    return RowMatrix(Eigen::Map<const RowMatrix>(t.data.data(), rows, cols));
-  };
-  Model model;
-  model.kind = Kind::kMultiHead;
-  model.name = "multi_head";
-  model.num_heads = 1;
-  model.query_size = model.key_size = model.value_size = model.output_size = kWidth;
-  model.w_q = matrix(kWidth, kWidth);
-  model.w_k = matrix(kWidth, kWidth);
-  model.w_v = matrix(kWidth, kWidth);
-  model.w_o = matrix(kWidth, kWidth);
-  model.b_q = model.b_k = model.b_v = model.b_o = Vector::Zero(kWidth);
+  Model model = RandomMultiHead(rng, 1, kWidth, kWidth);
   PackProjections(model);
   const Tensor tokens = Random(rng, {1, kTokens, kWidth});
   const AttentionRequest request = RequestOf(tokens);
