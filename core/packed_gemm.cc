@@ -163,7 +163,7 @@ PackedKernel PackedKernelFor(Isa isa) {
     case Isa::kPortable:
       break;
   }
-  // The baseline every x86-64 runs, as in FlashTileKernelFor.
+  // The baseline every x86-64 runs, as in FlashTilePathFor.
   return &HWY_STATIC_DISPATCH(PackedProductImpl);
 }
 
