@@ -366,6 +366,39 @@ TEST(FlashKernelTest, RowWithoutAllowedKeysIsValueMean) {
   CheckCase(in, 1);
 }
 
+// The kernel's exp, through its output: with one-hot values (V = I) a row's
+// output is its weights, so they can be held to the softmax in double within
+// a few float roundings. Scores run from 0 to -99.5 in steps of 0.5, falling
+// (the max comes first) and rising (every key tile raises it, so the running
+// sum and output are rescaled), over four key tiles; the weights below the
+// smallest normal float are the only ones allowed to be flushed to 0.
+TEST(FlashKernelTest, WeightsAreTheSoftmaxToAFewRoundings) {
+  constexpr int64_t kKeys = 200;
+  Inputs in;
+  in.c = Case{.num_queries = 2, .num_keys = kKeys, .head_size = 1, .value_size = kKeys};
+  in.queries = {-1.0f, 1.0f};  // falling, rising
+  for (int64_t j = 0; j < kKeys; ++j) in.keys.push_back(0.5f * static_cast<float>(j));
+  in.values.assign(kKeys * kKeys, 0.0f);
+  for (int64_t j = 0; j < kKeys; ++j) in.values[j * kKeys + j] = 1.0f;
+  std::vector<float> out(2 * kKeys, kUntouched);
+  FlashAttention(in.Problem(out.data()), 0, 2);
+  for (int64_t i = 0; i < 2; ++i) {
+    const double sign = in.queries[i];
+    const double top = sign * 0.5 * (sign > 0 ? kKeys - 1 : 0);
+    double sum = 0.0;
+    for (int64_t j = 0; j < kKeys; ++j) sum += std::exp(sign * 0.5 * j - top);
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const double expected = std::exp(sign * 0.5 * j - top) / sum;
+      const float actual = out[i * kKeys + j];
+      if (expected < 1.2e-38) {
+        EXPECT_LE(actual, 1.2e-38f) << "row " << i << " key " << j;
+      } else {
+        EXPECT_NEAR(actual, expected, 2e-6 * expected) << "row " << i << " key " << j;
+      }
+    }
+  }
+}
+
 // An empty range writes nothing.
 TEST(FlashKernelTest, EmptyRangeWritesNothing) {
   std::mt19937 rng(17);
