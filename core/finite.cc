@@ -5,18 +5,18 @@
 #include <cmath>
 #include <cstddef>
 
+#include "core/cpu_features.h"
+
 namespace attention {
 namespace {
 
 // A float is inf or NaN exactly when its exponent bits are all ones: an
 // integer test with no branch per element, which the compiler vectorises.
-// Built for AVX-512 and AVX2 too and picked by the CPU when the library is
-// loaded (the answer is the same on every path, so it need not follow the
-// engine's forced path). Before it, Eigen's allFinite on answers took 4% of
-// a small multi_head call and 25% of a small dot_product one; the inputs'
-// float sum of x * 0 took 5%, and this loop built for SSE2 alone 8%.
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-bool AnyNonFinite(const float* data, size_t size) {
+// Compiled below once per path (the answer is the same on each). Before
+// it, Eigen's allFinite on answers took 4% of a small multi_head call and
+// 25% of a small dot_product one, the inputs' float sum of x * 0 5%, and
+// this loop built for SSE2 alone 8%.
+[[gnu::always_inline]] inline bool AnyNonFiniteIn(const float* data, size_t size) {
   constexpr uint32_t kExponent = 0x7f800000u;
   uint32_t all_ones = 0;
   for (size_t i = 0; i < size; ++i) {
@@ -25,10 +25,36 @@ bool AnyNonFinite(const float* data, size_t size) {
   return all_ones != 0;
 }
 
+// Per-function targets rather than target_clones: the ifunc resolver that
+// target_clones needs runs before ThreadSanitizer's runtime is up and
+// crashes instrumented binaries; ActiveIsa() also keeps ATTENTION_ISA's
+// forced path honest here.
+[[gnu::target("avx512f,avx512bw,avx512vl")]] bool AnyNonFiniteAvx512(const float* data,
+                                                                     size_t size) {
+  return AnyNonFiniteIn(data, size);
+}
+[[gnu::target("avx2")]] bool AnyNonFiniteAvx2(const float* data, size_t size) {
+  return AnyNonFiniteIn(data, size);
+}
+bool AnyNonFinitePortable(const float* data, size_t size) { return AnyNonFiniteIn(data, size); }
+
 }  // namespace
 
 int64_t FirstNonFinite(std::span<const float> data) {
-  if (!AnyNonFinite(data.data(), data.size())) return -1;
+  bool any;
+  switch (ActiveIsa()) {
+    case Isa::kAvx512:
+      any = AnyNonFiniteAvx512(data.data(), data.size());
+      break;
+    case Isa::kAvx2:
+      any = AnyNonFiniteAvx2(data.data(), data.size());
+      break;
+    case Isa::kPortable:
+    default:
+      any = AnyNonFinitePortable(data.data(), data.size());
+      break;
+  }
+  if (!any) return -1;
   for (size_t i = 0; i < data.size(); ++i) {
     if (!std::isfinite(data[i])) return static_cast<int64_t>(i);
   }
