@@ -38,23 +38,22 @@ namespace {
 }
 bool AnyNonFinitePortable(const float* data, size_t size) { return AnyNonFiniteIn(data, size); }
 
+bool AnyNonFinite(std::span<const float> data) {
+  switch (ActiveIsa()) {
+    case Isa::kAvx512:
+      return AnyNonFiniteAvx512(data.data(), data.size());
+    case Isa::kAvx2:
+      return AnyNonFiniteAvx2(data.data(), data.size());
+    case Isa::kPortable:
+      break;
+  }
+  return AnyNonFinitePortable(data.data(), data.size());
+}
+
 }  // namespace
 
 int64_t FirstNonFinite(std::span<const float> data) {
-  bool any;
-  switch (ActiveIsa()) {
-    case Isa::kAvx512:
-      any = AnyNonFiniteAvx512(data.data(), data.size());
-      break;
-    case Isa::kAvx2:
-      any = AnyNonFiniteAvx2(data.data(), data.size());
-      break;
-    case Isa::kPortable:
-    default:
-      any = AnyNonFinitePortable(data.data(), data.size());
-      break;
-  }
-  if (!any) return -1;
+  if (!AnyNonFinite(data)) return -1;
   for (size_t i = 0; i < data.size(); ++i) {
     if (!std::isfinite(data[i])) return static_cast<int64_t>(i);
   }
