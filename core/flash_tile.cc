@@ -187,6 +187,19 @@ HWY_INLINE void AccumulateColumns(const FlashTile& t, int64_t key, int64_t keys,
   }
 }
 
+// AccumulateColumns for the last `count` (< kBlock) value columns in one
+// pass, as ScoreTail does for keys: column by column, each pass would be two
+// chains of dependent FMAs over the tile's keys. On AVX2, where kBlock is 5,
+// head sizes 32 and 64 leave 2 and 4 such columns.
+template <int C = kBlock - 1>
+HWY_INLINE void AccumulateTail(const FlashTile& t, int64_t key, int64_t keys, int64_t lane,
+                               int64_t col, int64_t count) {
+  if constexpr (C > 0) {
+    if (count == C) return AccumulateColumns<C>(t, key, keys, lane, col);
+    AccumulateTail<C - 1>(t, key, keys, lane, col, count);
+  }
+}
+
 void FlashTileImpl(const FlashTile& t) {
   const D d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
@@ -213,7 +226,7 @@ void FlashTileImpl(const FlashTile& t) {
       for (; col + kBlock <= t.value_size; col += kBlock) {
         AccumulateColumns<kBlock>(t, key, keys, lane, col);
       }
-      for (; col < t.value_size; ++col) AccumulateColumns<1>(t, key, keys, lane, col);
+      AccumulateTail(t, key, keys, lane, col, t.value_size - col);
     }
   }
 }
