@@ -135,6 +135,14 @@ struct Projection {
   bool UsesPackedWeights() const {
     return packed != nullptr && !packed->empty() && ActiveIsa() != Isa::kPortable;
   }
+  // The same product over rows [first, first + count) only.
+  Projection Rows(int64_t first, int64_t count) const {
+    Projection part = *this;
+    part.in += first * in_cols();
+    part.out += first * out_row_stride();
+    part.rows = count;
+    return part;
+  }
 };
 
 // Rows [begin, end) of a projection on the calling thread: on the packed
@@ -505,16 +513,9 @@ RowsRead RowsReadOf(const ValidatedRequest& v, int64_t b) {
 // `in` and `out` hold every example's n_k rows, stacked.
 void AddReadRows(std::span<const ValidatedRequest> requests, const std::vector<int64_t>& read,
                  const Projection& whole, std::vector<Projection>& projections) {
-  const int64_t in_stride = whole.in_cols(), out_stride = whole.out_row_stride();
   int64_t run_begin = 0, run_end = 0;  // stacked rows of the current product
   auto flush = [&] {
-    if (run_end > run_begin) {
-      Projection part = whole;
-      part.in = whole.in + run_begin * in_stride;
-      part.out = whole.out + run_begin * out_stride;
-      part.rows = run_end - run_begin;
-      projections.push_back(part);
-    }
+    if (run_end > run_begin) projections.push_back(whole.Rows(run_begin, run_end - run_begin));
   };
   int64_t first = 0;  // the example's first stacked row
   size_t example = 0;
@@ -621,12 +622,8 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
       const int64_t key_row = key_rows[r] + b * d.num_keys;
       PendingValues* pending = nullptr;
       if (values_read[example] < d.num_keys) {
-        const int64_t first = key_row + values_read[example];
-        Projection rest = values_whole;
-        rest.in += first * rest.in_cols();
-        rest.out += first * qkv_stride;
-        rest.rows = d.num_keys - values_read[example];
-        pending = &pending_values.emplace_back(rest);
+        pending = &pending_values.emplace_back(values_whole.Rows(
+            key_row + values_read[example], d.num_keys - values_read[example]));
       }
       for (int64_t h = 0; h < heads; ++h) {
         FlashProblem p;

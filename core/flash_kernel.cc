@@ -20,6 +20,7 @@
 #include <new>
 #include <vector>
 
+#include "core/finite.h"
 #include "core/flash_tile.h"
 #include "core/masked_softmax.h"
 #include "core/model.h"
@@ -143,12 +144,6 @@ void ValueMean(const FlashProblem& p, float* mean) {
           .cast<float>();
 }
 
-// x * 0 is NaN exactly when x is not finite, so one vectorised sum checks a
-// row (Eigen's allFinite is a scalar loop).
-bool Finite(const float* row, int64_t size) {
-  return !std::isnan((Eigen::Map<const Eigen::ArrayXf>(row, size) * 0.0f).sum());
-}
-
 // The rule for one row in double, for a row whose float scores or sums
 // overflowed: no product or sum of float inputs overflows a double (each
 // score is below d * FLT_MAX^3), so a finite request gets the rule's answer.
@@ -214,7 +209,8 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
   OutputRows(p, row, rows).noalias() = w * ValueRows(p, 0, weighted_keys);
   for (int64_t r = 0; r < rows; ++r) {
     float* out = p.output + (row + r) * p.output_stride;
-    if (!Finite(out, p.value_size) || !Finite(weights + r * weights_stride, n_k)) {
+    if (FirstNonFinite({out, static_cast<size_t>(p.value_size)}) >= 0 ||
+        FirstNonFinite({weights + r * weights_stride, static_cast<size_t>(n_k)}) >= 0) {
       ExactRowInDouble(p, row + r, weights + r * weights_stride);
     }
   }
