@@ -3,9 +3,9 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/synchronization/mutex.h"
-#include "server/run_server.h"
-#include "server/server_config.h"
-#include "server/server_flags.h"
+#include "server/operations/run_server.h"
+#include "server/config/server_config.h"
+#include "server/config/server_flags.h"
 
 int main(int argc, char** argv) {
   // Every engine execution allocates and frees its scratch (megabytes for a

@@ -22,7 +22,7 @@
 #include "core/model_loader.h"
 #include "core/request.h"
 #include "google/protobuf/util/json_util.h"
-#include "server/proto_adapter.h"
+#include "server/api/attention_adapter.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/fuzz_targets.h"
 #include "tests/fuzz/probe_request.h"

@@ -1,6 +1,6 @@
 // batcher_test.cc: the Batcher alone, with a fake clock that only the test
 // moves, so "the batch waits for its delay" is checked without timing.
-#include "server/batcher.h"
+#include "server/dispatch/batcher.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

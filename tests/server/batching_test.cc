@@ -14,7 +14,7 @@
 
 #include "core/engine.h"
 #include "core/model_loader.h"
-#include "server/proto_adapter.h"
+#include "server/api/attention_adapter.h"
 #include "tests/support/metrics.h"
 #include "tests/support/requests.h"
 #include "tests/support/server_process.h"

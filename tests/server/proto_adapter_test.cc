@@ -1,5 +1,5 @@
 // server_proto_adapter_test.cc: the wire <-> engine mapping, without a server.
-#include "server/proto_adapter.h"
+#include "server/api/attention_adapter.h"
 
 #include <gtest/gtest.h>
 

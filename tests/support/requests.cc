@@ -9,7 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "core/engine.h"
-#include "server/proto_adapter.h"
+#include "server/api/attention_adapter.h"
 
 namespace attention::testing {
 namespace {

@@ -1,0 +1,105 @@
+// grpc_call.h: what every gRPC API of the server shares around a call: its
+// CallOrigin for the dispatcher, the unary reactor that keeps the call open
+// (drain waits for it) until gRPC is done with it, and a stream's opening.
+//
+// Written once here so that each API holds only its wire adaptation.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "server/api/attention_adapter.h"
+#include "server/api/ordered_stream.h"
+#include "server/dispatch/call_origin.h"
+#include "server/dispatch/dispatcher.h"
+#include "server/security/access_policy.h"
+
+namespace attention::server {
+
+// A gRPC call as the dispatcher sees it.
+class GrpcCallOrigin final : public CallOrigin {
+ public:
+  // `context` is owned by gRPC and alive until the call's OnDone.
+  explicit GrpcCallOrigin(grpc::CallbackServerContext* context) : context_(context) {}
+
+  absl::Time deadline() const override {
+    const std::chrono::system_clock::time_point t = context_->deadline();
+    if (t == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+    return absl::FromChrono(t);
+  }
+  bool cancelled() const override { return context_->IsCancelled(); }
+  std::string peer() const override { return context_->peer(); }
+  absl::Status Authenticate(const AccessPolicy& access) const override {
+    return access.Check(*context_);
+  }
+
+ private:
+  grpc::CallbackServerContext* const context_;
+};
+
+// A unary call that is counted open in the dispatcher from its handler until
+// OnDone, when gRPC has sent the answer and the status: shutdown waits for
+// that. `State` is what the call's answer needs besides the messages gRPC
+// owns. Deletes itself in OnDone.
+template <typename State>
+class AdmittedUnaryReactor final : public grpc::ServerUnaryReactor {
+ public:
+  // Not open only while shutting down, and then Submit() refuses the request.
+  AdmittedUnaryReactor(Dispatcher* dispatcher, grpc::CallbackServerContext* context)
+      : origin(context), dispatcher_(dispatcher), open_(dispatcher->OpenCall("requests").ok()) {}
+
+  void OnDone() override {
+    if (open_) dispatcher_->CloseCall();
+    delete this;
+  }
+
+  const GrpcCallOrigin origin;
+  State state;
+
+ private:
+  Dispatcher* const dispatcher_;
+  const bool open_;
+};
+
+// A stream call (ordered_stream.h) that is authenticated and counted open
+// once, when it opens; a refused stream ends before reading anything.
+// Deletes itself in OnDone.
+template <typename Slot>
+class AdmittedStream : public OrderedStream<Slot> {
+ public:
+  void OnDone() override {
+    if (open_) dispatcher_->CloseCall();
+    delete this;
+  }
+
+ protected:
+  AdmittedStream(Dispatcher* dispatcher, grpc::CallbackServerContext* context)
+      : dispatcher_(dispatcher), origin_(context) {}
+
+  // The last step of the API's constructor (reading may start at once, on
+  // another thread): refuses the call (UNAUTHENTICATED, or UNAVAILABLE while
+  // shutting down) or starts reading. `api` and `method` name the call in
+  // metrics and logs.
+  void Open(std::string_view api, std::string_view method) {
+    if (absl::Status status = dispatcher_->OpenStream(origin_, api, method); !status.ok()) {
+      this->Refuse(ToGrpcStatus(status));
+      return;
+    }
+    open_ = true;
+    this->Progress();
+  }
+
+  Dispatcher* dispatcher() const { return dispatcher_; }
+  const GrpcCallOrigin& origin() const { return origin_; }
+
+ private:
+  Dispatcher* const dispatcher_;
+  const GrpcCallOrigin origin_;
+  bool open_ = false;  // set before anything can call OnDone
+};
+
+}  // namespace attention::server

@@ -1,0 +1,106 @@
+// inference_api.h: inference.GRPCInferenceService, the Open Inference
+// Protocol (KServe v2, Triton's gRPC API) on attention-server's port.
+//
+// A second front door to the same server, not a second server: every
+// ModelInfer request goes through Dispatcher::Submit(), so it is
+// authenticated, admitted, validated, limited, batched (merged with Attend
+// requests for the same model), counted and logged exactly as an Attend
+// request is, and drain waits for its call. What is its own is the mapping
+// of tensors (inference_adapter.h) and the protocol's model descriptions.
+//
+// ServerLive and ServerReady answer without credentials, like
+// grpc.health.v1.Health, so orchestrators can probe them; every other RPC
+// needs the bearer token when the server has tokens. RepositoryModelLoad and
+// RepositoryModelUnload are refused (FAILED_PRECONDITION) unless the server
+// runs with --model-control explicit.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "grpcpp/grpcpp.h"
+#include "inference/grpc_service.grpc.pb.h"
+#include "server/api/inference_adapter.h"
+#include "server/dispatch/call_origin.h"
+#include "server/dispatch/dispatcher.h"
+#include "server/operations/metrics.h"
+#include "server/repository/manager.h"
+#include "server/repository/registry.h"
+
+namespace attention::server {
+
+class InferenceApi final : public inference::GRPCInferenceService::CallbackService {
+ public:
+  // Not owned; all must outlive the service. `manager`: the explicit model
+  // control of RepositoryModelLoad/Unload; nullptr refuses them.
+  InferenceApi(Dispatcher* dispatcher, const ModelRegistry* registry, RepositoryManager* manager,
+               ServerMetrics* metrics);
+
+  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
+                                       const inference::ServerLiveRequest* request,
+                                       inference::ServerLiveResponse* response) override;
+  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context,
+                                        const inference::ServerReadyRequest* request,
+                                        inference::ServerReadyResponse* response) override;
+  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context,
+                                       const inference::ModelReadyRequest* request,
+                                       inference::ModelReadyResponse* response) override;
+  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* context,
+                                           const inference::ServerMetadataRequest* request,
+                                           inference::ServerMetadataResponse* response) override;
+  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context,
+                                          const inference::ModelMetadataRequest* request,
+                                          inference::ModelMetadataResponse* response) override;
+  grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* context,
+                                        const inference::ModelConfigRequest* request,
+                                        inference::ModelConfigResponse* response) override;
+  grpc::ServerUnaryReactor* ModelStatistics(grpc::CallbackServerContext* context,
+                                            const inference::ModelStatisticsRequest* request,
+                                            inference::ModelStatisticsResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryIndex(grpc::CallbackServerContext* context,
+                                            const inference::RepositoryIndexRequest* request,
+                                            inference::RepositoryIndexResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryModelLoad(
+      grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
+      inference::RepositoryModelLoadResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryModelUnload(
+      grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
+      inference::RepositoryModelUnloadResponse* response) override;
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
+                                       const inference::ModelInferRequest* request,
+                                       inference::ModelInferResponse* response) override;
+  grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>*
+  ModelStreamInfer(grpc::CallbackServerContext* context) override;
+
+ private:
+  class StreamReactor;
+
+  // The model `name` at `version` ("": the newest ready), or NOT_FOUND
+  // naming which.
+  absl::StatusOr<ServedModel> FindModel(std::string_view name, std::string_view version) const;
+  // The same for a caller whose credentials are accepted; their error first.
+  absl::StatusOr<ServedModel> FindModelFor(const grpc::CallbackServerContext& context,
+                                           std::string_view name, std::string_view version) const;
+  // The ready versions of `name`, ascending.
+  std::vector<int64_t> ReadyVersions(std::string_view name) const;
+  // Why `context` may not load or unload models; OK when it may.
+  absl::Status CheckControl(const grpc::CallbackServerContext& context) const;
+  // RepositoryModelLoad and RepositoryModelUnload: `change` (`verb`, e.g.
+  // "loaded") of `name`, once the caller may control the repository.
+  grpc::ServerUnaryReactor* ChangeRepository(
+      grpc::CallbackServerContext* context, std::string_view method, std::string_view name,
+      std::string_view verb, absl::Status (RepositoryManager::*change)(std::string_view));
+  // Submits `proto`, decoded into `decoded` once admitted; as for
+  // Dispatcher::Submit(), `served_version` as in Dispatcher::Request.
+  void Infer(const CallOrigin& origin, const inference::ModelInferRequest& proto,
+             DecodedInferRequest* decoded, int64_t* served_version, bool credentials_checked,
+             Dispatcher::Done done);
+
+  Dispatcher* const dispatcher_;       // not owned
+  const ModelRegistry* const registry_;  // not owned
+  RepositoryManager* const manager_;   // not owned; nullptr: no explicit control
+  ServerMetrics* const metrics_;       // not owned
+};
+
+}  // namespace attention::server

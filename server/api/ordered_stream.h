@@ -1,0 +1,137 @@
+// ordered_stream.h: what AttendStream (attention_api.cc) and ModelStreamInfer
+// (inference_api.cc) share: a bidirectional stream whose requests are
+// read one after another and submitted as they come, so several can compute
+// at once (at most kMaxStreamInFlight), and whose answers are written one at
+// a time, in request order. A stream whose client is gone drops the answers
+// left.
+//
+// Every decision is taken under mu_ and acted on after it is released (see
+// Progress()), which is what makes the lifetime rule safe: once Finish() is
+// decided nothing else touches the reactor, and the subclass's OnDone()
+// deletes it.
+#pragma once
+
+#include <cstddef>
+#include <deque>
+#include <memory>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/grpcpp.h"
+
+namespace attention::server {
+
+// Answers a stream holds at once (computing or waiting to be written); the
+// stream stops reading beyond, so one stream cannot hoard server memory.
+inline constexpr size_t kMaxStreamInFlight = 32;
+
+// `Slot` holds one request of the stream and its answer: members `request`
+// and `response` (the stream's message types) and `bool answered`, which
+// only this class touches.
+template <typename Slot>
+class OrderedStream
+    : public grpc::ServerBidiReactor<decltype(Slot::request), decltype(Slot::response)> {
+ public:
+  void OnReadDone(bool ok) override {
+    Slot* slot = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      if (!ok) {
+        reads_done_ = true;
+        incoming_.reset();
+      } else {
+        slot = incoming_.get();
+        slots_.push_back(std::move(incoming_));
+      }
+    }
+    if (slot != nullptr) Submit(*slot);
+    Progress();
+  }
+
+  void OnWriteDone(bool ok) override {
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      slots_.pop_front();
+      if (!ok) broken_ = true;  // the client is gone; answers left are dropped
+    }
+    Progress();
+  }
+
+  void OnCancel() override {
+    {
+      absl::MutexLock lock(&mu_);
+      broken_ = true;
+    }
+    Progress();
+  }
+
+ protected:
+  // Starts computing `slot`'s request; once its response is filled in, the
+  // subclass calls Answered(slot).
+  virtual void Submit(Slot& slot) = 0;
+
+  void Answered(Slot& slot) {
+    {
+      absl::MutexLock lock(&mu_);
+      slot.answered = true;
+    }
+    Progress();
+  }
+
+  // Ends the call before it reads anything; only a stream's opening calls it.
+  void Refuse(const grpc::Status& status) {
+    {
+      absl::MutexLock lock(&mu_);
+      finished_ = true;
+    }
+    this->Finish(status);
+  }
+
+  // Starts whatever the state allows: the next write, the next read, or
+  // Finish() once every answer is out.
+  void Progress() {
+    const decltype(Slot::response)* write = nullptr;
+    decltype(Slot::request)* read = nullptr;
+    bool finish = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return;
+      if (!writing_) {
+        while (broken_ && !slots_.empty() && slots_.front()->answered) slots_.pop_front();
+        if (!broken_ && !slots_.empty() && slots_.front()->answered) {
+          writing_ = true;
+          write = &slots_.front()->response;
+        }
+      }
+      if (!reading_ && !reads_done_ && !broken_ && slots_.size() < kMaxStreamInFlight) {
+        reading_ = true;
+        incoming_ = std::make_unique<Slot>();
+        read = &incoming_->request;
+      }
+      if (!reading_ && !writing_ && slots_.empty() && (reads_done_ || broken_)) {
+        finished_ = true;
+        finish = true;
+      }
+    }
+    if (write != nullptr) this->StartWrite(write);
+    if (read != nullptr) this->StartRead(read);
+    if (finish) this->Finish(grpc::Status::OK);
+  }
+
+ private:
+  absl::Mutex mu_;
+  // Requests read, in order, until their answer is written; the front one is
+  // the next to write.
+  std::deque<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Slot> incoming_ ABSL_GUARDED_BY(mu_);  // target of the read in flight
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace attention::server

@@ -1,0 +1,118 @@
+// server_flags.cc: the flags of attention-server and their environment names.
+#include "server/config/server_flags.h"
+
+#include <climits>
+#include <string>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_replace.h"
+
+namespace attention::server {
+namespace {
+
+// "--max-batch-size" -> "ATTENTION_MAX_BATCH_SIZE".
+std::string EnvName(const std::string& flag) {
+  return "ATTENTION_" + absl::AsciiStrToUpper(absl::StrReplaceAll(flag.substr(2), {{"-", "_"}}));
+}
+
+template <typename T>
+CLI::Option* Flag(CLI::App& app, const std::string& name, T* value, const std::string& help) {
+  return app.add_option(name, *value, help)->envname(EnvName(name))->capture_default_str();
+}
+
+}  // namespace
+
+void AddServerFlags(CLI::App& app, ServerConfig* c) {
+  Flag(app, "--address", &c->address, "gRPC listening address HOST:PORT (port 0: any free port)");
+  Flag(app, "--metrics-address", &c->metrics_address,
+       "Prometheus listening address HOST:PORT, path /metrics (empty: no metrics endpoint)");
+  Flag(app, "--model-repository", &c->model_repository,
+       "Directory whose *.safetensors files are served as models (built-ins are always served)");
+  app.add_flag("--strict", c->strict, "Exit when a model file fails to load instead of skipping it")
+      ->envname(EnvName("--strict"))
+      ->capture_default_str();
+  Flag(app, "--max-model-file-bytes", &c->max_model_file_bytes,
+       "Model files larger than this are skipped as bad files (fatal with --strict); 0: no cap")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--repository-poll-seconds", &c->repository_poll_seconds,
+       "Seconds between scans of --model-repository: new files are loaded, changed files "
+       "reloaded (load-then-swap), removed files unloaded (0: read once, at start-up)")
+      ->check(CLI::Range(0.0, 86400.0));
+  Flag(app, "--version-policy", &c->version_policy,
+       "Versions of a model served: 'latest' (the highest-numbered <name>/<N>.safetensors) or "
+       "'all'")
+      ->check(CLI::IsMember({"latest", "all"}));
+  Flag(app, "--model-control", &c->model_control,
+       "'explicit': the Open Inference Protocol's RepositoryModelLoad/RepositoryModelUnload "
+       "load and unload models (authenticated like every call); 'none': they are refused")
+      ->check(CLI::IsMember({"none", "explicit"}));
+  Flag(app, "--max-batch-size", &c->batching.max_batch_size,
+       "Most requests of one model merged into one execution (1: no batching)")
+      ->check(CLI::Range(1, 1 << 16));
+  Flag(app, "--max-queue-delay-us", &c->batching.max_queue_delay_us,
+       "Longest wait, in microseconds, for a batch to fill before it runs anyway")
+      ->check(CLI::Range(int64_t{0}, int64_t{60'000'000}));
+  Flag(app, "--queue-capacity", &c->batching.queue_capacity,
+       "Most requests waiting per model; beyond it requests get RESOURCE_EXHAUSTED")
+      ->check(CLI::Range(1, 1 << 24));
+  Flag(app, "--max-message-bytes", &c->max_message_bytes, "Largest request message, in bytes")
+      ->check(CLI::Range(1, INT_MAX));
+  Flag(app, "--max-request-elements", &c->limits.max_request_elements,
+       "Most float elements per request in queries, keys, values, output and weights together")
+      ->check(CLI::Range(int64_t{1}, INT64_MAX));
+  Flag(app, "--max-request-work", &c->limits.max_request_work,
+       "Most work units per request (multiply-adds, plus 16 per score entry); more is refused "
+       "with INVALID_ARGUMENT (0: no cap)")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--max-request-scratch-elements", &c->limits.max_request_scratch_elements,
+       "Most floats of engine scratch per thread one request may need (64 x the sum of its "
+       "feature sizes); more is refused with INVALID_ARGUMENT (0: no cap)")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--max-queued-bytes", &c->max_queued_bytes,
+       "Most bytes of request messages held at once (admitted, not yet answered), all models "
+       "together; beyond it RESOURCE_EXHAUSTED (0: no cap)")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--threads", &c->threads, "Engine worker threads (0: one per hardware thread)")
+      ->check(CLI::Range(0, 4096));
+  Flag(app, "--isa", &c->isa,
+       "Kernel path: avx512, avx2 or portable, to force a lower one than the CPU's best "
+       "(empty: the best the CPU runs); a path the CPU lacks stops the server");
+  Flag(app, "--drain-delay-seconds", &c->drain_delay_seconds,
+       "After SIGTERM/SIGINT, time health says NOT_SERVING and new calls get UNAVAILABLE "
+       "before the server finishes accepted calls and stops")
+      ->check(CLI::Range(0.0, 3600.0));
+  Flag(app, "--shutdown-grace-seconds", &c->shutdown_grace_seconds,
+       "After the drain delay, time given to accepted requests before remaining calls are cancelled")
+      ->check(CLI::Range(0.0, 86400.0));
+  Flag(app, "--max-concurrent-streams", &c->max_concurrent_streams,
+       "Calls one client connection may have open at once; more wait in the client")
+      ->check(CLI::Range(1, INT_MAX));
+  Flag(app, "--max-connection-age-seconds", &c->max_connection_age_seconds,
+       "Close client connections gracefully after this age so clients rebalance (0: never)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
+  Flag(app, "--log-level", &c->log_level, "Log level")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
+  Flag(app, "--log-format", &c->log_format, "Log line format")
+      ->check(CLI::IsMember({"text", "json"}));
+  Flag(app, "--tls-cert", &c->tls_cert,
+       "PEM server certificate chain; with --tls-key enables TLS (empty: plaintext)");
+  Flag(app, "--tls-key", &c->tls_key, "PEM private key of --tls-cert");
+  Flag(app, "--tls-client-ca", &c->tls_client_ca,
+       "PEM CA bundle; clients must present a certificate it signed (mutual TLS)");
+  Flag(app, "--tls-client-allow", &c->tls_client_allow,
+       "With --tls-client-ca: comma-separated client certificate names (subject alternative "
+       "name or common name) allowed to call; others get PERMISSION_DENIED");
+  Flag(app, "--auth-token-file", &c->auth_token_file,
+       "File of accepted bearer tokens, one per line; requests must send "
+       "'authorization: Bearer <token>' (health checks stay open)");
+  Flag(app, "--reflection", &c->reflection,
+       "Offer gRPC server reflection (true/false); it stays open without a token");
+  Flag(app, "--port-file", &c->port_file,
+       "Once serving, write the bound addresses here ('grpc HOST:PORT', 'metrics HOST:PORT')");
+  // The empty group keeps this tests-only flag out of --help.
+  Flag(app, "--test-gate-fifo", &c->test_gate_fifo,
+       "For tests: FIFO whose bytes release the batches of the model 'gate'")
+      ->group("");
+}
+
+}  // namespace attention::server

@@ -1,0 +1,39 @@
+// dispatch_options.h: what an operator sets on the request pipeline
+// (dispatcher.h), apart from the pipeline itself so that the server's
+// configuration (config/server_config.h) can name its defaults.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/request.h"
+#include "server/dispatch/batcher.h"
+
+namespace attention::server {
+
+class TestGate;
+
+// Defaults are the binary's: each is defined once, in the struct it belongs
+// to (Limits, BatcherOptions).
+struct DispatchOptions {
+  // Per-request size caps, checked by validation.
+  Limits limits;
+  // Batching, per model.
+  BatcherOptions batching;
+  // Most bytes of request messages the server holds at once, from admission
+  // to answer, over all models; beyond it RESOURCE_EXHAUSTED. 0: no cap.
+  // 2^30 is the documented default of --max-queued-bytes (docs/api.md).
+  int64_t max_queued_bytes = int64_t{1} << 30;
+  // Mutual TLS: client certificate names (SAN or CN) allowed to call;
+  // empty: any certificate the CA signed.
+  std::vector<std::string> allowed_client_identities;
+  // Accepted bearer tokens; empty: no authentication. Never logged.
+  // access().ReplaceTokens() swaps them while serving.
+  std::vector<std::string> auth_tokens;
+  // For tests only: holds each batch of the model named kTestGateModelName
+  // (test_gate.h). Not owned; must outlive the dispatcher. nullptr: no gate.
+  TestGate* test_gate = nullptr;
+};
+
+}  // namespace attention::server

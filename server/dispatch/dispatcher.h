@@ -1,0 +1,173 @@
+// dispatcher.h: the one request pipeline every API of the server feeds.
+//
+// An API turns its wire message into a Dispatcher::Request and calls
+// Submit(); the dispatcher does the rest, the same way for all of them:
+// credentials (access_policy.h; a stream's once, when it opens), admission
+// (refused while draining), the model and version in the live registry (the
+// request holds that version's weights until it is answered, whatever
+// reloads meanwhile), validation (core's Validate(), which names the faulty
+// field), --max-queued-bytes, and the model's Batcher. Anything wrong is
+// answered inside Submit(), before any work is queued. There is one batcher
+// per model name, created when the name is first requested; it keeps the
+// versions of a batch apart (one Engine::Run per version), so a reload never
+// fails or mixes queued requests. Requests of every API merge into the same
+// batches. Each answer is counted, timed and logged in one place (Answer),
+// then handed to the request's completion.
+//
+// Shutdown: StopAccepting() refuses new calls and requests (UNAVAILABLE);
+// WaitForIdle() waits for the calls opened before it to be done, answers and
+// all; Drain() answers every queued request; the destructor drains too.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/engine.h"
+#include "core/request.h"
+#include "server/dispatch/batcher.h"
+#include "server/dispatch/call_origin.h"
+#include "server/dispatch/dispatch_options.h"
+#include "server/operations/metrics.h"
+#include "server/operations/refusal_log.h"
+#include "server/repository/registry.h"
+#include "server/security/access_policy.h"
+
+namespace attention::server {
+
+class Dispatcher {
+ public:
+  // Failed requests beyond this many a second are not logged one by one; the
+  // next line logged says how many were left out (docs/api.md, section 6.2).
+  static constexpr int kRefusalLinesPerSecond = 20;
+
+  // One request, as an API hands it over.
+  struct Request {
+    std::string_view api;  // the `api` label of its metrics and log lines
+    std::string_view model;
+    // The version asked for (nullopt: the newest ready one), or why the
+    // API's version text is not one; checked once the model is found.
+    absl::StatusOr<std::optional<int64_t>> version = std::optional<int64_t>();
+    std::string_view request_id;
+    // Its size on the wire, counted against --max-queued-bytes.
+    int64_t message_bytes = 0;
+    // Where the version that computed the answer is written before `done`
+    // runs with OK; not owned, alive until then. nullptr: not wanted.
+    int64_t* served_version = nullptr;
+    // Whether the call's credentials were already checked (a stream's, when
+    // it opened).
+    bool credentials_checked = false;
+  };
+  // The request's engine form, viewing storage the API keeps until `done`
+  // runs, or why the API's own decoding refused it. Called at most once,
+  // inside Submit(), only for a request admitted so far (credentials
+  // accepted, server accepting, names in bounds, model found), so refused
+  // calls are never decoded; a decoding fault is answered once the model is
+  // found, so a request gets the same code through every API.
+  using Decode = absl::FunctionRef<absl::StatusOr<AttentionRequest>()>;
+  // Receives a request's answer exactly once; `result` is set iff status is
+  // OK and valid only during the call.
+  using Done = std::function<void(const absl::Status& status, const AttentionResult* result)>;
+
+  // Serves the models of `registry`, which may change while serving.
+  // `registry`, `engine` and `metrics` are not owned and must outlive the
+  // dispatcher. INVALID_ARGUMENT for out-of-range batching options.
+  static absl::StatusOr<std::unique_ptr<Dispatcher>> Create(const ModelRegistry* registry,
+                                                            Engine* engine,
+                                                            ServerMetrics* metrics,
+                                                            DispatchOptions options);
+  ~Dispatcher();
+
+  // Answers `request` through `done`: now (when it is refused) or from the
+  // model's batcher thread. `origin`, the strings `request` views and what
+  // `decode` returns must stay alive until `done` runs.
+  void Submit(const CallOrigin& origin, Request request, Decode decode, Done done);
+
+  // A call counts as open from OpenCall() (an error once StopAccepting() ran:
+  // UNAVAILABLE, "takes no new `what`") until CloseCall(), which its API
+  // calls when the transport is done with it; drain waits for open calls.
+  absl::Status OpenCall(std::string_view what);
+  void CloseCall();
+  // A stream's opening: its credentials, then OpenCall(). A refused stream is
+  // counted (attention_streams_refused_total, by `api`), and a credentials
+  // refusal logged under `method`.
+  absl::Status OpenStream(const CallOrigin& origin, std::string_view api,
+                          std::string_view method);
+
+  // The credentials every call is checked against; ReplaceTokens() reloads.
+  AccessPolicy& access() { return access_; }
+  const AccessPolicy& access() const { return access_; }
+  // False once StopAccepting() ran.
+  bool accepting() const { return accepting_.load(); }
+
+  // Every call and every request from now on is refused with UNAVAILABLE.
+  void StopAccepting();
+  // Waits until every call opened before StopAccepting() is closed (its
+  // transport has sent the last answer and the status), or until
+  // `deadline`; false on the deadline.
+  bool WaitForIdle(absl::Time deadline);
+  // Answers every queued request, then stops the batchers. Idempotent.
+  void Drain();
+
+ private:
+  struct Task;
+  struct ModelQueue;
+
+  Dispatcher(const ModelRegistry* registry, Engine* engine, ServerMetrics* metrics,
+             DispatchOptions options);
+
+  // The batcher of the model `name`, started on first use; an error only
+  // for out-of-range batching options.
+  absl::StatusOr<ModelQueue*> QueueFor(std::string_view name);
+  // A request, counted in flight until Answer().
+  std::unique_ptr<Task> NewTask(const CallOrigin& origin, Request request, Done done);
+  // Answers `task` now when it cannot be computed, or queues it in its
+  // model's batcher.
+  void Enqueue(std::unique_ptr<Task> task, Decode decode);
+  // The first reason `task` cannot be queued: the server's state, its names,
+  // its model and version, its decoding and validation.
+  absl::Status Admit(Task& task, Decode decode);
+  // Counts `task`'s bytes against --max-queued-bytes; RESOURCE_EXHAUSTED
+  // beyond it.
+  absl::Status HoldBytes(Task& task);
+  void ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch);
+  // Computes `tasks`, all of one model version, in one Engine::Run.
+  void RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> tasks);
+  void DropTask(ModelQueue& queue, std::unique_ptr<Task> task, const absl::Status& why);
+  // Counts, logs and answers `task`.
+  void Answer(Task& task, const absl::Status& status, const AttentionResult* result);
+  // Its metrics and log line.
+  void Record(const Task& task, const absl::Status& status);
+
+  const ModelRegistry* const registry_;  // not owned
+  Engine* const engine_;                 // not owned
+  ServerMetrics* const metrics_;         // not owned
+  const DispatchOptions options_;
+  AccessPolicy access_;
+  std::atomic<bool> accepting_{true};  // written under calls_mu_
+  // Bytes of the requests admitted and not yet answered (max_queued_bytes).
+  std::atomic<int64_t> held_bytes_{0};
+  absl::Mutex calls_mu_;
+  int64_t open_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // opened, not yet closed
+  // "request failed" lines: at most kRefusalLinesPerSecond a second.
+  RefusalLogLimiter refusal_log_{kRefusalLinesPerSecond};
+  // One per model name ever requested. A removed model's batcher stays (idle,
+  // its thread asleep): a request may hold its pointer between lookup and
+  // Schedule(), and names are bounded by the repository's files.
+  absl::Mutex queues_mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<ModelQueue>> queues_
+      ABSL_GUARDED_BY(queues_mu_);
+};
+
+}  // namespace attention::server

@@ -1,0 +1,113 @@
+// execution.cc: what the dispatcher does once a model's batcher hands it a
+// batch: one engine execution per model version, then one answer per
+// request, counted, timed and logged in one place (Answer).
+#include <exception>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "server/dispatch/dispatcher.h"
+#include "server/dispatch/request_names.h"
+#include "server/dispatch/task.h"
+#include "spdlog/spdlog.h"
+
+namespace attention::server {
+namespace {
+
+int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
+
+}  // namespace
+
+void Dispatcher::ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch) {
+  // Versions of one model share a queue but never an execution: each run of
+  // tasks on the same weights (in arrival order) is computed on its own.
+  while (!batch.empty()) {
+    const Model* model = batch.front()->served.model.get();
+    std::vector<std::unique_ptr<Task>> same, rest;
+    for (auto& task : batch) {
+      (task->served.model.get() == model ? same : rest).push_back(std::move(task));
+    }
+    RunBatch(queue, std::move(same));
+    batch = std::move(rest);
+  }
+}
+
+void Dispatcher::RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch) {
+  const absl::Time start = absl::Now();
+  std::vector<ValidatedRequest> requests;
+  requests.reserve(batch.size());
+  for (auto& task : batch) {
+    queue.metrics->queue_depth->Decrement();
+    task->queued = start - task->enqueued;
+    requests.push_back(task->validated);
+    requests.back().stop = [&t = *task] { return t.StopReason(); };
+  }
+  queue.metrics->batch_size->Observe(static_cast<double>(batch.size()));
+
+  std::vector<AttentionResult> results(batch.size());
+  absl::Status status;
+  try {
+    if (queue.gate != nullptr) queue.gate->Pass();
+    engine_->Run(*batch.front()->served.model, requests, results);
+  } catch (const std::exception& e) {
+    status = absl::InternalError(absl::StrCat("the engine failed: ", e.what()));
+  }
+  const absl::Duration computed = absl::Now() - start;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i]->computed = computed;
+    const absl::Status& answer = status.ok() ? results[i].status : status;
+    Answer(*batch[i], answer, answer.ok() ? &results[i] : nullptr);
+  }
+}
+
+void Dispatcher::DropTask(ModelQueue& queue, std::unique_ptr<Task> task, const absl::Status& why) {
+  queue.metrics->queue_depth->Decrement();
+  task->queued = absl::Now() - task->enqueued;
+  // The batcher cannot tell a client's deadline from its cancel; the task can.
+  Answer(*task, why.code() == absl::StatusCode::kCancelled ? task->WhyCancelled("queued") : why,
+         nullptr);
+}
+
+void Dispatcher::Answer(Task& task, const absl::Status& status, const AttentionResult* result) {
+  // Before the count, so a scrape that sees the request counted also sees it
+  // no longer in flight.
+  metrics_->inflight().Decrement();
+  held_bytes_.fetch_sub(task.held_bytes);
+  Record(task, status);
+  if (status.ok() && task.served_version != nullptr) *task.served_version = task.served.version;
+  // The weights go with the answer: the last request on a replaced version
+  // frees it.
+  task.served = ServedModel{};
+  task.done(status, result);
+}
+
+void Dispatcher::Record(const Task& task, const absl::Status& status) {
+  const absl::Duration total = absl::Now() - task.arrived;
+  const std::string_view model =
+      task.queue != nullptr ? std::string_view(task.queue->name) : std::string_view();
+  metrics_->CountRequest(model, status.code());
+  metrics_->CountApiRequest(task.api, model, status.code());
+  if (task.queue != nullptr) {
+    ModelMetrics& m = *task.queue->metrics;
+    m.totals->Count(status.ok(), total);
+    m.request_duration->Observe(Seconds(total));
+    if (task.queued) m.queue_duration->Observe(Seconds(*task.queued));
+    if (task.computed) m.compute_duration->Observe(Seconds(*task.computed));
+  }
+  int64_t suppressed = 0;
+  if (!status.ok() && refusal_log_.Admit(&suppressed)) {
+    spdlog::warn("request failed: api={} model='{}' request_id='{}' peer={} code={} after {} us: {}{}",
+                 task.api, Printable(task.model_name), Printable(task.request_id),
+                 task.origin->peer(), absl::StatusCodeToString(status.code()), Micros(total),
+                 std::string(status.message()),
+                 RefusalLogLimiter::SuppressedNote(suppressed, "failed requests"));
+  } else if (status.ok() && spdlog::should_log(spdlog::level::debug)) {
+    spdlog::debug("request done: api={} model='{}' request_id='{}' peer={} batch_wait={} us "
+                  "compute={} us total={} us",
+                  task.api, model, Printable(task.request_id), task.origin->peer(),
+                  task.queued ? Micros(*task.queued) : 0,
+                  task.computed ? Micros(*task.computed) : 0, Micros(total));
+  }
+}
+
+}  // namespace attention::server

@@ -1,0 +1,523 @@
+// run_server.cc: attention-server's life from start-up to exit.
+#include "server/operations/run_server.h"
+
+#include <semaphore.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "core/cpu_features.h"
+#include "core/engine.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/impl/server_builder_option.h"
+#include "grpcpp/impl/server_builder_plugin.h"
+#include "prometheus/exposer.h"
+#include "server/api/attention_api.h"
+#include "server/api/inference_api.h"
+#include "server/dispatch/dispatcher.h"
+#include "server/dispatch/request_names.h"
+#include "server/dispatch/test_gate.h"
+#include "server/operations/logging.h"
+#include "server/operations/metrics.h"
+#include "server/operations/refusal_log.h"
+#include "server/repository/manager.h"
+#include "server/repository/poller.h"
+#include "server/repository/registry.h"
+#include "server/repository/scan.h"
+#include "server/security/auth.h"
+#include "server/security/tls_credentials.h"
+#include "spdlog/spdlog.h"
+
+namespace attention::server {
+namespace {
+
+// The services health answers for by name, besides the server's "".
+constexpr const char* kHealthServiceNames[] = {"attention.v1.AttentionService",
+                                               "inference.GRPCInferenceService"};
+// Least time from NOT_SERVING to the end of the process (see RunServer).
+constexpr absl::Duration kFlushPause = absl::Milliseconds(100);
+
+// "0.0.0.0:0" with port 51234 bound -> "0.0.0.0:51234".
+std::string WithPort(const std::string& address, int port) {
+  const size_t colon = address.rfind(':');
+  return absl::StrCat(address.substr(0, colon == std::string::npos ? address.size() : colon), ":",
+                      port);
+}
+
+bool IsLoopback(const std::string& address) {
+  return absl::StartsWith(address, "127.") || absl::StartsWith(address, "localhost:") ||
+         absl::StartsWith(address, "[::1]");
+}
+
+// Written to a temporary name first, so a reader never sees half a file.
+absl::Status WritePortFile(const std::string& path, const std::string& grpc_address,
+                           const std::string& metrics_address) {
+  const std::string temporary = path + ".tmp";
+  {
+    std::ofstream out(temporary);
+    out << "grpc " << grpc_address << "\n";
+    if (!metrics_address.empty()) out << "metrics " << metrics_address << "\n";
+    if (!out) return absl::UnavailableError(absl::StrCat("--port-file ", path, ": cannot write"));
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    return absl::UnavailableError(absl::StrCat("--port-file ", path, ": cannot rename into place"));
+  }
+  return absl::OkStatus();
+}
+
+std::string Describe(const Model& model) {
+  if (model.query_size == 0) return absl::StrCat(std::string(KindName(model.kind)), ", any sizes");
+  std::string sizes = absl::StrCat(std::string(KindName(model.kind)), ", d_q=", model.query_size,
+                                   " d_k=", model.key_size);
+  if (model.value_size != 0) absl::StrAppend(&sizes, " d_v=", model.value_size);
+  if (model.num_heads != 0) {
+    absl::StrAppend(&sizes, " heads=", model.num_heads, " E=", model.output_size);
+  }
+  return sizes;
+}
+
+// SIGTERM and SIGINT (stop) and SIGHUP (reload the token file) are caught by
+// a handler rather than blocked and taken with sigwait(): threads that
+// libraries start before main() (OpenBLAS's) do not block them, and the
+// kernel may deliver a process's signal to any thread that does not, whose
+// default action would kill the process. The handler may run on several
+// threads at once (one signal per thread), so what it records is lock-free
+// atomics, which are also async-signal-safe; a volatile sig_atomic_t is safe
+// only within one thread.
+sem_t signalled;
+std::atomic<int> termination_signal{0};
+std::atomic<bool> hangup_pending{false};
+static_assert(std::atomic<int>::is_always_lock_free);
+static_assert(std::atomic<bool>::is_always_lock_free);
+
+void OnSignal(int signal_number) {
+  if (signal_number == SIGHUP) {
+    hangup_pending.store(true, std::memory_order_relaxed);
+  } else {
+    termination_signal.store(signal_number, std::memory_order_relaxed);
+  }
+  sem_post(&signalled);  // async-signal-safe, unlike a condition variable
+}
+
+absl::Status CatchSignals() {
+  sem_init(&signalled, 0, 0);
+  struct sigaction action = {};
+  action.sa_handler = OnSignal;
+  action.sa_flags = SA_RESTART;
+  sigemptyset(&action.sa_mask);
+  for (int signal_number : {SIGTERM, SIGINT, SIGHUP}) {
+    if (sigaction(signal_number, &action, nullptr) != 0) {
+      return absl::InternalError(absl::StrCat("cannot catch signal ", signal_number));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Runs `on_hangup` for each SIGHUP until SIGTERM or SIGINT, which it returns.
+int WaitForTermination(const std::function<void()>& on_hangup) {
+  for (;;) {
+    while (sem_wait(&signalled) != 0) {
+      // Interrupted (EINTR) by the very signals it waits for: wait again.
+    }
+    if (hangup_pending.exchange(false, std::memory_order_relaxed)) on_hangup();
+    const int signal_number = termination_signal.load(std::memory_order_relaxed);
+    if (signal_number != 0) return signal_number;
+  }
+}
+
+// Rereads --auth-token-file; on any problem the tokens in use stay.
+void ReloadTokens(const std::string& path, Dispatcher& dispatcher) {
+  absl::StatusOr<std::vector<std::string>> tokens = ReadTokenFile(path);
+  if (!tokens.ok()) {
+    spdlog::error("SIGHUP: --auth-token-file not reloaded, the previous tokens stay: {}",
+                  std::string(tokens.status().message()));
+    return;
+  }
+  const size_t count = tokens->size();
+  dispatcher.access().ReplaceTokens(*std::move(tokens));
+  spdlog::info("SIGHUP: --auth-token-file reloaded ({} tokens)", count);
+}
+
+// Linking gRPC's reflection library registers its plugin with every
+// ServerBuilder; --reflection false takes it out again.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    std::erase_if(*plugins, [](const std::unique_ptr<grpc::ServerBuilderPlugin>& plugin) {
+      return plugin->name() == "proto_server_reflection";
+    });
+  }
+};
+
+int Fail(const absl::Status& status) {
+  spdlog::critical("cannot start: {}", status.ToString());
+  return 1;
+}
+
+// What a running server owns, in the order start-up builds it, so that it
+// is torn down in reverse.
+struct RunningServer {
+  DispatchOptions dispatch_options;
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  ModelRegistry registry;
+  std::unique_ptr<TestGate> test_gate;
+  std::unique_ptr<ServerMetrics> metrics;
+  std::unique_ptr<RepositoryManager> manager;
+  RepositoryListing initial;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<Dispatcher> dispatcher;
+  // Refusals of the early token check, logged as the dispatcher logs its own
+  // (at most Dispatcher::kRefusalLinesPerSecond lines a second).
+  RefusalLogLimiter unauthenticated_log{Dispatcher::kRefusalLinesPerSecond};
+  std::unique_ptr<AttentionApi> attention_api;
+  std::unique_ptr<InferenceApi> inference_api;
+  std::unique_ptr<grpc::Server> grpc;
+  std::string grpc_address;
+  std::unique_ptr<prometheus::Exposer> exposer;
+  std::string metrics_address;
+  std::unique_ptr<RepositoryPoller> poller;
+};
+
+absl::Status SelectKernelPath(const ServerConfig& config) {
+  if (config.isa.empty()) return absl::OkStatus();
+  absl::StatusOr<Isa> isa = ParseIsa(config.isa);
+  if (!isa.ok()) return isa.status();
+  if (absl::Status s = SelectIsa(*isa); !s.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("--isa: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+// The dispatcher's options, with the tokens and client identities read.
+absl::StatusOr<DispatchOptions> ReadDispatchOptions(const ServerConfig& config) {
+  DispatchOptions options;
+  options.limits = config.limits;
+  options.batching = config.batching;
+  options.max_queued_bytes = config.max_queued_bytes;
+  if (!config.auth_token_file.empty()) {
+    absl::StatusOr<std::vector<std::string>> tokens = ReadTokenFile(config.auth_token_file);
+    if (!tokens.ok()) return tokens.status();
+    options.auth_tokens = *std::move(tokens);
+  }
+  for (absl::string_view name : absl::StrSplit(config.tls_client_allow, ',', absl::SkipWhitespace())) {
+    options.allowed_client_identities.emplace_back(absl::StripAsciiWhitespace(name));
+  }
+  if (!options.allowed_client_identities.empty() && config.tls_client_ca.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls-client-allow needs --tls-client-ca (mutual TLS): without client certificates "
+        "there is no identity to check");
+  }
+  return options;
+}
+
+// The built-in models, and the test gate's when asked for.
+absl::Status AddBuiltIns(const ServerConfig& config, RunningServer& s) {
+  for (Model built_in : {DotProductModel(), DistanceModel()}) {
+    if (absl::Status added = s.registry.AddBuiltIn(std::move(built_in)); !added.ok()) return added;
+  }
+  if (config.test_gate_fifo.empty()) return absl::OkStatus();
+  absl::StatusOr<std::unique_ptr<TestGate>> opened = TestGate::Open(config.test_gate_fifo);
+  if (!opened.ok()) return opened.status();
+  s.test_gate = *std::move(opened);
+  if (absl::Status added = s.registry.AddBuiltIn(TestGate::GateModel()); !added.ok()) return added;
+  s.dispatch_options.test_gate = s.test_gate.get();
+  spdlog::warn("test gate on: batches of model '{}' wait for bytes on {}", kTestGateModelName,
+               config.test_gate_fifo);
+  return absl::OkStatus();
+}
+
+// The built-ins, the metrics with their series, and the repository's files,
+// scanned and loaded once.
+absl::Status LoadModels(const ServerConfig& config, RunningServer& s) {
+  absl::StatusOr<VersionPolicy> policy = ParseVersionPolicy(config.version_policy);
+  if (!policy.ok()) return policy.status();
+  if (config.model_repository.empty() &&
+      (config.model_control == "explicit" || config.repository_poll_seconds > 0)) {
+    return absl::InvalidArgumentError(
+        "--model-control explicit and --repository-poll-seconds need --model-repository");
+  }
+  if (absl::Status added = AddBuiltIns(config, s); !added.ok()) return added;
+  // Series of the built-ins now; those of file models as each first loads.
+  std::vector<std::string> model_names;
+  for (const auto& [name, entry] : *s.registry.snapshot()) model_names.push_back(name);
+  s.metrics = std::make_unique<ServerMetrics>(model_names, config.batching.max_batch_size,
+                                              config.batching.queue_capacity);
+  s.metrics->SetBuildInfo(IsaName(ActiveIsa()), IsaName(DetectedIsa()), BlasCoreName());
+  for (const auto& [name, entry] : *s.registry.snapshot()) {
+    s.metrics->SetModelServed(name, 1, entry.versions.front().model->kind, true);
+  }
+  s.manager = std::make_unique<RepositoryManager>(
+      &s.registry, s.metrics.get(),
+      RepositoryOptions{.directory = config.model_repository,
+                        .policy = *policy,
+                        .max_file_bytes = static_cast<uint64_t>(config.max_model_file_bytes)});
+  if (config.model_repository.empty()) return absl::OkStatus();
+  absl::StatusOr<RepositoryListing> listing = ScanRepository(config.model_repository);
+  if (!listing.ok()) return listing.status();
+  s.initial = *std::move(listing);
+  for (const absl::Status& problem : s.manager->Sync(s.initial).failures) {
+    if (config.strict) return problem;
+    spdlog::error("model skipped: {}", std::string(problem.message()));
+  }
+  return absl::OkStatus();
+}
+
+// With tokens, calls without one are refused from their metadata, before
+// their message is read (auth.h), and counted and logged here.
+void CheckTokensEarly(RunningServer& s) {
+  if (s.dispatch_options.auth_tokens.empty()) return;
+  Dispatcher* const dispatcher = s.dispatcher.get();
+  ServerMetrics* const metrics = s.metrics.get();
+  RefusalLogLimiter* const log = &s.unauthenticated_log;
+  s.credentials->SetAuthMetadataProcessor(std::make_shared<EarlyTokenCheck>(
+      [dispatcher] { return dispatcher->access().tokens(); },
+      [metrics, log](std::string_view api, std::string_view path) {
+        metrics->CountUnauthenticatedCall(api);
+        int64_t suppressed = 0;
+        if (!log->Admit(&suppressed)) return;
+        spdlog::warn("call refused before its message was read: api={} method='{}' "
+                     "code=UNAUTHENTICATED{}",
+                     api, Printable(path),
+                     RefusalLogLimiter::SuppressedNote(suppressed, "refused calls"));
+      }));
+}
+
+// Both APIs on --address, with health checking and reflection.
+absl::Status StartGrpc(const ServerConfig& config, RunningServer& s) {
+  CheckTokensEarly(s);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(config.address, s.credentials, &port);
+  s.attention_api = std::make_unique<AttentionApi>(s.dispatcher.get(), &s.registry);
+  s.inference_api = std::make_unique<InferenceApi>(
+      s.dispatcher.get(), &s.registry,
+      config.model_control == "explicit" ? s.manager.get() : nullptr, s.metrics.get());
+  builder.RegisterService(s.attention_api.get());
+  builder.RegisterService(s.inference_api.get());
+  if (!config.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
+  builder.SetMaxReceiveMessageSize(config.max_message_bytes);
+  // gRPC reads every call a client opens, whether or not the service has
+  // taken it yet. Without this cap, a client sending faster than the server
+  // can even parse (open loop at 3x capacity) had gRPC hold 900 MiB of
+  // requests the service had not seen, growing with the backlog.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, config.max_concurrent_streams);
+  if (config.max_connection_age_seconds > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               static_cast<int>(std::min<int64_t>(
+                                   config.max_connection_age_seconds * 1000, INT32_MAX)));
+  }
+  s.grpc = builder.BuildAndStart();
+  if (s.grpc == nullptr || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on --address ", config.address, " (in use or invalid)"));
+  }
+  s.grpc_address = WithPort(config.address, port);
+  return absl::OkStatus();
+}
+
+absl::Status StartMetrics(const ServerConfig& config, RunningServer& s) {
+  if (config.metrics_address.empty()) return absl::OkStatus();
+  try {
+    s.exposer = std::make_unique<prometheus::Exposer>(config.metrics_address);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on --metrics-address ",
+                                               config.metrics_address, ": ", e.what()));
+  }
+  s.exposer->RegisterCollectable(s.metrics->registry());
+  const std::vector<int> ports = s.exposer->GetListeningPorts();
+  s.metrics_address = WithPort(config.metrics_address, ports.empty() ? 0 : ports.front());
+  return absl::OkStatus();
+}
+
+void SetHealth(grpc::Server& server, bool serving) {
+  grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
+  health->SetServingStatus(serving);
+  for (const char* name : kHealthServiceNames) health->SetServingStatus(name, serving);
+}
+
+// The start-up summary: addresses, security, kernel path, limits, models.
+void LogServing(const ServerConfig& config, const RunningServer& s) {
+  const bool tokens = !s.dispatch_options.auth_tokens.empty();
+  spdlog::info("listening on {} ({}{})", s.grpc_address,
+               config.tls_cert.empty() ? "plaintext"
+                                       : (config.tls_client_ca.empty() ? "TLS" : "mutual TLS"),
+               tokens ? ", bearer tokens required" : "");
+  if (config.tls_cert.empty() && tokens && !IsLoopback(config.address)) {
+    spdlog::warn("bearer tokens travel in plaintext: set --tls-cert and --tls-key");
+  }
+  if (s.exposer) spdlog::info("metrics on {}/metrics", s.metrics_address);
+  spdlog::info("kernel path {} (this CPU's best: {}), BLAS core {}", IsaName(ActiveIsa()),
+               IsaName(DetectedIsa()), BlasCoreName());
+  spdlog::info("batching: --max-batch-size {} --max-queue-delay-us {} --queue-capacity {}; "
+               "engine threads {}; --max-message-bytes {} --max-request-elements {} "
+               "--max-request-work {} --max-request-scratch-elements {} --max-queued-bytes {}",
+               config.batching.max_batch_size, config.batching.max_queue_delay_us,
+               config.batching.queue_capacity, s.engine->num_threads(), config.max_message_bytes,
+               config.limits.max_request_elements, config.limits.max_request_work,
+               config.limits.max_request_scratch_elements, config.max_queued_bytes);
+  // Scoped: a snapshot held on would keep these weights alive after a reload.
+  const std::shared_ptr<const ModelRegistry::Index> served = s.registry.snapshot();
+  spdlog::info("serving {} models (--version-policy {}, --model-control {}):", served->size(),
+               config.version_policy, config.model_control);
+  for (const auto& [name, entry] : *served) {
+    for (const ModelVersion& version : entry.versions) {
+      if (version.state != VersionState::kReady) continue;
+      spdlog::info("  model {} ({}), version {}", name, Describe(*version.model), version.version);
+    }
+  }
+}
+
+void StartPolling(const ServerConfig& config, RunningServer& s) {
+  if (config.repository_poll_seconds <= 0) return;
+  RepositoryManager* const manager = s.manager.get();
+  s.poller = std::make_unique<RepositoryPoller>(
+      config.model_repository, absl::Seconds(config.repository_poll_seconds), s.initial,
+      [manager](const RepositoryListing& stable) {
+        const RepositoryManager::Report report = manager->Sync(stable);
+        for (const std::string& change : report.changes) spdlog::info("repository: {}", change);
+        for (const absl::Status& failure : report.failures) {
+          spdlog::error("repository: model not loaded, what served before stays: {}",
+                        std::string(failure.message()));
+        }
+      });
+  spdlog::info("polling {} every {} s for model changes", config.model_repository,
+               config.repository_poll_seconds);
+}
+
+// Everything up to serving: the kernel path, credentials, models, the
+// dispatcher, gRPC, metrics, polling and the port file.
+absl::Status Start(const ServerConfig& config, RunningServer& s) {
+  if (absl::Status selected = SelectKernelPath(config); !selected.ok()) return selected;
+  absl::StatusOr<DispatchOptions> options = ReadDispatchOptions(config);
+  if (!options.ok()) return options.status();
+  s.dispatch_options = *std::move(options);
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = TlsCredentials(config);
+  if (!credentials.ok()) return credentials.status();
+  s.credentials = *std::move(credentials);
+  if (absl::Status loaded = LoadModels(config, s); !loaded.ok()) return loaded;
+  s.engine = std::make_unique<Engine>(EngineOptions{.num_threads = config.threads});
+  absl::StatusOr<std::unique_ptr<Dispatcher>> dispatcher =
+      Dispatcher::Create(&s.registry, s.engine.get(), s.metrics.get(), s.dispatch_options);
+  if (!dispatcher.ok()) return dispatcher.status();
+  s.dispatcher = *std::move(dispatcher);
+  if (absl::Status started = StartGrpc(config, s); !started.ok()) return started;
+  absl::Status serving = StartMetrics(config, s);
+  if (serving.ok()) {
+    SetHealth(*s.grpc, true);
+    LogServing(config, s);
+    StartPolling(config, s);
+    if (!config.port_file.empty()) {
+      serving = WritePortFile(config.port_file, s.grpc_address, s.metrics_address);
+    }
+  }
+  if (!serving.ok()) s.grpc->Shutdown();
+  return serving;
+}
+
+// Serves until SIGTERM or SIGINT, which it returns; SIGHUP rereads the
+// token file.
+int Serve(const ServerConfig& config, RunningServer& s) {
+  return WaitForTermination([&] {
+    if (config.auth_token_file.empty()) {
+      spdlog::info("SIGHUP: no --auth-token-file to reload");
+    } else {
+      ReloadTokens(config.auth_token_file, *s.dispatcher);
+    }
+  });
+}
+
+// Every accepted call is answered: ends the process without gRPC's
+// Shutdown(). A call that reaches it after Shutdown() began (sent before the
+// client saw the GOAWAY) is dropped by gRPC and the client sees CANCELLED,
+// which clients do not retry (issue 14: 1 to 29 calls in 6 of 8 SIGTERMs
+// under closed-loop load). Ending the process closes the connections
+// instead, and a call in transit then fails UNAVAILABLE.
+[[noreturn]] void ExitDrained(RunningServer& s, absl::Time not_serving_since) {
+  s.dispatcher->Drain();
+  // Health watchers and refused calls are not waited for; a moment lets
+  // gRPC flush their NOT_SERVING and UNAVAILABLE (lost, the client still
+  // sees UNAVAILABLE, from the closed connection).
+  absl::SleepFor(not_serving_since + kFlushPause - absl::Now());
+  spdlog::info("stopped");
+  spdlog::shutdown();
+  std::fflush(nullptr);
+  std::_Exit(0);
+}
+
+// Calls still open after the grace period: cancels them and returns once
+// gRPC has finished every one.
+void CancelOpenCalls(RunningServer& s) {
+  spdlog::warn("calls still open after --shutdown-grace-seconds; cancelling them");
+  // A held batch would keep its calls, hence Shutdown(), waiting forever.
+  if (s.test_gate) s.test_gate->Stop();
+  // The calls still open are cancelled, which the batchers answer without
+  // computing.
+  s.grpc->Shutdown(absl::ToChronoTime(absl::Now()));
+  s.dispatcher->Drain();
+  s.grpc->Wait();
+  spdlog::info("stopped");
+  // Not destroyed: ~Exposer waits up to 2 s for civetweb's poll loop, and the
+  // process ends right after this anyway.
+  static_cast<void>(s.exposer.release());
+}
+
+// The drain after `signal_number`: NOT_SERVING, refusals, the grace period.
+void Shutdown(const ServerConfig& config, RunningServer& s, int signal_number) {
+  spdlog::info("{} received: refusing new calls for --drain-delay-seconds {}, then finishing "
+               "accepted calls for up to --shutdown-grace-seconds {}",
+               signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.drain_delay_seconds,
+               config.shutdown_grace_seconds);
+  SetHealth(*s.grpc, false);
+  const absl::Time not_serving_since = absl::Now();
+  // While accepted calls finish, the server keeps answering new calls itself
+  // (UNAVAILABLE, and NOT_SERVING to health checks), which clients retry
+  // elsewhere. The delay gives load balancers time to see NOT_SERVING before
+  // the listener goes; accepted calls go on computing meanwhile.
+  s.dispatcher->StopAccepting();
+  absl::SleepFor(absl::Seconds(config.drain_delay_seconds));
+  const absl::Time grace_end = absl::Now() + absl::Seconds(config.shutdown_grace_seconds);
+  // WaitForIdle() waits for each call's OnDone, not just for its answers:
+  // with streams still writing when Shutdown() began, gRPC 1.51 now and then
+  // closed their connections with answers undelivered (clients saw
+  // "Connection reset by peer", 3 to 10 shutdowns in 100 under stream load).
+  if (s.dispatcher->WaitForIdle(grace_end)) ExitDrained(s, not_serving_since);
+  CancelOpenCalls(s);
+}
+
+}  // namespace
+
+int RunServer(const ServerConfig& config) {
+  if (absl::Status s = CatchSignals(); !s.ok()) return Fail(s);
+  if (absl::Status s = ConfigureLogging(config.log_level, config.log_format); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 2;
+  }
+  RunningServer server;
+  if (absl::Status s = Start(config, server); !s.ok()) return Fail(s);
+  Shutdown(config, server, Serve(config, server));
+  return 0;
+}
+
+}  // namespace attention::server

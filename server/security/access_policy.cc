@@ -1,0 +1,34 @@
+// access_policy.cc: the credentials check every API shares (access_policy.h).
+#include "server/security/access_policy.h"
+
+#include <utility>
+
+#include "server/security/auth.h"
+
+namespace attention::server {
+
+AccessPolicy::AccessPolicy(std::vector<std::string> allowed_client_identities,
+                           std::vector<std::string> tokens)
+    : allowed_client_identities_(std::move(allowed_client_identities)),
+      tokens_(std::make_shared<const std::vector<std::string>>(std::move(tokens))) {}
+
+absl::Status AccessPolicy::Check(const grpc::ServerContextBase& context) const {
+  if (absl::Status identity = CheckClientIdentity(context, allowed_client_identities_);
+      !identity.ok()) {
+    return identity;
+  }
+  return CheckBearerToken(context, *tokens());
+}
+
+std::shared_ptr<const std::vector<std::string>> AccessPolicy::tokens() const {
+  absl::MutexLock lock(&mu_);
+  return tokens_;
+}
+
+void AccessPolicy::ReplaceTokens(std::vector<std::string> tokens) {
+  auto replacement = std::make_shared<const std::vector<std::string>>(std::move(tokens));
+  absl::MutexLock lock(&mu_);
+  tokens_ = std::move(replacement);
+}
+
+}  // namespace attention::server
