@@ -310,8 +310,8 @@ ABSL_NAMESPACE_END
 // decrement calls ScheduleOnDone(), right after it, so acquiring the counter
 // there is exactly the acquire TSan missed.
 //
-// Without its release, the same server reported StreamReactor::OnDone's
-// `delete this` on an executor thread racing with StreamReactor::OnCancel
+// Without its release, the same server reported AdmittedStream::OnDone's
+// `delete this` on an executor thread racing with OrderedStream::OnCancel
 // and Progress() on the thread of that closure, when another thread made the
 // last decrement. CallOnCancel is therefore wrapped too: the closure calls
 // OnCancel on a stand-in that forwards to the real reactor and then releases
@@ -366,7 +366,7 @@ void ServerCallbackCall::CallOnCancel(ServerReactor* reactor) {
 // is lock-free inside libgrpc, which TSan cannot see, so with only the
 // absl::Mutex annotations it reported, in the server: CallOpSet<CallOpRecv
 // Message<AttendRequest>>::FinalizeResult on a nexting thread parsing into
-// the request that StreamReactor::Progress had allocated and lent to
+// the request that OrderedStream::Progress had allocated and lent to
 // StartRead on a batcher thread; CallOpSet<CallOpSendInitialMetadata,
 // CallOpSendMessage>::FinalizeResult against the FillOps and serialisation of
 // the Write that started the batch; OnWriteDone destroying a response that a
