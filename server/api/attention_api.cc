@@ -15,33 +15,33 @@ namespace {
 // The `api` label of attention.v1 requests.
 constexpr std::string_view kAttentionApi = "attention";
 
-Dispatcher::Request FromAttend(const v1::AttendRequest& request, int64_t* served_version,
-                               bool credentials_checked) {
-  return Dispatcher::Request{
-      .api = kAttentionApi,
-      .model = request.model(),
-      .version = request.has_version() ? std::optional<int64_t>(request.version()) : std::nullopt,
-      .request_id = request.request_id(),
-      .message_bytes = static_cast<int64_t>(request.ByteSizeLong()),
-      .served_version = served_version,
-      .credentials_checked = credentials_checked};
-}
-
-// Submits `request`, whose engine form views it.
+// Submits `request`, whose engine form views it; `readable` says whether its
+// bytes parsed.
 void SubmitAttend(Dispatcher& dispatcher, const CallOrigin& origin,
-                  const v1::AttendRequest& request, int64_t* served_version,
+                  const v1::AttendRequest& request, absl::Status readable, int64_t* served_version,
                   bool credentials_checked, Dispatcher::Done done) {
-  dispatcher.Submit(origin, FromAttend(request, served_version, credentials_checked),
-                    [&request]() -> absl::StatusOr<AttentionRequest> {
-                      return ToAttentionRequest(request);
-                    },
-                    std::move(done));
+  dispatcher.Submit(
+      origin,
+      Dispatcher::Request{
+          .api = kAttentionApi,
+          .model = request.model(),
+          .version =
+              request.has_version() ? std::optional<int64_t>(request.version()) : std::nullopt,
+          .request_id = request.request_id(),
+          .message_bytes = static_cast<int64_t>(request.ByteSizeLong()),
+          .served_version = served_version,
+          .credentials_checked = credentials_checked,
+          .readable = std::move(readable)},
+      [&request]() -> absl::StatusOr<AttentionRequest> { return ToAttentionRequest(request); },
+      std::move(done));
 }
 
 // One request of an AttendStream and its answer.
 struct AttendSlot {
+  grpc::ByteBuffer wire_request;
   v1::AttendRequest request;
   v1::AttendResponse response;
+  grpc::ByteBuffer wire_response;
   int64_t served_version = 0;  // the model version that answered
   bool answered = false;       // OrderedStream's
 };
@@ -56,7 +56,8 @@ class AttendStreamReactor final : public AdmittedStream<AttendSlot> {
 
  private:
   void Submit(AttendSlot& slot) override {
-    SubmitAttend(*dispatcher(), origin(), slot.request, &slot.served_version,
+    absl::Status readable = ParseWire(&slot.wire_request, &slot.request);
+    SubmitAttend(*dispatcher(), origin(), slot.request, std::move(readable), &slot.served_version,
                  /*credentials_checked=*/true,
                  [this, &slot](const absl::Status& status, const AttentionResult* result) {
                    Answer(slot, status, result);
@@ -74,53 +75,59 @@ class AttendStreamReactor final : public AdmittedStream<AttendSlot> {
     }
     response.set_request_id(slot.request.request_id());
     response.set_model(slot.request.model());
+    WriteWire(response, &slot.wire_response);
     Answered(slot);
   }
 };
 
-// What Attend's answer needs besides the messages gRPC owns.
+// What Attend's answer needs besides its messages.
 struct AttendState {
   int64_t served_version = 0;
 };
+using AttendReactor = WireUnaryReactor<v1::AttendRequest, v1::AttendResponse, AttendState>;
 
 }  // namespace
 
 grpc::ServerUnaryReactor* AttentionApi::Attend(grpc::CallbackServerContext* context,
-                                               const v1::AttendRequest* request,
-                                               v1::AttendResponse* response) {
-  auto* reactor = new AdmittedUnaryReactor<AttendState>(dispatcher_, context);
-  SubmitAttend(*dispatcher_, reactor->origin, *request, &reactor->state.served_version,
-               /*credentials_checked=*/false,
-               [reactor, request, response](const absl::Status& status,
-                                            const AttentionResult* result) {
+                                               const grpc::ByteBuffer* request,
+                                               grpc::ByteBuffer* response) {
+  auto* reactor = new AttendReactor(dispatcher_, context, request, response);
+  SubmitAttend(*dispatcher_, reactor->origin, reactor->request, reactor->readable,
+               &reactor->state.served_version, /*credentials_checked=*/false,
+               [reactor](const absl::Status& status, const AttentionResult* result) {
                  if (status.ok()) {
-                   ToAttendResponse(*result, response);
-                   response->set_request_id(request->request_id());
-                   response->set_model(request->model());
-                   response->set_model_version(reactor->state.served_version);
+                   v1::AttendResponse& response = reactor->response;
+                   ToAttendResponse(*result, &response);
+                   response.set_request_id(reactor->request.request_id());
+                   response.set_model(reactor->request.model());
+                   response.set_model_version(reactor->state.served_version);
                  }
-                 reactor->Finish(ToGrpcStatus(status));
+                 reactor->Answer(status);
                });
   return reactor;
 }
 
-grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionApi::AttendStream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionApi::AttendStream(
     grpc::CallbackServerContext* context) {
   return new AttendStreamReactor(dispatcher_, context);
 }
 
 grpc::ServerUnaryReactor* AttentionApi::ListModels(grpc::CallbackServerContext* context,
-                                                   const v1::ListModelsRequest* request,
-                                                   v1::ListModelsResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = dispatcher_->access().Check(*context);
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
+  return AnswerAtOnce(context, request, response, this, &AttentionApi::List);
+}
+
+absl::Status AttentionApi::List(const grpc::CallbackServerContext& context,
+                                const v1::ListModelsRequest& request,
+                                v1::ListModelsResponse* response) const {
+  absl::Status status = dispatcher_->access().Check(context);
   if (status.ok()) {
-    ListRegistry(*registry_, request->include_unavailable(), response);
+    ListRegistry(*registry_, request.include_unavailable(), response);
   } else {
-    spdlog::warn("ListModels refused: peer={}: {}", context->peer(), std::string(status.message()));
+    spdlog::warn("ListModels refused: peer={}: {}", context.peer(), std::string(status.message()));
   }
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  return status;
 }
 
 }  // namespace attention::server

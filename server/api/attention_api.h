@@ -3,9 +3,10 @@
 // A thin adapter over the dispatcher (dispatch/dispatcher.h): Attend and each
 // request of AttendStream become a Dispatcher::Request whose engine form
 // views the proto (attention_adapter.h), and each answer is written back
-// into the response. AttendStream is authenticated once, when it opens, and
-// answers in request order; a bad request gets its error as an answer and the
-// stream goes on (ordered_stream.h). ListModels describes the registry.
+// into the response. Its methods take and give the messages' bytes
+// (wire_message.h), so bytes that do not parse get INVALID_ARGUMENT. AttendStream is authenticated
+// once, when it opens, and answers in request order; a bad request gets its error as an answer and
+// the stream goes on (ordered_stream.h). ListModels describes the registry.
 #pragma once
 
 #include "attention.grpc.pb.h"
@@ -15,22 +16,30 @@
 
 namespace attention::server {
 
-class AttentionApi final : public v1::AttentionService::CallbackService {
+// Every method raw: the handlers parse their requests themselves.
+using AttentionWireService = v1::AttentionService::WithRawCallbackMethod_Attend<
+    v1::AttentionService::WithRawCallbackMethod_AttendStream<
+        v1::AttentionService::WithRawCallbackMethod_ListModels<v1::AttentionService::Service>>>;
+
+class AttentionApi final : public AttentionWireService {
  public:
   // Not owned; both must outlive the service.
   AttentionApi(Dispatcher* dispatcher, const ModelRegistry* registry)
       : dispatcher_(dispatcher), registry_(registry) {}
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
-                                   const v1::AttendRequest* request,
-                                   v1::AttendResponse* response) override;
-  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
-                                       const v1::ListModelsRequest* request,
-                                       v1::ListModelsResponse* response) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
 
  private:
+  absl::Status List(const grpc::CallbackServerContext& context,
+                    const v1::ListModelsRequest& request, v1::ListModelsResponse* response) const;
+
   Dispatcher* const dispatcher_;         // not owned
   const ModelRegistry* const registry_;  // not owned
 };

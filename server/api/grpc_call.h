@@ -1,6 +1,7 @@
 // grpc_call.h: what every gRPC API of the server shares around a call: its
-// CallOrigin for the dispatcher, the unary reactor that keeps the call open
-// (drain waits for it) until gRPC is done with it, and a stream's opening.
+// CallOrigin for the dispatcher, the unary reactor that holds the call's
+// messages and keeps the call open (drain waits for it) until gRPC is done
+// with it, and a stream's opening.
 //
 // Written once here so that each API holds only its wire adaptation.
 #pragma once
@@ -14,6 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "server/api/attention_adapter.h"
 #include "server/api/ordered_stream.h"
+#include "server/api/wire_message.h"
 #include "server/dispatch/call_origin.h"
 #include "server/dispatch/dispatcher.h"
 #include "server/security/access_policy.h"
@@ -41,16 +43,29 @@ class GrpcCallOrigin final : public CallOrigin {
   grpc::CallbackServerContext* const context_;
 };
 
-// A unary call that is counted open in the dispatcher from its handler until
-// OnDone, when gRPC has sent the answer and the status: shutdown waits for
-// that. `State` is what the call's answer needs besides the messages gRPC
-// owns. Deletes itself in OnDone.
-template <typename State>
-class AdmittedUnaryReactor final : public grpc::ServerUnaryReactor {
+// A unary call whose request the dispatcher computes: it parses the request
+// (`readable` says whether its bytes parsed), holds it and the response
+// until gRPC is done with the call, and counts the call open in the
+// dispatcher from its handler until OnDone, when gRPC has sent the answer
+// and the status: shutdown waits for that. `State` is what the answer needs
+// besides the two messages. Deletes itself in OnDone.
+template <typename Request, typename Response, typename State>
+class WireUnaryReactor final : public grpc::ServerUnaryReactor {
  public:
   // Not open only while shutting down, and then Submit() refuses the request.
-  AdmittedUnaryReactor(Dispatcher* dispatcher, grpc::CallbackServerContext* context)
-      : origin(context), dispatcher_(dispatcher), open_(dispatcher->OpenCall("requests").ok()) {}
+  WireUnaryReactor(Dispatcher* dispatcher, grpc::CallbackServerContext* context,
+                   const grpc::ByteBuffer* wire_request, grpc::ByteBuffer* wire_response)
+      : origin(context),
+        readable(ParseWire(wire_request, &request)),
+        dispatcher_(dispatcher),
+        wire_response_(wire_response),
+        open_(dispatcher->OpenCall("requests").ok()) {}
+
+  // Sends `status`, with the response when it is OK.
+  void Answer(const absl::Status& status) {
+    if (status.ok()) WriteWire(response, wire_response_);
+    Finish(ToGrpcStatus(status));
+  }
 
   void OnDone() override {
     if (open_) dispatcher_->CloseCall();
@@ -58,10 +73,14 @@ class AdmittedUnaryReactor final : public grpc::ServerUnaryReactor {
   }
 
   const GrpcCallOrigin origin;
+  Request request;
+  const absl::Status readable;  // declared after `request`, which it parses
+  Response response;
   State state;
 
  private:
   Dispatcher* const dispatcher_;
+  grpc::ByteBuffer* const wire_response_;  // gRPC's, alive until OnDone
   const bool open_;
 };
 

@@ -8,8 +8,8 @@
 #include <limits>
 #include <string>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/float16.h"
 #include "server/dispatch/request_names.h"
@@ -32,7 +32,7 @@ struct DataTypeInfo {
 };
 
 constexpr DataTypeInfo kDataTypes[] = {
-    {"FP32", DataType::kFp32, 4},  {"FP16", DataType::kFp16, 2},   {"BF16", DataType::kBf16, 2},
+    {"FP32", DataType::kFp32, 4},   {"FP16", DataType::kFp16, 2},   {"BF16", DataType::kBf16, 2},
     {"INT32", DataType::kInt32, 4}, {"INT64", DataType::kInt64, 8},
 };
 
@@ -85,10 +85,10 @@ T ReadLittleEndian(const char* bytes) {
 absl::Status CheckTypedCount(const InputTensor& input, absl::string_view field, int64_t got,
                              int64_t expected) {
   if (got == expected) return absl::OkStatus();
-  return InputError(input.name(),
-                    absl::StrCat("contents.", field, " holds ", got, " values; expected ",
-                                 expected, " (shape ", ShapeString(input.shape()), ", ",
-                                 input.datatype(), ")"));
+  return InputError(
+      input.name(),
+      absl::StrCat("contents.", field, " holds ", got, " values; expected ", expected, " (shape ",
+                   ShapeString(input.shape()), ", ", input.datatype(), ")"));
 }
 
 // One input's data: the raw bytes when `raw` is set, else the typed list of
@@ -219,26 +219,32 @@ absl::Status CheckLengthShape(const InputTensor& lens, const Tensor& queries) {
     expected = absl::StrCat("[", queries.shape[0], "] or [", queries.shape[0], ", ",
                             queries.shape[1], "]");
   }
-  return InputError(kValidLensInput, absl::StrCat("shape: expected ", expected, ", got ",
-                                                  ShapeString(shape)));
+  return InputError(kValidLensInput,
+                    absl::StrCat("shape: expected ", expected, ", got ", ShapeString(shape)));
 }
 
 absl::string_view ParameterKind(const inference::InferParameter& parameter) {
   switch (parameter.parameter_choice_case()) {
-    case inference::InferParameter::kBoolParam: return "bool_param";
-    case inference::InferParameter::kInt64Param: return "int64_param";
-    case inference::InferParameter::kStringParam: return "string_param";
-    case inference::InferParameter::kDoubleParam: return "double_param";
-    case inference::InferParameter::kUint64Param: return "uint64_param";
-    case inference::InferParameter::PARAMETER_CHOICE_NOT_SET: break;
+    case inference::InferParameter::kBoolParam:
+      return "bool_param";
+    case inference::InferParameter::kInt64Param:
+      return "int64_param";
+    case inference::InferParameter::kStringParam:
+      return "string_param";
+    case inference::InferParameter::kDoubleParam:
+      return "double_param";
+    case inference::InferParameter::kUint64Param:
+      return "uint64_param";
+    case inference::InferParameter::PARAMETER_CHOICE_NOT_SET:
+      break;
   }
   return "nothing";
 }
 
 absl::Status ParameterError(absl::string_view name, absl::string_view expected,
                             const inference::InferParameter& got) {
-  return absl::InvalidArgumentError(absl::StrCat("parameters '", name, "': expected ", expected,
-                                                 ", got ", ParameterKind(got)));
+  return absl::InvalidArgumentError(
+      absl::StrCat("parameters '", name, "': expected ", expected, ", got ", ParameterKind(got)));
 }
 
 // Reads the request parameters the binding knows; any other parameter is
@@ -269,13 +275,12 @@ absl::Status ReadRequestedOutputs(const inference::ModelInferRequest& proto,
   bool named_weights = false;
   for (int i = 0; i < proto.outputs_size(); ++i) {
     const std::string& name = proto.outputs(i).name();
-    bool* seen = name == kOutputOutput ? &decoded->returns_output
+    bool* seen = name == kOutputOutput    ? &decoded->returns_output
                  : name == kWeightsOutput ? &named_weights
                                           : nullptr;
     if (seen == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("outputs[", i, "] '", name, "': expected '", kOutputOutput, "' or '",
-                       kWeightsOutput, "'"));
+      return absl::InvalidArgumentError(absl::StrCat("outputs[", i, "] '", name, "': expected '",
+                                                     kOutputOutput, "' or '", kWeightsOutput, "'"));
     }
     if (*seen) {
       return absl::InvalidArgumentError(
@@ -287,7 +292,8 @@ absl::Status ReadRequestedOutputs(const inference::ModelInferRequest& proto,
   return absl::OkStatus();
 }
 
-void AddOutput(absl::string_view name, const Tensor& tensor, inference::ModelInferResponse* response) {
+void AddOutput(absl::string_view name, const Tensor& tensor,
+               inference::ModelInferResponse* response) {
   auto* output = response->add_outputs();
   output->set_name(std::string(name));
   output->set_datatype("FP32");
@@ -366,8 +372,9 @@ absl::Status DecodeInferRequest(const inference::ModelInferRequest& proto,
       lens_input = &input;
     }
   }
-  const bool has_queries = std::any_of(proto.inputs().begin(), proto.inputs().end(),
-                                       [](const InputTensor& t) { return t.name() == kQueriesInput; });
+  const bool has_queries =
+      std::any_of(proto.inputs().begin(), proto.inputs().end(),
+                  [](const InputTensor& t) { return t.name() == kQueriesInput; });
   if (!has_queries) {
     return absl::InvalidArgumentError(
         absl::StrCat("inputs: expected an input named '", kQueriesInput, "', got none"));

@@ -20,11 +20,11 @@
 #include <cstdint>
 #include <optional>
 #include <string_view>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/engine.h"
 #include "core/model.h"
 #include "core/request.h"

@@ -11,8 +11,8 @@
 #include "server/api/attention_adapter.h"
 #include "server/api/grpc_call.h"
 #include "server/api/inference_adapter.h"
-#include "server/repository/views.h"
 #include "server/dispatch/request_names.h"
+#include "server/repository/views.h"
 #include "spdlog/spdlog.h"
 
 namespace attention::server {
@@ -37,27 +37,21 @@ inference::StatisticDuration FromHistogram(prometheus::Histogram& histogram) {
   return Duration(sample.histogram.sample_count, sample.histogram.sample_sum);
 }
 
-grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
 }  // namespace
 
 InferenceApi::InferenceApi(Dispatcher* dispatcher, const ModelRegistry* registry,
                            RepositoryManager* manager, ServerMetrics* metrics)
     : dispatcher_(dispatcher), registry_(registry), manager_(manager), metrics_(metrics) {}
 
-absl::StatusOr<ServedModel> InferenceApi::FindModelFor(
-    const grpc::CallbackServerContext& context, std::string_view name,
-    std::string_view version) const {
+absl::StatusOr<ServedModel> InferenceApi::FindModelFor(const grpc::CallbackServerContext& context,
+                                                       std::string_view name,
+                                                       std::string_view version) const {
   if (absl::Status auth = dispatcher_->access().Check(context); !auth.ok()) return auth;
   return FindModel(name, version);
 }
 
 absl::StatusOr<ServedModel> InferenceApi::FindModel(std::string_view name,
-                                                        std::string_view version) const {
+                                                    std::string_view version) const {
   absl::StatusOr<ServedModel> newest = registry_->Resolve(name, std::nullopt);
   if (!newest.ok()) {
     return absl::NotFoundError(absl::StrCat("model: no model named '", Printable(name),
@@ -81,8 +75,8 @@ std::vector<int64_t> InferenceApi::ReadyVersions(std::string_view name) const {
 }
 
 void InferenceApi::Infer(const CallOrigin& origin, const inference::ModelInferRequest& proto,
-                         DecodedInferRequest* decoded, int64_t* served_version,
-                         bool credentials_checked, Dispatcher::Done done) {
+                         absl::Status readable, DecodedInferRequest* decoded,
+                         int64_t* served_version, bool credentials_checked, Dispatcher::Done done) {
   dispatcher_->Submit(
       origin,
       Dispatcher::Request{.api = kInferenceApi,
@@ -91,7 +85,8 @@ void InferenceApi::Infer(const CallOrigin& origin, const inference::ModelInferRe
                           .request_id = proto.id(),
                           .message_bytes = static_cast<int64_t>(proto.ByteSizeLong()),
                           .served_version = served_version,
-                          .credentials_checked = credentials_checked},
+                          .credentials_checked = credentials_checked,
+                          .readable = std::move(readable)},
       [&proto, decoded]() -> absl::StatusOr<AttentionRequest> {
         if (absl::Status s = DecodeInferRequest(proto, decoded); !s.ok()) return s;
         return decoded->request;
@@ -100,73 +95,115 @@ void InferenceApi::Infer(const CallOrigin& origin, const inference::ModelInferRe
 }
 
 grpc::ServerUnaryReactor* InferenceApi::ServerLive(grpc::CallbackServerContext* context,
-                                                       const inference::ServerLiveRequest*,
-                                                       inference::ServerLiveResponse* response) {
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
+  return AnswerAtOnce(context, request, response, this, &InferenceApi::AnswerServerLive);
+}
+
+absl::Status InferenceApi::AnswerServerLive(const grpc::CallbackServerContext&,
+                                            const inference::ServerLiveRequest&,
+                                            inference::ServerLiveResponse* response) const {
   response->set_live(true);
-  return Reply(context, absl::OkStatus());
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* InferenceApi::ServerReady(grpc::CallbackServerContext* context,
-                                                        const inference::ServerReadyRequest*,
-                                                        inference::ServerReadyResponse* response) {
+                                                    const grpc::ByteBuffer* request,
+                                                    grpc::ByteBuffer* response) {
+  return AnswerAtOnce(context, request, response, this, &InferenceApi::AnswerServerReady);
+}
+
+absl::Status InferenceApi::AnswerServerReady(const grpc::CallbackServerContext&,
+                                             const inference::ServerReadyRequest&,
+                                             inference::ServerReadyResponse* response) const {
   response->set_ready(dispatcher_->accepting());
-  return Reply(context, absl::OkStatus());
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* InferenceApi::ModelReady(grpc::CallbackServerContext* context,
-                                                       const inference::ModelReadyRequest* request,
-                                                       inference::ModelReadyResponse* response) {
-  if (absl::Status auth = dispatcher_->access().Check(*context); !auth.ok()) {
-    return Reply(context, auth);
-  }
-  response->set_ready(dispatcher_->accepting() &&
-                      FindModel(request->name(), request->version()).ok());
-  return Reply(context, absl::OkStatus());
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
+  return AnswerAtOnce(context, request, response, this, &InferenceApi::AnswerModelReady);
 }
 
-grpc::ServerUnaryReactor* InferenceApi::ServerMetadata(
-    grpc::CallbackServerContext* context, const inference::ServerMetadataRequest*,
-    inference::ServerMetadataResponse* response) {
-  if (absl::Status auth = dispatcher_->access().Check(*context); !auth.ok()) {
-    return Reply(context, auth);
+absl::Status InferenceApi::AnswerModelReady(const grpc::CallbackServerContext& context,
+                                            const inference::ModelReadyRequest& request,
+                                            inference::ModelReadyResponse* response) const {
+  if (absl::Status auth = dispatcher_->access().Check(context); !auth.ok()) {
+    return auth;
+  }
+  response->set_ready(dispatcher_->accepting() &&
+                      FindModel(request.name(), request.version()).ok());
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* InferenceApi::ServerMetadata(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* request,
+                                                       grpc::ByteBuffer* response) {
+  return AnswerAtOnce(context, request, response, this, &InferenceApi::AnswerServerMetadata);
+}
+
+absl::Status InferenceApi::AnswerServerMetadata(const grpc::CallbackServerContext& context,
+                                                const inference::ServerMetadataRequest&,
+                                                inference::ServerMetadataResponse* response) const {
+  if (absl::Status auth = dispatcher_->access().Check(context); !auth.ok()) {
+    return auth;
   }
   response->set_name("attention-server");
   response->set_version(ATTENTION_VERSION);
   for (const char* extension : kExtensions) response->add_extensions(extension);
-  return Reply(context, absl::OkStatus());
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* InferenceApi::ModelMetadata(
-    grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
-    inference::ModelMetadataResponse* response) {
-  absl::StatusOr<ServedModel> model = FindModelFor(*context, request->name(), request->version());
-  if (model.ok()) *response = ToModelMetadata(*model->model, ReadyVersions(request->name()));
-  return Reply(context, model.status());
+grpc::ServerUnaryReactor* InferenceApi::ModelMetadata(grpc::CallbackServerContext* context,
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* response) {
+  return AnswerAtOnce(context, request, response, this, &InferenceApi::AnswerModelMetadata);
+}
+
+absl::Status InferenceApi::AnswerModelMetadata(const grpc::CallbackServerContext& context,
+                                               const inference::ModelMetadataRequest& request,
+                                               inference::ModelMetadataResponse* response) const {
+  absl::StatusOr<ServedModel> model = FindModelFor(context, request.name(), request.version());
+  if (model.ok()) *response = ToModelMetadata(*model->model, ReadyVersions(request.name()));
+  return model.status();
 }
 
 grpc::ServerUnaryReactor* InferenceApi::ModelConfig(grpc::CallbackServerContext* context,
-                                                        const inference::ModelConfigRequest* request,
-                                                        inference::ModelConfigResponse* response) {
-  absl::StatusOr<ServedModel> model = FindModelFor(*context, request->name(), request->version());
-  if (model.ok()) *response->mutable_config() = ToModelConfig(*model->model);
-  return Reply(context, model.status());
+                                                    const grpc::ByteBuffer* request,
+                                                    grpc::ByteBuffer* response) {
+  return AnswerAtOnce(context, request, response, this, &InferenceApi::AnswerModelConfig);
 }
 
-grpc::ServerUnaryReactor* InferenceApi::ModelStatistics(
-    grpc::CallbackServerContext* context, const inference::ModelStatisticsRequest* request,
-    inference::ModelStatisticsResponse* response) {
-  if (absl::Status auth = dispatcher_->access().Check(*context); !auth.ok()) {
-    return Reply(context, auth);
+absl::Status InferenceApi::AnswerModelConfig(const grpc::CallbackServerContext& context,
+                                             const inference::ModelConfigRequest& request,
+                                             inference::ModelConfigResponse* response) const {
+  absl::StatusOr<ServedModel> model = FindModelFor(context, request.name(), request.version());
+  if (model.ok()) *response->mutable_config() = ToModelConfig(*model->model);
+  return model.status();
+}
+
+grpc::ServerUnaryReactor* InferenceApi::ModelStatistics(grpc::CallbackServerContext* context,
+                                                        const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  return AnswerAtOnce(context, request, response, this, &InferenceApi::AnswerModelStatistics);
+}
+
+absl::Status InferenceApi::AnswerModelStatistics(
+    const grpc::CallbackServerContext& context, const inference::ModelStatisticsRequest& request,
+    inference::ModelStatisticsResponse* response) const {
+  if (absl::Status auth = dispatcher_->access().Check(context); !auth.ok()) {
+    return auth;
   }
-  if (!request->name().empty()) {
-    if (absl::StatusOr<ServedModel> model = FindModel(request->name(), request->version());
+  if (!request.name().empty()) {
+    if (absl::StatusOr<ServedModel> model = FindModel(request.name(), request.version());
         !model.ok()) {
-      return Reply(context, model.status());
+      return model.status();
     }
   }
   // Counted per model name, whichever versions served the requests.
   for (const auto& [name, entry] : *registry_->snapshot()) {
-    if (!request->name().empty() && name != request->name()) continue;
+    if (!request.name().empty() && name != request.name()) continue;
     const ModelVersion* newest = entry.NewestReady();
     if (newest == nullptr) continue;
     ModelMetrics* metrics = metrics_->ForModel(name);
@@ -174,8 +211,8 @@ grpc::ServerUnaryReactor* InferenceApi::ModelStatistics(
     const ModelTotals& totals = *metrics->totals;
     inference::ModelStatistics* stats = response->add_model_stats();
     stats->set_name(name);
-    stats->set_version(request->version().empty() ? std::to_string(newest->version)
-                                                  : request->version());
+    stats->set_version(request.version().empty() ? std::to_string(newest->version)
+                                                 : request.version());
     stats->set_last_inference(static_cast<uint64_t>(totals.last_answer_ms.load()));
     stats->set_inference_count(totals.success_count.load());
     stats->set_execution_count(metrics->batch_size->Collect().histogram.sample_count);
@@ -187,17 +224,23 @@ grpc::ServerUnaryReactor* InferenceApi::ModelStatistics(
     *infer->mutable_queue() = FromHistogram(*metrics->queue_duration);
     *infer->mutable_compute_infer() = FromHistogram(*metrics->compute_duration);
   }
-  return Reply(context, absl::OkStatus());
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* InferenceApi::RepositoryIndex(
-    grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest* request,
-    inference::RepositoryIndexResponse* response) {
-  if (absl::Status auth = dispatcher_->access().Check(*context); !auth.ok()) {
-    return Reply(context, auth);
+grpc::ServerUnaryReactor* InferenceApi::RepositoryIndex(grpc::CallbackServerContext* context,
+                                                        const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  return AnswerAtOnce(context, request, response, this, &InferenceApi::AnswerRepositoryIndex);
+}
+
+absl::Status InferenceApi::AnswerRepositoryIndex(
+    const grpc::CallbackServerContext& context, const inference::RepositoryIndexRequest& request,
+    inference::RepositoryIndexResponse* response) const {
+  if (absl::Status auth = dispatcher_->access().Check(context); !auth.ok()) {
+    return auth;
   }
-  IndexRegistry(*registry_, request->ready(), response);
-  return Reply(context, absl::OkStatus());
+  IndexRegistry(*registry_, request.ready(), response);
+  return absl::OkStatus();
 }
 
 absl::Status InferenceApi::CheckControl(const grpc::CallbackServerContext& context) const {
@@ -210,63 +253,81 @@ absl::Status InferenceApi::CheckControl(const grpc::CallbackServerContext& conte
   return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* InferenceApi::ChangeRepository(
-    grpc::CallbackServerContext* context, std::string_view method, std::string_view name,
-    std::string_view verb, absl::Status (RepositoryManager::*change)(std::string_view)) {
-  absl::Status status = CheckControl(*context);
+absl::Status InferenceApi::ChangeRepository(
+    const grpc::CallbackServerContext& context, std::string_view method, std::string_view name,
+    std::string_view verb, absl::Status (RepositoryManager::*change)(std::string_view)) const {
+  absl::Status status = CheckControl(context);
   if (status.ok()) status = CheckNameLength("model_name", name);
   if (status.ok()) status = (manager_->*change)(name);
   if (status.ok()) {
-    spdlog::info("{}: model '{}' {}; peer={}", method, Printable(name), verb, context->peer());
+    spdlog::info("{}: model '{}' {}; peer={}", method, Printable(name), verb, context.peer());
   } else {
-    spdlog::warn("{} of '{}' refused: peer={}: {}", method, Printable(name), context->peer(),
+    spdlog::warn("{} of '{}' refused: peer={}: {}", method, Printable(name), context.peer(),
                  std::string(status.message()));
   }
-  return Reply(context, status);
+  return status;
 }
 
-grpc::ServerUnaryReactor* InferenceApi::RepositoryModelLoad(
-    grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
-    inference::RepositoryModelLoadResponse*) {
-  return ChangeRepository(context, "RepositoryModelLoad", request->model_name(), "loaded",
+grpc::ServerUnaryReactor* InferenceApi::RepositoryModelLoad(grpc::CallbackServerContext* context,
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* response) {
+  return AnswerAtOnce(context, request, response, this, &InferenceApi::AnswerRepositoryModelLoad);
+}
+
+absl::Status InferenceApi::AnswerRepositoryModelLoad(
+    const grpc::CallbackServerContext& context,
+    const inference::RepositoryModelLoadRequest& request,
+    inference::RepositoryModelLoadResponse*) const {
+  return ChangeRepository(context, "RepositoryModelLoad", request.model_name(), "loaded",
                           &RepositoryManager::LoadModel);
 }
 
-grpc::ServerUnaryReactor* InferenceApi::RepositoryModelUnload(
-    grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
-    inference::RepositoryModelUnloadResponse*) {
-  return ChangeRepository(context, "RepositoryModelUnload", request->model_name(), "unloaded",
+grpc::ServerUnaryReactor* InferenceApi::RepositoryModelUnload(grpc::CallbackServerContext* context,
+                                                              const grpc::ByteBuffer* request,
+                                                              grpc::ByteBuffer* response) {
+  return AnswerAtOnce(context, request, response, this, &InferenceApi::AnswerRepositoryModelUnload);
+}
+
+absl::Status InferenceApi::AnswerRepositoryModelUnload(
+    const grpc::CallbackServerContext& context,
+    const inference::RepositoryModelUnloadRequest& request,
+    inference::RepositoryModelUnloadResponse*) const {
+  return ChangeRepository(context, "RepositoryModelUnload", request.model_name(), "unloaded",
                           &RepositoryManager::UnloadModel);
 }
 
-// What ModelInfer's answer needs besides the messages gRPC owns: the decoded
-// request the engine reads.
+// What ModelInfer's answer needs besides its messages: the decoded request
+// the engine reads.
 struct InferState {
   DecodedInferRequest decoded;
   int64_t served_version = 0;
 };
+using InferReactor =
+    WireUnaryReactor<inference::ModelInferRequest, inference::ModelInferResponse, InferState>;
 
 grpc::ServerUnaryReactor* InferenceApi::ModelInfer(grpc::CallbackServerContext* context,
-                                                       const inference::ModelInferRequest* request,
-                                                       inference::ModelInferResponse* response) {
-  auto* reactor = new AdmittedUnaryReactor<InferState>(dispatcher_, context);
-  Infer(reactor->origin, *request, &reactor->state.decoded, &reactor->state.served_version,
-        /*credentials_checked=*/false,
-        [reactor, request, response](const absl::Status& status, const AttentionResult* result) {
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
+  auto* reactor = new InferReactor(dispatcher_, context, request, response);
+  Infer(reactor->origin, reactor->request, reactor->readable, &reactor->state.decoded,
+        &reactor->state.served_version, /*credentials_checked=*/false,
+        [reactor](const absl::Status& status, const AttentionResult* result) {
           if (status.ok()) {
-            EncodeInferResponse(*request, reactor->state.decoded, *result, response,
-                                reactor->state.served_version);
+            EncodeInferResponse(reactor->request, reactor->state.decoded, *result,
+                                &reactor->response, reactor->state.served_version);
           }
-          reactor->Finish(ToGrpcStatus(status));
+          reactor->Answer(status);
         });
   return reactor;
 }
 
 // One request of a ModelStreamInfer call and its answer.
 struct InferSlot {
+  grpc::ByteBuffer wire_request;
   inference::ModelInferRequest request;
   DecodedInferRequest decoded;
   inference::ModelStreamInferResponse response;
+  grpc::ByteBuffer wire_response;
   int64_t served_version = 0;
   bool answered = false;  // OrderedStream's
 };
@@ -283,8 +344,9 @@ class InferenceApi::StreamReactor final : public AdmittedStream<InferSlot> {
  private:
   void Submit(InferSlot& slot) override {
     // Credentials were checked once, when the stream opened.
-    service_->Infer(origin(), slot.request, &slot.decoded, &slot.served_version,
-                    /*credentials_checked=*/true,
+    absl::Status readable = ParseWire(&slot.wire_request, &slot.request);
+    service_->Infer(origin(), slot.request, std::move(readable), &slot.decoded,
+                    &slot.served_version, /*credentials_checked=*/true,
                     [this, &slot](const absl::Status& status, const AttentionResult* result) {
                       Answer(slot, status, result);
                     });
@@ -301,14 +363,15 @@ class InferenceApi::StreamReactor final : public AdmittedStream<InferSlot> {
       answer.set_model_name(slot.request.model_name());
       answer.set_id(slot.request.id());
     }
+    WriteWire(slot.response, &slot.wire_response);
     Answered(slot);
   }
 
   InferenceApi* const service_;
 };
 
-grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>*
-InferenceApi::ModelStreamInfer(grpc::CallbackServerContext* context) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* InferenceApi::ModelStreamInfer(
+    grpc::CallbackServerContext* context) {
   return new StreamReactor(this, context);
 }
 

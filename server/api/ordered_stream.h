@@ -26,12 +26,12 @@ namespace attention::server {
 // stream stops reading beyond, so one stream cannot hoard server memory.
 inline constexpr size_t kMaxStreamInFlight = 32;
 
-// `Slot` holds one request of the stream and its answer: members `request`
-// and `response` (the stream's message types) and `bool answered`, which
-// only this class touches.
+// `Slot` holds one request of the stream and its answer: members
+// `wire_request` and `wire_response` (grpc::ByteBuffer: the bytes read and
+// the bytes to write; wire_message.h) and `bool answered`, which only this
+// class touches.
 template <typename Slot>
-class OrderedStream
-    : public grpc::ServerBidiReactor<decltype(Slot::request), decltype(Slot::response)> {
+class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   void OnReadDone(bool ok) override {
     Slot* slot = nullptr;
@@ -69,8 +69,8 @@ class OrderedStream
   }
 
  protected:
-  // Starts computing `slot`'s request; once its response is filled in, the
-  // subclass calls Answered(slot).
+  // Starts computing `slot`'s request; once its `wire_response` is written,
+  // the subclass calls Answered(slot).
   virtual void Submit(Slot& slot) = 0;
 
   void Answered(Slot& slot) {
@@ -93,8 +93,8 @@ class OrderedStream
   // Starts whatever the state allows: the next write, the next read, or
   // Finish() once every answer is out.
   void Progress() {
-    const decltype(Slot::response)* write = nullptr;
-    decltype(Slot::request)* read = nullptr;
+    const grpc::ByteBuffer* write = nullptr;
+    grpc::ByteBuffer* read = nullptr;
     bool finish = false;
     {
       absl::MutexLock lock(&mu_);
@@ -103,13 +103,13 @@ class OrderedStream
         while (broken_ && !slots_.empty() && slots_.front()->answered) slots_.pop_front();
         if (!broken_ && !slots_.empty() && slots_.front()->answered) {
           writing_ = true;
-          write = &slots_.front()->response;
+          write = &slots_.front()->wire_response;
         }
       }
       if (!reading_ && !reads_done_ && !broken_ && slots_.size() < kMaxStreamInFlight) {
         reading_ = true;
         incoming_ = std::make_unique<Slot>();
-        read = &incoming_->request;
+        read = &incoming_->wire_request;
       }
       if (!reading_ && !writing_ && slots_.empty() && (reads_done_ || broken_)) {
         finished_ = true;

@@ -59,7 +59,7 @@ BatcherClock* RealBatcherClock();
 
 // How a Batcher batches. The defaults are attention-server's documented
 // defaults (--max-batch-size, --max-queue-delay-us, --queue-capacity; see
-// docs/api.md) and are defined here only: ServerConfig and ServiceOptions
+// docs/api.md) and are defined here only: ServerConfig and DispatchOptions
 // hold this struct.
 struct BatcherOptions {
   // Most tasks merged into one batch; 1 disables batching. Must be >= 1.

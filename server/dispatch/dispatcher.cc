@@ -136,6 +136,7 @@ std::unique_ptr<Dispatcher::Task> Dispatcher::NewTask(const CallOrigin& origin, 
   task->model_name = request.model;
   task->request_id = request.request_id;
   task->version = std::move(request.version);
+  task->readable = std::move(request.readable);
   task->served_version = request.served_version;
   task->message_bytes = request.message_bytes;
   task->deadline_at = origin.deadline();
@@ -162,6 +163,7 @@ absl::Status Dispatcher::Admit(Task& task, Decode decode) {
   if (!accepting_.load()) {
     return absl::UnavailableError("the server is shutting down and takes no new requests");
   }
+  if (!task.readable.ok()) return task.readable;
   for (const auto& [field, value] :
        {std::pair<std::string_view, std::string_view>{"model", task.model_name},
         {"request_id", task.request_id}}) {

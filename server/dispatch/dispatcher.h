@@ -68,6 +68,9 @@ class Dispatcher {
     // Whether the call's credentials were already checked (a stream's, when
     // it opened).
     bool credentials_checked = false;
+    // Why the API could not read the message at all (its bytes do not
+    // parse); answered before anything else about the request is checked.
+    absl::Status readable;
   };
   // The request's engine form, viewing storage the API keeps until `done`
   // runs, or why the API's own decoding refused it. Called at most once,
@@ -84,8 +87,7 @@ class Dispatcher {
   // `registry`, `engine` and `metrics` are not owned and must outlive the
   // dispatcher. INVALID_ARGUMENT for out-of-range batching options.
   static absl::StatusOr<std::unique_ptr<Dispatcher>> Create(const ModelRegistry* registry,
-                                                            Engine* engine,
-                                                            ServerMetrics* metrics,
+                                                            Engine* engine, ServerMetrics* metrics,
                                                             DispatchOptions options);
   ~Dispatcher();
 
@@ -102,8 +104,7 @@ class Dispatcher {
   // A stream's opening: its credentials, then OpenCall(). A refused stream is
   // counted (attention_streams_refused_total, by `api`), and a credentials
   // refusal logged under `method`.
-  absl::Status OpenStream(const CallOrigin& origin, std::string_view api,
-                          std::string_view method);
+  absl::Status OpenStream(const CallOrigin& origin, std::string_view api, std::string_view method);
 
   // The credentials every call is checked against; ReplaceTokens() reloads.
   AccessPolicy& access() { return access_; }
@@ -166,8 +167,7 @@ class Dispatcher {
   // its thread asleep): a request may hold its pointer between lookup and
   // Schedule(), and names are bounded by the repository's files.
   absl::Mutex queues_mu_;
-  absl::flat_hash_map<std::string, std::unique_ptr<ModelQueue>> queues_
-      ABSL_GUARDED_BY(queues_mu_);
+  absl::flat_hash_map<std::string, std::unique_ptr<ModelQueue>> queues_ ABSL_GUARDED_BY(queues_mu_);
 };
 
 }  // namespace attention::server

@@ -96,17 +96,18 @@ void Dispatcher::Record(const Task& task, const absl::Status& status) {
   }
   int64_t suppressed = 0;
   if (!status.ok() && refusal_log_.Admit(&suppressed)) {
-    spdlog::warn("request failed: api={} model='{}' request_id='{}' peer={} code={} after {} us: {}{}",
-                 task.api, Printable(task.model_name), Printable(task.request_id),
-                 task.origin->peer(), absl::StatusCodeToString(status.code()), Micros(total),
-                 std::string(status.message()),
-                 RefusalLogLimiter::SuppressedNote(suppressed, "failed requests"));
+    spdlog::warn(
+        "request failed: api={} model='{}' request_id='{}' peer={} code={} after {} us: {}{}",
+        task.api, Printable(task.model_name), Printable(task.request_id), task.origin->peer(),
+        absl::StatusCodeToString(status.code()), Micros(total), std::string(status.message()),
+        RefusalLogLimiter::SuppressedNote(suppressed, "failed requests"));
   } else if (status.ok() && spdlog::should_log(spdlog::level::debug)) {
-    spdlog::debug("request done: api={} model='{}' request_id='{}' peer={} batch_wait={} us "
-                  "compute={} us total={} us",
-                  task.api, model, Printable(task.request_id), task.origin->peer(),
-                  task.queued ? Micros(*task.queued) : 0,
-                  task.computed ? Micros(*task.computed) : 0, Micros(total));
+    spdlog::debug(
+        "request done: api={} model='{}' request_id='{}' peer={} batch_wait={} us "
+        "compute={} us total={} us",
+        task.api, model, Printable(task.request_id), task.origin->peer(),
+        task.queued ? Micros(*task.queued) : 0, task.computed ? Micros(*task.computed) : 0,
+        Micros(total));
   }
 }
 

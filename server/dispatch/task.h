@@ -45,19 +45,20 @@ struct Dispatcher::Task {
   // kDeadlineSkew of the server's, the client's cancel otherwise.
   absl::Status WhyCancelled(const char* stage) const {
     if (deadline_at - absl::Now() <= kDeadlineSkew) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "the deadline passed while the request was ", stage,
-          " (the client's deadline, just ahead of the server's)"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("the deadline passed while the request was ", stage,
+                       " (the client's deadline, just ahead of the server's)"));
     }
     return absl::CancelledError(
         absl::StrCat("the call was cancelled while its request was ", stage));
   }
 
-  const CallOrigin* origin = nullptr;              // the API's; alive until done runs
-  std::string_view api;                            // these three: owned by the caller
-  std::string_view model_name;                     // of Submit, alive until done runs
+  const CallOrigin* origin = nullptr;  // the API's; alive until done runs
+  std::string_view api;                // these three: owned by the caller
+  std::string_view model_name;         // of Submit, alive until done runs
   std::string_view request_id;
   absl::StatusOr<std::optional<int64_t>> version;  // asked for; nullopt: newest
+  absl::Status readable;                           // see Request
   AttentionRequest request;                        // views the caller's storage
   ValidatedRequest validated;                      // points at `request`
   ModelQueue* queue = nullptr;                     // null: names no served model

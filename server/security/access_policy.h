@@ -24,8 +24,7 @@ class AccessPolicy {
  public:
   // Empty lists accept any client certificate the CA signed, and any call
   // with or without a token.
-  AccessPolicy(std::vector<std::string> allowed_client_identities,
-               std::vector<std::string> tokens);
+  AccessPolicy(std::vector<std::string> allowed_client_identities, std::vector<std::string> tokens);
 
   // The credentials check of a gRPC call: CheckClientIdentity(), then
   // CheckBearerToken() against the tokens accepted now (auth.h).

@@ -1,4 +1,4 @@
-// server_proto_adapter_test.cc: the wire <-> engine mapping, without a server.
+// attention_adapter_test.cc: the wire <-> engine mapping, without a server.
 #include "server/api/attention_adapter.h"
 
 #include <gtest/gtest.h>

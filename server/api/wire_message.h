@@ -1,0 +1,69 @@
+// wire_message.h: requests and answers as the bytes gRPC carries, parsed and
+// written by the APIs themselves.
+//
+// Every method of both gRPC services is registered raw (its messages are
+// grpc::ByteBuffers) so that a request whose bytes do not parse is answered
+// INVALID_ARGUMENT naming the message type expected, in a stream in place of
+// that request's answer, where gRPC's own parsing would answer UNIMPLEMENTED
+// with no message, as if the method did not exist. Parsing and writing are
+// gRPC's own (its zero-copy reader over the received slices, its writer), so
+// no copy is added.
+#pragma once
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
+#include "server/api/attention_adapter.h"
+
+namespace attention::server {
+
+// Parses `wire` into `message` and empties `wire`, so the received bytes are
+// freed as soon as they are parsed. On failure `message` is left empty and
+// the error is INVALID_ARGUMENT naming the message type.
+template <typename Message>
+absl::Status ParseWire(grpc::ByteBuffer* wire, Message* message) {
+  const grpc::Status parsed = grpc::SerializationTraits<Message>::Deserialize(wire, message);
+  if (parsed.ok()) return absl::OkStatus();
+  message->Clear();
+  return absl::InvalidArgumentError(absl::StrCat("the request's bytes are not a valid ",
+                                                 Message::descriptor()->full_name(),
+                                                 " message (protobuf wire format)"));
+}
+
+// A unary handler's request: gRPC owns it for the call and hands it out as
+// const, but nothing reads it after it is parsed, and parsing empties it.
+template <typename Message>
+absl::Status ParseWire(const grpc::ByteBuffer* wire, Message* message) {
+  return ParseWire(const_cast<grpc::ByteBuffer*>(wire), message);
+}
+
+// Writes `message` into `wire`.
+template <typename Message>
+void WriteWire(const Message& message, grpc::ByteBuffer* wire) {
+  bool own_buffer = false;
+  grpc::SerializationTraits<Message>::Serialize(message, wire, &own_buffer);
+}
+
+// A unary call answered inside its handler: parses the request, runs
+// (api->*handle)(context, request, &response), which gives the call's status,
+// and finishes with the response when that is OK.
+template <typename Api, typename Request, typename Response>
+grpc::ServerUnaryReactor* AnswerAtOnce(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire_request,
+    grpc::ByteBuffer* wire_response, const Api* api,
+    absl::Status (Api::*handle)(const grpc::CallbackServerContext&, const Request&, Response*)
+        const) {
+  Request request;
+  Response response;
+  absl::Status status = ParseWire(wire_request, &request);
+  if (status.ok()) status = (api->*handle)(*context, request, &response);
+  if (status.ok()) WriteWire(response, wire_response);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+}  // namespace attention::server
