@@ -20,12 +20,15 @@ CLI::Option* Flag(CLI::App& app, const std::string& name, T* value, const std::s
   return app.add_option(name, *value, help)->envname(EnvName(name))->capture_default_str();
 }
 
-}  // namespace
-
-void AddServerFlags(CLI::App& app, ServerConfig* c) {
+// Where the server listens.
+void AddListeningFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--address", &c->address, "gRPC listening address HOST:PORT (port 0: any free port)");
   Flag(app, "--metrics-address", &c->metrics_address,
        "Prometheus listening address HOST:PORT, path /metrics (empty: no metrics endpoint)");
+}
+
+// Which models are served, and how the repository is watched.
+void AddModelFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--model-repository", &c->model_repository,
        "Directory whose *.safetensors files are served as models (built-ins are always served)");
   app.add_flag("--strict", c->strict, "Exit when a model file fails to load instead of skipping it")
@@ -46,6 +49,10 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
        "'explicit': the Open Inference Protocol's RepositoryModelLoad/RepositoryModelUnload "
        "load and unload models (authenticated like every call); 'none': they are refused")
       ->check(CLI::IsMember({"none", "explicit"}));
+}
+
+// Batching, per model.
+void AddBatchingFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--max-batch-size", &c->batching.max_batch_size,
        "Most requests of one model merged into one execution (1: no batching)")
       ->check(CLI::Range(1, 1 << 16));
@@ -55,6 +62,10 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--queue-capacity", &c->batching.queue_capacity,
        "Most requests waiting per model; beyond it requests get RESOURCE_EXHAUSTED")
       ->check(CLI::Range(1, 1 << 24));
+}
+
+// What one request, and all held requests together, may be.
+void AddLimitFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--max-message-bytes", &c->max_message_bytes, "Largest request message, in bytes")
       ->check(CLI::Range(1, INT_MAX));
   Flag(app, "--max-request-elements", &c->limits.max_request_elements,
@@ -72,11 +83,19 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
        "Most bytes of request messages held at once (admitted, not yet answered), all models "
        "together; beyond it RESOURCE_EXHAUSTED (0: no cap)")
       ->check(CLI::Range(int64_t{0}, INT64_MAX));
+}
+
+// The engine's threads and kernel path.
+void AddEngineFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--threads", &c->threads, "Engine worker threads (0: one per hardware thread)")
       ->check(CLI::Range(0, 4096));
   Flag(app, "--isa", &c->isa,
        "Kernel path: avx512, avx2 or portable, to force a lower one than the CPU's best "
        "(empty: the best the CPU runs); a path the CPU lacks stops the server");
+}
+
+// SIGTERM and SIGINT.
+void AddShutdownFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--drain-delay-seconds", &c->drain_delay_seconds,
        "After SIGTERM/SIGINT, time health says NOT_SERVING and new calls get UNAVAILABLE "
        "before the server finishes accepted calls and stops")
@@ -84,16 +103,28 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--shutdown-grace-seconds", &c->shutdown_grace_seconds,
        "After the drain delay, time given to accepted requests before remaining calls are cancelled")
       ->check(CLI::Range(0.0, 86400.0));
+}
+
+// What one client connection may do.
+void AddConnectionFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--max-concurrent-streams", &c->max_concurrent_streams,
        "Calls one client connection may have open at once; more wait in the client")
       ->check(CLI::Range(1, INT_MAX));
   Flag(app, "--max-connection-age-seconds", &c->max_connection_age_seconds,
        "Close client connections gracefully after this age so clients rebalance (0: never)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
+}
+
+// Log lines.
+void AddLoggingFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--log-level", &c->log_level, "Log level")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
   Flag(app, "--log-format", &c->log_format, "Log line format")
       ->check(CLI::IsMember({"text", "json"}));
+}
+
+// TLS, client identities, tokens and what anonymous callers see.
+void AddSecurityFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--tls-cert", &c->tls_cert,
        "PEM server certificate chain; with --tls-key enables TLS (empty: plaintext)");
   Flag(app, "--tls-key", &c->tls_key, "PEM private key of --tls-cert");
@@ -107,12 +138,32 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
        "'authorization: Bearer <token>' (health checks stay open)");
   Flag(app, "--reflection", &c->reflection,
        "Offer gRPC server reflection (true/false); it stays open without a token");
+}
+
+// For scripts and tests.
+void AddTestingFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--port-file", &c->port_file,
        "Once serving, write the bound addresses here ('grpc HOST:PORT', 'metrics HOST:PORT')");
   // The empty group keeps this tests-only flag out of --help.
   Flag(app, "--test-gate-fifo", &c->test_gate_fifo,
        "For tests: FIFO whose bytes release the batches of the model 'gate'")
       ->group("");
+}
+
+}  // namespace
+
+// In the order --help lists them.
+void AddServerFlags(CLI::App& app, ServerConfig* c) {
+  AddListeningFlags(app, c);
+  AddModelFlags(app, c);
+  AddBatchingFlags(app, c);
+  AddLimitFlags(app, c);
+  AddEngineFlags(app, c);
+  AddShutdownFlags(app, c);
+  AddConnectionFlags(app, c);
+  AddLoggingFlags(app, c);
+  AddSecurityFlags(app, c);
+  AddTestingFlags(app, c);
 }
 
 }  // namespace attention::server
