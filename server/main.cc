@@ -3,7 +3,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/synchronization/mutex.h"
-#include "server/operations/run_server.h"
+#include "server/run_server.h"
 #include "server/config/server_config.h"
 #include "server/config/server_flags.h"
 

@@ -6,7 +6,7 @@
 
 #include "server/api/attention_adapter.h"
 #include "server/api/grpc_call.h"
-#include "server/repository/views.h"
+#include "server/api/repository_views.h"
 #include "spdlog/spdlog.h"
 
 namespace attention::server {

@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/float16.h"
-#include "server/dispatch/request_names.h"
+#include "server/observability/request_names.h"
 
 namespace attention::server {
 namespace {

@@ -11,8 +11,8 @@
 #include "server/api/attention_adapter.h"
 #include "server/api/grpc_call.h"
 #include "server/api/inference_adapter.h"
-#include "server/dispatch/request_names.h"
-#include "server/repository/views.h"
+#include "server/observability/request_names.h"
+#include "server/api/repository_views.h"
 #include "spdlog/spdlog.h"
 
 namespace attention::server {

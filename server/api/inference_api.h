@@ -24,7 +24,7 @@
 #include "server/api/inference_adapter.h"
 #include "server/dispatch/call_origin.h"
 #include "server/dispatch/dispatcher.h"
-#include "server/operations/metrics.h"
+#include "server/observability/metrics.h"
 #include "server/repository/manager.h"
 #include "server/repository/registry.h"
 

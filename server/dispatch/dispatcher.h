@@ -39,8 +39,8 @@
 #include "server/dispatch/batcher.h"
 #include "server/dispatch/call_origin.h"
 #include "server/dispatch/dispatch_options.h"
-#include "server/operations/metrics.h"
-#include "server/operations/refusal_log.h"
+#include "server/observability/metrics.h"
+#include "server/observability/refusal_log.h"
 #include "server/repository/registry.h"
 #include "server/security/access_policy.h"
 

@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/dispatch/dispatcher.h"
-#include "server/dispatch/request_names.h"
+#include "server/observability/request_names.h"
 #include "server/dispatch/task.h"
 #include "spdlog/spdlog.h"
 

@@ -18,7 +18,7 @@
 #include "server/dispatch/call_origin.h"
 #include "server/dispatch/dispatcher.h"
 #include "server/dispatch/test_gate.h"
-#include "server/operations/metrics.h"
+#include "server/observability/metrics.h"
 #include "server/repository/registry.h"
 
 namespace attention::server {

@@ -31,7 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "server/operations/metrics.h"
+#include "server/observability/metrics.h"
 #include "server/repository/registry.h"
 #include "server/repository/scan.h"
 

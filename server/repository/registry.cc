@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "server/dispatch/request_names.h"
+#include "server/observability/request_names.h"
 
 namespace attention::server {
 
@@ -106,7 +106,7 @@ void ModelRegistry::SetVersion(std::string_view name, ModelVersion version) {
   auto index = std::make_shared<Index>(*index_);
   auto it = index->find(name);
   if (it == index->end()) {
-    it = index->emplace(std::string(name), ModelEntry{.name = std::string(name)}).first;
+    it = index->emplace(std::string(name), ModelEntry{.name = std::string(name), .built_in = false, .versions = {}}).first;
   }
   std::vector<ModelVersion>& versions = it->second.versions;
   auto at = std::lower_bound(versions.begin(), versions.end(), version.version,

@@ -8,8 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "server/config/flag_file.h"
-#include "server/dispatch/request_names.h"
+#include "server/security/flag_file.h"
+#include "server/observability/request_names.h"
 
 namespace attention::server {
 namespace {

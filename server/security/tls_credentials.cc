@@ -11,7 +11,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/security/tls_certificate_provider.h"
 #include "grpcpp/security/tls_credentials_options.h"
-#include "server/config/flag_file.h"
+#include "server/security/flag_file.h"
 
 namespace attention::server {
 namespace {
@@ -70,13 +70,12 @@ class PlaintextCredentials final : public grpc::ServerCredentials {
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsCredentials(
-    const ServerConfig& config) {
-  if (config.tls_cert.empty() != config.tls_key.empty()) {
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsCredentials(const TlsFiles& files) {
+  if (files.cert.empty() != files.key.empty()) {
     return absl::InvalidArgumentError("--tls-cert and --tls-key must be given together");
   }
-  if (config.tls_cert.empty()) {
-    if (!config.tls_client_ca.empty()) {
+  if (files.cert.empty()) {
+    if (!files.client_ca.empty()) {
       return absl::InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
     }
     return std::make_shared<PlaintextCredentials>();
@@ -84,19 +83,19 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsCredentials(
   // Read once here so that a missing or unreadable file stops the start-up
   // with the flag's name; from then on gRPC's file watcher rereads them.
   for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--tls-key",
-                                                                              config.tls_key},
-                                   {"--tls-cert", config.tls_cert},
-                                   {"--tls-client-ca", config.tls_client_ca}}) {
+                                                                              files.key},
+                                   {"--tls-cert", files.cert},
+                                   {"--tls-client-ca", files.client_ca}}) {
     if (path.empty()) continue;
     if (absl::StatusOr<std::string> text = ReadFlagFile(flag, path); !text.ok()) {
       return text.status();
     }
   }
   auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-      config.tls_key, config.tls_cert, config.tls_client_ca, kCertificateRefreshSeconds);
+      files.key, files.cert, files.client_ca, kCertificateRefreshSeconds);
   grpc::experimental::TlsServerCredentialsOptions options(provider);
   options.watch_identity_key_cert_pairs();
-  if (config.tls_client_ca.empty()) {
+  if (files.client_ca.empty()) {
     options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
   } else {
     options.watch_root_certs();

@@ -11,18 +11,25 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "grpcpp/grpcpp.h"
-#include "server/config/server_config.h"
 
 namespace attention::server {
 
 inline constexpr unsigned int kCertificateRefreshSeconds = 1;
 
+// The PEM files of --tls-cert, --tls-key and --tls-client-ca; empty: not
+// given.
+struct TlsFiles {
+  std::string cert;
+  std::string key;
+  std::string client_ca;
+};
+
 // INVALID_ARGUMENT for an incomplete combination of the TLS flags, NOT_FOUND
 // naming the flag of a file that cannot be read.
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsCredentials(
-    const ServerConfig& config);
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsCredentials(const TlsFiles& files);
 
 }  // namespace attention::server

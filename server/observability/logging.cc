@@ -1,5 +1,5 @@
 // logging.cc: the text and JSON log formats.
-#include "server/operations/logging.h"
+#include "server/observability/logging.h"
 
 #include <memory>
 #include <string>

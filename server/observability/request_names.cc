@@ -1,5 +1,5 @@
 // request_names.cc: caps and escaping (request_names.h).
-#include "server/dispatch/request_names.h"
+#include "server/observability/request_names.h"
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"

@@ -1,5 +1,5 @@
 // refusal_log.cc: the refusal log limiter (refusal_log.h).
-#include "server/operations/refusal_log.h"
+#include "server/observability/refusal_log.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"

@@ -1,5 +1,5 @@
 // metrics.cc: metric families and their per-model series.
-#include "server/operations/metrics.h"
+#include "server/observability/metrics.h"
 
 #include <string>
 

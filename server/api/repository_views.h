@@ -1,4 +1,4 @@
-// views.h: the registry as the APIs describe it: attention.v1's
+// repository_views.h: the registry as the APIs describe it: attention.v1's
 // ListModels and the Open Inference Protocol's RepositoryIndex
 // (docs/api.md, sections 1 and 9.1).
 #pragma once

@@ -1,5 +1,5 @@
 // flag_file.cc: reading a whole file that a command-line flag names.
-#include "server/config/flag_file.h"
+#include "server/security/flag_file.h"
 
 #include <fstream>
 #include <sstream>

@@ -1,5 +1,5 @@
-// views.cc: ListModels and RepositoryIndex from a registry snapshot.
-#include "server/repository/views.h"
+// repository_views.cc: ListModels and RepositoryIndex from a registry snapshot.
+#include "server/api/repository_views.h"
 
 #include <algorithm>
 #include <map>

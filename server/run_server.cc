@@ -1,5 +1,5 @@
 // run_server.cc: attention-server's life from start-up to exit.
-#include "server/operations/run_server.h"
+#include "server/run_server.h"
 
 #include <semaphore.h>
 #include <signal.h>
@@ -34,11 +34,11 @@
 #include "server/api/attention_api.h"
 #include "server/api/inference_api.h"
 #include "server/dispatch/dispatcher.h"
-#include "server/dispatch/request_names.h"
+#include "server/observability/request_names.h"
 #include "server/dispatch/test_gate.h"
-#include "server/operations/logging.h"
-#include "server/operations/metrics.h"
-#include "server/operations/refusal_log.h"
+#include "server/observability/logging.h"
+#include "server/observability/metrics.h"
+#include "server/observability/refusal_log.h"
 #include "server/repository/manager.h"
 #include "server/repository/poller.h"
 #include "server/repository/registry.h"
@@ -413,7 +413,8 @@ absl::Status Start(const ServerConfig& config, RunningServer& s) {
   absl::StatusOr<DispatchOptions> options = ReadDispatchOptions(config);
   if (!options.ok()) return options.status();
   s.dispatch_options = *std::move(options);
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = TlsCredentials(config);
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = TlsCredentials(
+      TlsFiles{.cert = config.tls_cert, .key = config.tls_key, .client_ca = config.tls_client_ca});
   if (!credentials.ok()) return credentials.status();
   s.credentials = *std::move(credentials);
   if (absl::Status loaded = LoadModels(config, s); !loaded.ok()) return loaded;
