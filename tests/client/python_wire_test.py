@@ -203,6 +203,9 @@ class ResponseDecodingTest(unittest.TestCase):
         negative = pb2.AttendResponse(output=pb2.Tensor(shape=[-1, 2], data=[1.0, 2.0]))
         self.assert_malformed(negative.SerializeToString(),
                               r"AttendResponse\.output: shape \[-1, 2\] has a negative size")
+        # A small field's own bytes broken: the generated class's error, named.
+        self.assert_malformed(field(5, wire.LEN, field(2, wire.LEN, b"\xff\xfe")),
+                              r"not a valid AttendResponse: .*")
         self.assert_malformed(pb2.AttendResponse(request_id="x").SerializeToString(),
                               r"AttendResponse\.output: absent, in an answer without error")
 

@@ -11,6 +11,7 @@ from typing import NamedTuple, Optional
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from . import wire
 
@@ -45,7 +46,7 @@ def _float32(array, name):
 def to_tensor(array, name="tensor"):
     """A numpy array (any real dtype) as a float32 attention.v1.Tensor."""
     parts = wire.tensor_parts(1, _float32(array, name))
-    return pb2.Tensor.FromString(b"".join(parts[2:]))
+    return pb2.Tensor.FromString(b"".join(parts[2:]))  # the field's body: the Tensor itself
 
 
 def from_tensor(tensor):
@@ -105,7 +106,7 @@ def _answer(data):
             wire.tensor_array(view, tensors[_OUTPUT], "AttendResponse.output"),
             wire.tensor_array(view, weights, "AttendResponse.attention_weights")
             if weights else None)
-    except wire.WireError as error:
+    except (wire.WireError, DecodeError) as error:
         raise AttendError(grpc.StatusCode.INTERNAL,
                           f"the server's answer is not a valid AttendResponse: {error}") from None
 
