@@ -21,6 +21,7 @@ build_packages=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   openssl curl
   python3 python3-numpy python3-grpcio python3-grpc-tools python3-matplotlib python3-protobuf
+  python3-setuptools python3-wheel python3-venv
   grpc-proto
   prometheus python3-yaml
 )

@@ -12,15 +12,25 @@
 //   client.close();
 //
 // Messages are plain objects with the .proto field names (snake_case, as in
-// proto JSON): { model, queries: { shape, data }, valid_lens, ... }. A failed
-// call rejects with a grpc-js error whose .code is the gRPC status code.
+// proto JSON): { model, queries: { shape, data }, valid_lens, ... }. A
+// tensor's data goes out from a Float32Array's memory as it is (an Array of
+// numbers is converted once), and answers' data are Float32Arrays; the wire
+// is exactly what any protobuf encoder writes (wire.js). A failed call
+// rejects with a grpc-js error whose .code is the gRPC status code.
 'use strict';
 
 const path = require('path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
+const wire = require('./wire');
 
-const PROTO_ROOT = path.join(__dirname, '..', '..', 'proto');
+// The proto ships in the package: `npm ci` and `npm pack` copy it there
+// (scripts/prepare.js), so nothing outside the package is read.
+const PROTO_ROOT = path.join(__dirname, 'proto');
+const SERVICE = 'attention.v1.AttentionService';
+// AttendRequest's tensor fields, and AttendResponse's.
+const REQUEST_TENSORS = [['queries', 2], ['keys', 3], ['values', 4]];
+const RESPONSE_TENSORS = [['output', 1], ['attention_weights', 2]];
 // Most requests of an AttendStream call sent and not yet answered. grpc-js
 // reports a write done once its retry buffer holds it (up to 64 MiB here),
 // not when it leaves, so 'drain' alone would let a long or endless iterable
@@ -28,14 +38,57 @@ const PROTO_ROOT = path.join(__dirname, '..', '..', 'proto');
 // the answers the server keeps unwritten (32) keeps it busy.
 const STREAM_WINDOW = 64;
 
-function loadPackage() {
+// An AttendRequest object as bytes: the small fields through protobufjs,
+// then the tensors from their memory (protobuf lets fields come in any order).
+function requestSerializer(serialize) {
+  return (request) => {
+    const small = { ...request };
+    const parts = [];
+    for (const [name, number] of REQUEST_TENSORS) {
+      delete small[name];
+      if (request[name] !== undefined && request[name] !== null) {
+        parts.push(...wire.tensorParts(number, request[name], name));
+      }
+    }
+    return Buffer.concat([serialize(small), ...parts]);
+  };
+}
+
+// AttendResponse bytes as an object: the tensors as { shape, data:
+// Float32Array }, every other field through protobufjs. What it throws
+// fails the call with INTERNAL and this message (grpc-js).
+function responseDeserializer(deserialize) {
+  return (bytes) => {
+    const numbers = RESPONSE_TENSORS.map(([, number]) => number);
+    const [tensors, rest] = wire.splitMessage(bytes, numbers, 'AttendResponse');
+    const response = deserialize(rest);
+    for (const [name, number] of RESPONSE_TENSORS) {
+      if (tensors[number].length > 0) {
+        response[name] = wire.decodeTensor(bytes, tensors[number], `AttendResponse.${name}`);
+      }
+    }
+    return response;
+  };
+}
+
+// The service's client class, with Attend and AttendStream carrying the
+// bytes above.
+function loadService() {
   const definition = protoLoader.loadSync('attention/v1/attention.proto', {
     includeDirs: [PROTO_ROOT],
     keepCase: true, // the .proto names, as in proto JSON and the conformance cases
     longs: Number, // shapes are int64; any real shape fits a JS number
     defaults: false,
   });
-  return grpc.loadPackageDefinition(definition).attention.v1;
+  const methods = { ...definition[SERVICE] };
+  for (const name of ['Attend', 'AttendStream']) {
+    methods[name] = {
+      ...methods[name],
+      requestSerialize: requestSerializer(methods[name].requestSerialize),
+      responseDeserialize: responseDeserializer(methods[name].responseDeserialize),
+    };
+  }
+  return grpc.makeGenericClientConstructor(methods, SERVICE);
 }
 
 // round_robin over every address; retries with backoff on UNAVAILABLE only,
@@ -103,7 +156,7 @@ class AttentionClient {
     const credentials = tls || rootCerts || certChain
       ? grpc.credentials.createSsl(rootCerts, privateKey, certChain)
       : grpc.credentials.createInsecure();
-    const { AttentionService } = loadPackage();
+    const AttentionService = loadService();
     this.stub = new AttentionService(channelTarget(target), credentials, {
       'grpc.service_config': serviceConfig(maxAttempts),
       'grpc.max_receive_message_length': -1,
@@ -133,7 +186,8 @@ class AttentionClient {
     return response.models || [];
   }
 
-  // Resolves to the AttendResponse: { output: { shape, data }, attention_weights?, ... }.
+  // Resolves to the AttendResponse: { output: { shape, data }, attention_weights?, ... },
+  // each data a Float32Array of its own.
   attend(request) {
     return this.call('Attend', request);
   }

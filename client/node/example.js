@@ -31,9 +31,9 @@ function toyRequest() {
   const range = (n, f) => Array.from({ length: n }, (_, i) => f(i));
   return {
     model: 'dot_product',
-    queries: { shape: [2, 1, 2], data: [0.5, -1.0, 1.5, 0.25] },
-    keys: { shape: [2, 10, 2], data: range(40, (i) => Math.sin(i)) },
-    values: { shape: [2, 10, 4], data: range(80, (i) => i / 10) },
+    queries: { shape: [2, 1, 2], data: Float32Array.of(0.5, -1.0, 1.5, 0.25) },
+    keys: { shape: [2, 10, 2], data: Float32Array.from(range(40, (i) => Math.sin(i))) },
+    values: { shape: [2, 10, 4], data: Float32Array.from(range(80, (i) => i / 10)) },
     valid_lens: [2, 6],
     return_attention_weights: true,
   };
@@ -47,7 +47,9 @@ async function main() {
     const models = await client.listModels();
     console.log(`models: ${models.map((m) => `${m.name} (${m.kind})`).join(', ')}`);
     const response = await client.attend(request);
-    console.log(JSON.stringify(response));
+    // Float32Array data as JSON arrays, as proto JSON writes `data`.
+    console.log(JSON.stringify(response, (key, value) => (
+      value instanceof Float32Array ? Array.from(value) : value)));
   } finally {
     client.close();
   }

@@ -4,7 +4,8 @@
 # example.js lists the models and answers a conformance case correctly, that
 # the module reports a server error with its gRPC code, and runs
 # node_stream_test.js (attendStream) against the same server, and
-# node_secure_test.js (token and TLS options) against TLS servers.
+# node_secure_test.js (token and TLS options) against TLS servers, and
+# node_wire_test.js (the module's own protobuf encoding, no server).
 # Exits 77 (a skip, for ctest) only when node or npm is missing.
 #
 #   tests/client/node_test.sh SERVER_BINARY
@@ -12,26 +13,9 @@ set -euo pipefail
 
 SERVER_BIN=$1
 SOURCE_DIR=$(cd "$(dirname "$0")/../.." && pwd)
-NODE_DIR=$SOURCE_DIR/client/node
-
-for tool in node npm; do
-  if ! command -v "$tool" >/dev/null; then
-    echo "SKIP client_node_test: '$tool' is not installed (Debian: nodejs npm)"
-    exit 77
-  fi
-done
+TEST_NAME=client_node_test
+source "$SOURCE_DIR/tests/support/node.sh"
 source "$SOURCE_DIR/tests/support/server.sh"
-
-# npm ci reinstalls exactly the lockfile; skipped when node_modules was
-# installed from this very lockfile (a copy is kept there as a stamp).
-stamp=$NODE_DIR/node_modules/.attention-installed-lock.json
-if ! cmp -s "$NODE_DIR/package-lock.json" "$stamp" 2>/dev/null; then
-  if ! (cd "$NODE_DIR" && npm ci --no-audit --no-fund --loglevel=error); then
-    echo "FAIL npm ci in client/node"
-    exit 1
-  fi
-  cp "$NODE_DIR/package-lock.json" "$stamp"
-fi
 
 start_server "$SERVER_BIN" --model-repository "$SOURCE_DIR/tests/conformance/models"
 passed=0
@@ -114,6 +98,13 @@ if node "$SOURCE_DIR/tests/client/node_stream_test.js" "$SERVER_ADDRESS" >"$out"
 else
   cat "$out"
   fail "node_stream_test.js"
+fi
+
+if node "$SOURCE_DIR/tests/client/node_wire_test.js" >"$out" 2>&1; then
+  pass "node_wire_test.js"
+else
+  cat "$out"
+  fail "node_wire_test.js"
 fi
 
 echo "client_node_test: $passed passed, $failed failed"

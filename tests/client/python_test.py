@@ -1,12 +1,16 @@
-"""python_test: the Python client (client/python) against a real
-attention-server: conformance cases through the numpy-in, numpy-out call,
-errors as grpc.RpcError with the server's code, attend_stream (answers in
-order, equal to attend's, a refused request's error in place), and the
+"""python_test: the Python client (the attention-client package) against a
+real attention-server: conformance cases through the numpy-in, numpy-out
+call, errors as grpc.RpcError with the server's code, attend_stream (answers
+in order, equal to attend's, a refused request's error in place), and the
 heatmap example writing a valid PNG. Against a scripted service in this
 process (the real server cannot fail a stream on demand): a stream is never
 retried, odd error codes, answer counts that do not match the requests.
 
-    ATTENTION_SERVER_BIN=build/server/attention-server /usr/bin/python3 tests/client/python_test.py
+Run with the Python of a virtual environment the package is installed in
+(tests/client/python_install.sh):
+
+    ATTENTION_SERVER_BIN=build/server/attention-server \
+        build/tests/python-client-venv/bin/python tests/client/python_test.py
 """
 
 import json
@@ -23,13 +27,12 @@ import unittest
 import urllib.request
 from concurrent import futures
 
+import attention_client
 import grpc
 import numpy as np
 
 SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFORMANCE = os.path.join(SOURCE_DIR, "tests", "conformance")
-sys.path.insert(0, os.path.join(SOURCE_DIR, "client", "python"))
-import attention_client  # noqa: E402
 
 
 class Server:
@@ -168,7 +171,8 @@ class PythonClientTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as out:
             png = os.path.join(out, "heatmaps.png")
             run = subprocess.run(
-                [sys.executable, os.path.join(SOURCE_DIR, "client", "python", "heatmap_example.py"),
+                [sys.executable,
+                 os.path.join(SOURCE_DIR, "client", "python", "examples", "heatmap_example.py"),
                  "--target", self.server.address, "--output", png, "--dpi", "80"],
                 capture_output=True, text=True, timeout=120)
             self.assertEqual(run.returncode, 0, run.stderr)

@@ -9,8 +9,12 @@ back over one shared channel, through the drain and past the exit
 (docs/api.md, "Shutdown"). SIGTERM comes after a random number of answers,
 so that it lands at varying points of a batch.
 
+The stubs are the plain generated ones that the attention-client package
+carries (pb2, pb2_grpc), so it runs with the Python of a virtual environment
+that package is installed in (tests/client/python_install.sh):
+
     ATTENTION_SERVER_BIN=build/server/attention-server \
-        /usr/bin/python3 tests/reliability/drain_python_test.py
+        build/tests/python-client-venv/bin/python tests/reliability/drain_python_test.py
 """
 
 import collections
@@ -27,11 +31,10 @@ import threading
 import time
 
 import grpc
+from attention_client import pb2, pb2_grpc
 
 SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFORMANCE = os.path.join(SOURCE_DIR, "tests", "conformance")
-sys.path.insert(0, os.path.join(SOURCE_DIR, "client", "python"))
-from attention_client import pb2, pb2_grpc  # noqa: E402 (stubs generated from proto/)
 
 THREADS = 16
 # The debug line the server writes for each request it computed.

@@ -2,8 +2,10 @@
 run on attention-server, with the attention weights drawn as heatmaps (like
 the book's show_heatmaps) into a PNG.
 
-    /usr/bin/python3 client/python/heatmap_example.py --target 127.0.0.1:50051 \\
+    python client/python/examples/heatmap_example.py --target 127.0.0.1:50051 \\
         --output attention_heatmaps.png
+
+(with the attention-client package installed; see client/README.md).
 
 Both toys use a minibatch of 2 with 10 key-value pairs, values of size 4 and
 valid lengths (2, 6), so only the first 2 and 6 keys get weight:
@@ -23,8 +25,7 @@ matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_client import AttentionClient  # noqa: E402
+from attention_client import AttentionClient  # noqa: E402 (after matplotlib's backend)
 
 
 def show_heatmaps(matrices, xlabel, ylabel, titles=None, figsize=(2.5, 2.5), cmap="Reds"):

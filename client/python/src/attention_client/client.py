@@ -1,74 +1,32 @@
-"""attention_client: call attention-server from Python, numpy arrays in and out.
+"""The client: AttentionClient, its results and errors (see __init__.py).
 
-    from attention_client import AttentionClient
-
-    with AttentionClient("127.0.0.1:50051") as client:
-        result = client.attend(queries, keys, values, model="dot_product",
-                               valid_lens=[2, 6], return_attention_weights=True)
-        result.output             # numpy float32, (B, n_q, d_v)
-        result.attention_weights  # numpy float32, (B, n_q, n_k), or None
-
-        # Many requests over one AttendStream call: one item per request, in order.
-        for item in client.attend_stream([dict(queries=q1, model="dot_product"),
-                                          dict(queries=q2, keys=k2, model="additive_toy")]):
-            if isinstance(item, AttendError):   # this request failed; the others go on
-                print(item.code(), item.details())
-            else:
-                print(item.output.shape)
-
-The gRPC stubs are generated from the repository's proto/ on first use (with
-Debian's protoc and grpc_python_plugin; see generate_stubs). A failed call
-raises grpc.RpcError; its .code() is the server's status code.
+Attend and AttendStream carry bytes that wire.py writes and reads, so a
+tensor goes from numpy memory to the wire and back without a Python float
+per value; the wire is exactly what the generated classes would write
+(docs/api.md, "Tensors from memory"). ListModels uses the generated stub.
 """
 
-import atexit
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from typing import NamedTuple, Optional
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
-PROTO_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "proto")
-PROTO_FILE = "attention/v1/attention.proto"
+from . import wire
 
+try:
+    from . import attention_pb2 as pb2
+    from . import attention_pb2_grpc as pb2_grpc
+except ModuleNotFoundError as error:  # a source tree, where the stubs were never built
+    raise ImportError(
+        "attention_client: the generated stubs (attention_pb2) are missing; they are "
+        "made when the package is built: pip install client/python") from error
 
-def generate_stubs(out_dir, proto_root=PROTO_ROOT):
-    """Writes attention/v1/attention_pb2{,_grpc}.py under out_dir.
-
-    Uses protoc itself rather than grpc_tools.protoc: Debian's grpc_tools
-    bundles a protoc too old for the `optional` field the proto declares.
-    """
-    protoc = shutil.which("protoc")
-    plugin = shutil.which("grpc_python_plugin")
-    if protoc is None or plugin is None:
-        raise RuntimeError("generating the gRPC stubs needs protoc and grpc_python_plugin "
-                           "(Debian: protobuf-compiler protobuf-compiler-grpc)")
-    os.makedirs(out_dir, exist_ok=True)
-    subprocess.run([protoc, f"-I{proto_root}", f"--python_out={out_dir}", f"--grpc_out={out_dir}",
-                    f"--plugin=protoc-gen-grpc={plugin}", PROTO_FILE], check=True)
-
-
-def _load_stubs():
-    """Imports the stubs from $ATTENTION_PY_STUBS (generating them there if
-    missing), or from a fresh temporary directory."""
-    out_dir = os.environ.get("ATTENTION_PY_STUBS")
-    if not out_dir:
-        out_dir = tempfile.mkdtemp(prefix="attention-stubs-")
-        atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
-    if not os.path.exists(os.path.join(out_dir, "attention", "v1", "attention_pb2_grpc.py")):
-        generate_stubs(out_dir)
-    if out_dir not in sys.path:
-        sys.path.insert(0, out_dir)
-    from attention.v1 import attention_pb2, attention_pb2_grpc  # noqa: E402 (generated)
-    return attention_pb2, attention_pb2_grpc
-
-
-pb2, pb2_grpc = _load_stubs()
+_SERVICE = "/attention.v1.AttentionService/"
+# AttendRequest's tensor fields, and AttendResponse's.
+_REQUEST_TENSORS = (("queries", 2), ("keys", 3), ("values", 4))
+_OUTPUT, _WEIGHTS = 1, 2
 
 
 class AttendResult(NamedTuple):
@@ -76,17 +34,25 @@ class AttendResult(NamedTuple):
     attention_weights: Optional[np.ndarray]   # (B, n_q, n_k) / (B, H, n_q, n_k), when asked
 
 
-def to_tensor(array, name="tensor"):
-    """A numpy array (any real dtype) as a float32 attention.v1.Tensor."""
-    array = np.asarray(array, dtype=np.float32)
+def _float32(array, name):
+    """`array` (any real dtype, any layout) as C-contiguous little-endian
+    float32: the array itself when it already is one."""
+    array = np.ascontiguousarray(array, dtype=wire.FLOAT32)
     if array.ndim != 3:
         raise ValueError(f"{name} must have 3 dimensions (B, n, d); got shape {array.shape}")
-    return pb2.Tensor(shape=list(array.shape), data=array.ravel().tolist())
+    return array
+
+
+def to_tensor(array, name="tensor"):
+    """A numpy array (any real dtype) as a float32 attention.v1.Tensor."""
+    parts = wire.tensor_parts(1, _float32(array, name))
+    return pb2.Tensor.FromString(b"".join(parts[2:]))  # the field's body: the Tensor itself
 
 
 def from_tensor(tensor):
     """An attention.v1.Tensor as a float32 numpy array of its shape."""
-    return np.asarray(tensor.data, dtype=np.float32).reshape(tuple(tensor.shape))
+    encoded = memoryview(tensor.SerializeToString())
+    return wire.tensor_array(encoded, [(0, len(encoded))], "Tensor")
 
 
 class AttendError(grpc.RpcError):
@@ -108,6 +74,8 @@ class AttendError(grpc.RpcError):
 
 
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# grpc.health.v1.HealthCheckResponse.ServingStatus.
+_HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
 
 def _stream_error(response):
@@ -120,6 +88,27 @@ def _stream_error(response):
                            f"the server answered with error code {code}: {message}",
                            response.request_id)
     return AttendError(status, message, response.request_id)
+
+
+def _answer(data):
+    """One AttendResponse's bytes as an AttendResult, or as the AttendError it
+    carries. The arrays are read-only views of `data`."""
+    view = memoryview(data)
+    try:
+        tensors, rest = wire.split_message(view, (_OUTPUT, _WEIGHTS), "AttendResponse")
+        header = pb2.AttendResponse.FromString(rest)
+        if header.HasField("error"):
+            return _stream_error(header)
+        if not tensors[_OUTPUT]:
+            raise wire.WireError("AttendResponse.output: absent, in an answer without error")
+        weights = tensors[_WEIGHTS]
+        return AttendResult(
+            wire.tensor_array(view, tensors[_OUTPUT], "AttendResponse.output"),
+            wire.tensor_array(view, weights, "AttendResponse.attention_weights")
+            if weights else None)
+    except (wire.WireError, DecodeError) as error:
+        raise AttendError(grpc.StatusCode.INTERNAL,
+                          f"the server's answer is not a valid AttendResponse: {error}") from None
 
 
 def _service_config(max_attempts):
@@ -168,6 +157,9 @@ class AttentionClient:
         else:
             self._channel = grpc.insecure_channel(_channel_target(target), options)
         self._stub = pb2_grpc.AttentionServiceStub(self._channel)
+        # Attend and AttendStream carry the bytes wire.py writes and reads.
+        self._attend = self._channel.unary_unary(_SERVICE + "Attend")
+        self._attend_stream = self._channel.stream_stream(_SERVICE + "AttendStream")
         self._timeout = timeout
         self._metadata = [("authorization", f"Bearer {token}")] if token else []
 
@@ -186,18 +178,38 @@ class AttentionClient:
                                          metadata=self._metadata)
         return list(response.models)
 
+    def health(self, service=""):
+        """The serving status of `service` ("": the whole server) from the
+        standard grpc.health.v1 Check: "SERVING", "NOT_SERVING", "UNKNOWN"
+        or "SERVICE_UNKNOWN"."""
+        check = self._channel.unary_unary("/grpc.health.v1.Health/Check")
+        name = service.encode()
+        data = memoryview(check(b"\x0a" + wire.varint(len(name)) + name if name else b"",
+                                timeout=self._timeout, metadata=self._metadata))
+        status = 0
+        for number, wire_type, value, _, _ in wire.fields(data, 0, len(data),
+                                                          "HealthCheckResponse"):
+            if number == 1 and wire_type == wire.VARINT:
+                status = value
+        return _HEALTH_STATUS.get(status, f"status {status}")
+
     def attend(self, queries, keys=None, values=None, *, model="dot_product", valid_lens=None,
-               causal=False, scale=None, return_attention_weights=False, request_id=""):
+               causal=False, scale=None, return_attention_weights=False, request_id="",
+               version=None):
         """Runs `model` on numpy inputs: queries (B, n_q, d_q), keys (B, n_k, d_k),
         values (B, n_k, d_v); keys omitted = queries, values omitted = keys.
-        valid_lens: None, B values, or (B, n_q) values (one per query)."""
-        request = attend_request(queries, keys, values, model=model, valid_lens=valid_lens,
+        valid_lens: None, B values, or (B, n_q) values (one per query).
+        version: the model version to use; None: the newest ready one."""
+        request = _request_bytes(queries, keys, values, model=model, valid_lens=valid_lens,
                                  causal=causal, scale=scale,
                                  return_attention_weights=return_attention_weights,
-                                 request_id=request_id)
-        response = self._stub.Attend(request, timeout=self._timeout, metadata=self._metadata)
-        weights = from_tensor(response.attention_weights) if return_attention_weights else None
-        return AttendResult(from_tensor(response.output), weights)
+                                 request_id=request_id, version=version)
+        answer = _answer(self._attend(request, timeout=self._timeout, metadata=self._metadata))
+        if isinstance(answer, AttendError):  # only streams carry errors in answers
+            raise AttendError(grpc.StatusCode.INTERNAL,
+                              f"Attend: the server answered with an error in the message: "
+                              f"{answer}")
+        return answer
 
     def attend_stream(self, requests, *, timeout=None):
         """Sends every request of `requests` over one AttendStream call and
@@ -225,7 +237,7 @@ class AttentionClient:
             nonlocal sent, refused
             try:
                 for arguments in requests:
-                    request = attend_request(**arguments)
+                    request = _request_bytes(**arguments)
                     sent += 1
                     yield request
             except Exception as error:  # raised to the caller once the others are answered
@@ -234,7 +246,7 @@ class AttentionClient:
                 # before it be answered.
                 refused = error
 
-        responses = self._stub.AttendStream(
+        responses = self._attend_stream(
             wire_requests(), timeout=self._timeout if timeout is None else timeout,
             metadata=self._metadata)
         answered = 0
@@ -245,12 +257,7 @@ class AttentionClient:
                                       f"AttendStream: the server sent answer {answered + 1} "
                                       f"with only {sent} requests sent")
                 answered += 1
-                if response.HasField("error"):
-                    yield _stream_error(response)
-                    continue
-                weights = (from_tensor(response.attention_weights)
-                           if response.HasField("attention_weights") else None)
-                yield AttendResult(from_tensor(response.output), weights)
+                yield _answer(response)
         finally:
             responses.cancel()  # no-op once the call has ended
         if refused is not None:
@@ -260,22 +267,33 @@ class AttentionClient:
                               f"AttendStream: the server answered {answered} of {sent} requests")
 
 
-def attend_request(queries, keys=None, values=None, *, model="dot_product", valid_lens=None,
-                   causal=False, scale=None, return_attention_weights=False, request_id=""):
-    """attend's arguments as an attention.v1.AttendRequest."""
-    request = pb2.AttendRequest(model=model, queries=to_tensor(queries, "queries"),
-                                causal=causal,
+def _request_bytes(queries, keys=None, values=None, *, model="dot_product", valid_lens=None,
+                   causal=False, scale=None, return_attention_weights=False, request_id="",
+                   version=None):
+    """attend's arguments as the bytes of an attention.v1.AttendRequest: the
+    small fields from the generated class, then the tensors from the arrays'
+    memory (protobuf lets fields come in any order)."""
+    if queries is None:
+        raise ValueError("queries is required: an array (B, n_q, d_q)")
+    request = pb2.AttendRequest(model=model, causal=causal,
                                 return_attention_weights=return_attention_weights,
                                 request_id=request_id)
-    if keys is not None:
-        request.keys.CopyFrom(to_tensor(keys, "keys"))
-    if values is not None:
-        request.values.CopyFrom(to_tensor(values, "values"))
     if valid_lens is not None:
-        request.valid_lens.extend(int(v) for v in np.asarray(valid_lens).ravel())
+        request.valid_lens.extend(np.asarray(valid_lens).ravel().astype(np.int64).tolist())
     if scale is not None:
         request.scale = scale
-    return request
+    if version is not None:
+        request.version = version
+    parts = [request.SerializeToString()]
+    for (name, number), array in zip(_REQUEST_TENSORS, (queries, keys, values)):
+        if array is not None:
+            parts += wire.tensor_parts(number, _float32(array, name))
+    return b"".join(parts)
+
+
+def attend_request(queries, keys=None, values=None, **kwargs):
+    """attend's arguments as an attention.v1.AttendRequest."""
+    return pb2.AttendRequest.FromString(_request_bytes(queries, keys, values, **kwargs))
 
 
 def attend(queries, keys=None, values=None, *, target="127.0.0.1:50051", **kwargs):

@@ -1,0 +1,108 @@
+// index.d.ts: the TypeScript types of attention-client (attention_client.js).
+// Messages use the .proto field names of attention.v1 (docs/api.md section 1);
+// int64 fields are numbers. A failed call rejects with a grpc-js error that
+// has `code` (the gRPC status code) and `details`.
+
+/** A float32 tensor as the client sends it: row-major `data` of product(shape) values. */
+export interface TensorInput {
+  shape: ReadonlyArray<number>;
+  /** Sent from its memory as it is when a Float32Array; other arrays are converted once. */
+  data: Float32Array | ArrayLike<number>;
+}
+
+/** A float32 tensor of an answer; `data` is memory of its own. */
+export interface Tensor {
+  shape: number[];
+  data: Float32Array;
+}
+
+export interface AttendRequest {
+  model?: string;
+  /** (B, n_q, d_q) */
+  queries: TensorInput;
+  /** (B, n_k, d_k); left out: the queries */
+  keys?: TensorInput;
+  /** (B, n_k, d_v); left out: the keys */
+  values?: TensorInput;
+  /** Empty, B entries, or B*n_q entries (row-major (B, n_q)). */
+  valid_lens?: ReadonlyArray<number>;
+  causal?: boolean;
+  return_attention_weights?: boolean;
+  /** Replaces the model's default scale; presence matters. */
+  scale?: number;
+  request_id?: string;
+  /** The model version; left out: the newest ready one. */
+  version?: number;
+}
+
+export interface AttendResponse {
+  /** (B, n_q, d_v); (B, n_q, E) for multi_head */
+  output: Tensor;
+  /** Only when asked: (B, n_q, n_k); (B, H, n_q, n_k) for multi_head */
+  attention_weights?: Tensor;
+  request_id?: string;
+  model?: string;
+  model_version?: number;
+}
+
+export interface ModelVersionStatus {
+  version?: number;
+  /** ModelVersionState: 1 LOADING, 2 READY, 3 FAILED, 4 UNLOADING */
+  state?: number;
+  reason?: string;
+  kind?: string;
+}
+
+/** Fields at their default (0, "") are left out, as proto3 writes them. */
+export interface ModelInfo {
+  name?: string;
+  kind?: string;
+  num_heads?: number;
+  query_size?: number;
+  key_size?: number;
+  value_size?: number;
+  output_size?: number;
+  version?: number;
+  versions?: ModelVersionStatus[];
+}
+
+export interface ClientOptions {
+  /** Deadline of each call, retries included (default 30000). */
+  timeoutMs?: number;
+  /** Sent as `authorization: Bearer <token>`. */
+  token?: string;
+  /** TLS with the system's roots. */
+  tls?: boolean;
+  /** PEM of the CA to trust (turns TLS on). */
+  rootCerts?: Uint8Array;
+  /** PEM key and certificate chain, for mutual TLS. */
+  privateKey?: Uint8Array;
+  certChain?: Uint8Array;
+  /** Tries per call on UNAVAILABLE (1..5, default 4); streams are never retried. */
+  maxAttempts?: number;
+}
+
+/** Why one request of an AttendStream call failed; the stream went on. */
+export class AttendError extends Error {
+  constructor(code: number, details: string, requestId?: string);
+  /** The gRPC status code. */
+  code: number;
+  details: string;
+  request_id: string;
+}
+
+export class AttentionClient {
+  /** target: 'HOST:PORT', or several comma-separated (IPv4), balanced round-robin. */
+  constructor(target?: string, options?: ClientOptions);
+  listModels(): Promise<ModelInfo[]>;
+  attend(request: AttendRequest): Promise<AttendResponse>;
+  /**
+   * Sends every request over one AttendStream call; yields one item per
+   * request, in order: its answer, or an AttendError for a refused one.
+   */
+  attendStream(
+    requests: Iterable<AttendRequest> | AsyncIterable<AttendRequest>,
+    options?: { timeoutMs?: number },
+  ): AsyncGenerator<AttendResponse | AttendError, void, undefined>;
+  close(): void;
+}
