@@ -17,20 +17,24 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "server/api/attention_adapter.h"
+#include "server/api/wire_fault.h"
 
 namespace attention::server {
 
 // Parses `wire` into `message` and empties `wire`, so the received bytes are
 // freed as soon as they are parsed. On failure `message` is left empty and
-// the error is INVALID_ARGUMENT naming the message type.
+// the error is INVALID_ARGUMENT naming the message type and, where it can
+// be found, the field whose bytes are broken (wire_fault.h).
 template <typename Message>
 absl::Status ParseWire(grpc::ByteBuffer* wire, Message* message) {
+  const grpc::ByteBuffer received(*wire);  // shares the slices, for the diagnosis
   const grpc::Status parsed = grpc::SerializationTraits<Message>::Deserialize(wire, message);
   if (parsed.ok()) return absl::OkStatus();
   message->Clear();
-  return absl::InvalidArgumentError(absl::StrCat("the request's bytes are not a valid ",
-                                                 Message::descriptor()->full_name(),
-                                                 " message (protobuf wire format)"));
+  const std::string fault = FindWireFault(*Message::descriptor(), received);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the request's bytes are not a valid ", Message::descriptor()->full_name(),
+      " message (protobuf wire format)", fault.empty() ? "" : ": ", fault));
 }
 
 // A unary handler's request: gRPC owns it for the call and hands it out as

@@ -10,6 +10,8 @@
 #include <gtest/gtest.h>
 
 #include "attention.grpc.pb.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "inference/grpc_service.grpc.pb.h"
@@ -26,6 +28,23 @@ using testing::ServerProcess;
 const std::string kTruncated("\x0a\x64" "abc", 5);
 // Field 1 with wire type 7, which does not exist.
 const std::string kBadWireType("\x0f\x01", 2);
+
+// Field `number` of a message, length-delimited, holding `payload`.
+std::string Field(int number, const std::string& payload) {
+  std::string out;
+  {
+    google::protobuf::io::StringOutputStream stream(&out);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.WriteTag(static_cast<uint32_t>(number << 3 | 2));
+    coded.WriteVarint32(static_cast<uint32_t>(payload.size()));
+    coded.WriteString(payload);
+  }
+  return out;
+}
+
+int FieldNumber(const google::protobuf::Descriptor* type, const std::string& name) {
+  return type->FindFieldByName(name)->number();
+}
 
 grpc::ByteBuffer Bytes(const std::string& bytes) {
   grpc::Slice slice(bytes);
@@ -138,6 +157,43 @@ TEST_F(UnparsableTest, EveryUnaryMethodNamesItsRequestMessage) {
           << method << ": " << status.error_message();
     }
   }
+}
+
+TEST_F(UnparsableTest, APackedRunOfBrokenLengthIsNamedByItsField) {
+  // queries.data as 7 bytes: not a whole number of float32 values.
+  const std::string tensor =
+      Field(FieldNumber(v1::Tensor::descriptor(), "data"), std::string(7, '\x01'));
+  const grpc::Status attend =
+      Unary("/attention.v1.AttentionService/Attend",
+            Field(FieldNumber(v1::AttendRequest::descriptor(), "queries"), tensor));
+  EXPECT_EQ(attend.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(attend.error_message().find(
+                "queries.data: 7 bytes of packed float values, not a multiple of 4"),
+            std::string::npos)
+      << attend.error_message();
+
+  // The Open Inference Protocol's typed contents: inputs[1].contents.fp32_contents.
+  const google::protobuf::Descriptor* input =
+      inference::ModelInferRequest::InferInputTensor::descriptor();
+  const std::string contents = Field(
+      FieldNumber(inference::InferTensorContents::descriptor(), "fp32_contents"), "abcde");
+  const int inputs = FieldNumber(inference::ModelInferRequest::descriptor(), "inputs");
+  const grpc::Status infer = Unary(
+      "/inference.GRPCInferenceService/ModelInfer",
+      Field(inputs, Field(FieldNumber(input, "name"), "keys")) +
+          Field(inputs, Field(FieldNumber(input, "contents"), contents)));
+  EXPECT_EQ(infer.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(infer.error_message().find("inputs[1].contents.fp32_contents: 5 bytes of packed "
+                                       "float values, not a multiple of 4"),
+            std::string::npos)
+      << infer.error_message();
+
+  // A model name that is not UTF-8.
+  const grpc::Status name = Unary("/attention.v1.AttentionService/Attend",
+                                  Field(FieldNumber(v1::AttendRequest::descriptor(), "model"),
+                                        std::string("\xff\xfe", 2)));
+  EXPECT_NE(name.error_message().find("model: not valid UTF-8"), std::string::npos)
+      << name.error_message();
 }
 
 TEST_F(UnparsableTest, AttendAfterBadBytesStillAnswers) {
