@@ -10,10 +10,11 @@
 # The server listens on 127.0.0.1 (a free port) in plaintext; only the edge
 # faces clients, on HOST:PORT. With --tls-cert/--tls-key the edge terminates
 # TLS there; with --tls-client-ca it requires client certificates that CA
-# signed (mutual TLS; the server behind cannot check names, so its
-# --tls-client-allow is not available). SERVER_FLAGS go to attention-server (not --address, --port-file,
-# --tls-*: the edge owns them). attention-server is $ATTENTION_SERVER_BIN or
-# found on PATH; haproxy likewise ($ATTENTION_EDGE_HAPROXY_BIN).
+# signed (mutual TLS; the server behind sees no certificate, so its
+# --tls-client-allow is not available). SERVER_FLAGS go to attention-server
+# (not --address, --port-file, --tls-*: the edge owns them).
+# attention-server is $ATTENTION_SERVER_BIN or found on PATH; haproxy is
+# $ATTENTION_EDGE_HAPROXY_BIN or found on PATH.
 # --pid-file writes "server PID" and "edge PID" lines. SIGTERM/SIGINT: the
 # server drains as it does alone (docs/api.md section 6.5), then the edge
 # stops; exit 0. If either process dies first, the other is stopped and the
@@ -21,7 +22,7 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-usage() { sed -n '2,22s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit "${1:-2}"; }
+usage() { sed -n '2,23s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit "${1:-2}"; }
 
 listen="" pid_file="" tls_cert="" tls_key="" tls_client_ca=""
 server_flags=()
