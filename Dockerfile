@@ -35,6 +35,7 @@ COPY models/ /models/
 # starts the server behind it (the compose stack's entrypoint); the
 # Kubernetes sidecar runs haproxy on haproxy.cfg. See docs/api.md section 6.8.
 COPY deploy/edge/run.sh deploy/edge/haproxy.cfg /usr/local/share/attention-edge/
+COPY deploy/edge/errors/ /usr/local/share/attention-edge/errors/
 
 ENV ATTENTION_ADDRESS=0.0.0.0:50051 \
     ATTENTION_METRICS_ADDRESS=0.0.0.0:9464 \
