@@ -14,14 +14,17 @@ every call goes through HAProxy to the server on loopback:
     closed-loop load, only OK and UNAVAILABLE, nothing computed lost, exit 0
     (ATTENTION_DRAIN_RUNS, default 5 here);
   - and here: a deadline and a cancellation reach the server (its metrics
-    count them), the server's message cap answers RESOURCE_EXHAUSTED.
+    count them), the server's message cap answers RESOURCE_EXHAUSTED, and an
+    interactive stream (one request, its answer, the next) is not delayed.
 
     ATTENTION_SERVER_BIN=build/server/attention-server \\
         /usr/bin/python3 tests/edge/through_test.py
 """
 
 import os
+import queue
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -158,6 +161,26 @@ class CallsReachTheServer(unittest.TestCase):
         self.assertGreater(self.wait_counted("DEADLINE_EXCEEDED", deadline_before + 1),
                            deadline_before)
         self.assertGreater(self.wait_counted("CANCELLED", cancelled_before + 1), cancelled_before)
+
+    def test_interactive_stream_is_not_held_back(self):
+        # One request, wait for its answer, then the next: a proxy that
+        # coalesces writes (waiting for full packets) delays each round trip
+        # by up to 200 ms.
+        pending = queue.Queue()
+
+        def requests():
+            while (request := pending.get()) is not None:
+                yield request
+
+        answers = self.stub.AttendStream(requests(), timeout=30)
+        round_trips = []
+        for _ in range(30):
+            start = time.monotonic()
+            pending.put(self.request(model="dot_product"))
+            next(answers)
+            round_trips.append(time.monotonic() - start)
+        pending.put(None)
+        self.assertLess(statistics.median(round_trips), 0.050, round_trips)
 
     def test_the_servers_message_cap_still_answers(self):
         with self.assertRaises(grpc.RpcError) as raised:
