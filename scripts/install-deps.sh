@@ -11,6 +11,7 @@ apt_opts=(-o DPkg::Lock::Timeout=600 -y --no-install-recommends)
 runtime_packages=(
   libgrpc++1.51 libgrpc29 libprotobuf32 libspdlog1.10 libfmt9
   libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libopenblas0-pthread ca-certificates
+  haproxy
 )
 
 build_packages=(
@@ -24,6 +25,7 @@ build_packages=(
   python3-setuptools python3-wheel python3-venv
   grpc-proto
   prometheus python3-yaml
+  python3-h2
 )
 
 if [[ "${1:-}" == "--runtime" ]]; then

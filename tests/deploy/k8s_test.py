@@ -111,6 +111,22 @@ def check_promises(documents, checks):
                   "server reads its ATTENTION_* configuration from the generated ConfigMap")
     checks.expect(int(config.get("ATTENTION_REPOSITORY_POLL_SECONDS", 0)) > 0,
                   "ATTENTION_REPOSITORY_POLL_SECONDS is set, so a model copied onto the volume is served without a rollout")
+    edge = next((c for c in pod["containers"] if c["name"] == "edge"), None)
+    checks.expect(edge is not None and "haproxy" in edge["command"][0] and
+                  any(p["containerPort"] == 50051 for p in edge["ports"]) and
+                  not any(p["containerPort"] == 50051 for p in server.get("ports", [])),
+                  "the edge sidecar (HAProxy), not the server, owns the pod's gRPC port 50051")
+    server_env = {e["name"]: e.get("value") for e in server.get("env", [])}
+    edge_env = {e["name"]: e.get("value") for e in (edge or {}).get("env", [])}
+    checks.expect(server_env.get("ATTENTION_ADDRESS", "").startswith("127.0.0.1:") and
+                  edge_env.get("ATTENTION_EDGE_BACKEND") == server_env.get("ATTENTION_ADDRESS"),
+                  "the server listens on loopback only, where the edge sends its calls")
+    edge_stop = (edge or {}).get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    edge_sleep = int(edge_stop[1]) if edge_stop[:1] == ["sleep"] else None
+    checks.expect(edge_sleep is not None and sleep is not None and
+                  sleep + grace <= edge_sleep < pod["terminationGracePeriodSeconds"],
+                  f"the edge stops ({edge_sleep} s) after the server's preStop and drain "
+                  f"({sleep} + {grace:g} s), within terminationGracePeriodSeconds")
     mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
     volumes = {v["name"] for v in pod["volumes"]}
     checks.expect(mounts.get("/models") in volumes, "models come from a volume mounted at /models")
