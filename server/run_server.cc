@@ -323,10 +323,14 @@ absl::Status StartGrpc(const ServerConfig& config, RunningServer& s) {
   // can even parse (open loop at 3x capacity) had gRPC hold 900 MiB of
   // requests the service had not seen, growing with the backlog.
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, config.max_concurrent_streams);
-  if (config.max_connection_age_seconds > 0) {
-    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
-                               static_cast<int>(std::min<int64_t>(
-                                   config.max_connection_age_seconds * 1000, INT32_MAX)));
+  for (const auto& [argument, seconds] :
+       {std::pair<const char*, int64_t>{GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                                        config.max_connection_age_seconds},
+        {GRPC_ARG_MAX_CONNECTION_IDLE_MS, config.max_connection_idle_seconds}}) {
+    if (seconds > 0) {
+      builder.AddChannelArgument(argument,
+                                 static_cast<int>(std::min<int64_t>(seconds * 1000, INT32_MAX)));
+    }
   }
   s.grpc = builder.BuildAndStart();
   if (s.grpc == nullptr || port == 0) {

@@ -65,6 +65,9 @@ struct ServerConfig {
   // Connections are closed (gracefully) after this long so that clients
   // re-resolve and spread over new replicas; 0 = never.
   int64_t max_connection_age_seconds = 0;
+  // Connections with no call open for this long are closed (gracefully),
+  // so idle connections do not hold server memory; 0 = never.
+  int64_t max_connection_idle_seconds = 0;
 
   std::string log_level = "info";
   std::string log_format = "text";

@@ -113,6 +113,9 @@ void AddConnectionFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--max-connection-age-seconds", &c->max_connection_age_seconds,
        "Close client connections gracefully after this age so clients rebalance (0: never)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
+  Flag(app, "--max-connection-idle-seconds", &c->max_connection_idle_seconds,
+       "Close client connections with no call open for this long, gracefully (0: never)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
 }
 
 // Log lines.

@@ -230,5 +230,33 @@ TEST(ServerConfigTest, MaxConnectionAgeClosesConnectionsAndClientsReconnect) {
   }
 }
 
+TEST(ServerConfigTest, MaxConnectionIdleClosesIdleConnectionsAndClientsReconnect) {
+  for (const bool limited : {true, false}) {
+    SCOPED_TRACE(limited ? "--max-connection-idle-seconds 1" : "no idle limit");
+    std::vector<std::string> flags;
+    if (limited) flags = {"--max-connection-idle-seconds", "1"};
+    auto server = ServerProcess::Start(flags);
+    ASSERT_TRUE(server.ok()) << server.status();
+    const std::shared_ptr<grpc::Channel> channel = (*server)->Channel();
+    auto stub = v1::AttentionService::NewStub(channel);
+    const v1::AttendRequest request = SelfAttentionRequest(1, 2, 2, 0);
+    for (int call = 0; call < 2; ++call) {
+      grpc::ClientContext context;
+      v1::AttendResponse response;
+      const grpc::Status status = stub->Attend(&context, request, &response);
+      ASSERT_TRUE(status.ok()) << "call " << call << ": " << status.error_message();
+      EXPECT_EQ(CheckAnswer(request, response), "");
+      ASSERT_EQ(channel->GetState(false), GRPC_CHANNEL_READY);
+      // No call open from here: 1 s idle and then some; the control waits 3 s.
+      if (call == 0) {
+        EXPECT_EQ(ConnectionEndsWithin(*channel, std::chrono::seconds(limited ? 20 : 3)),
+                  limited);
+      }
+    }
+    stub.reset();
+    EXPECT_EQ((*server)->Stop(), 0) << (*server)->Log();
+  }
+}
+
 }  // namespace
 }  // namespace attention::testing
