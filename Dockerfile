@@ -3,8 +3,10 @@
 # One build for every x86-64 CPU: the kernels choose their vector path (avx512,
 # avx2 or portable) from CPUID at startup, and OpenBLAS is kept to kernels that
 # match the CPU (core/cpu_features.h, core/blas.h), so nothing here depends on
-# the build machine's CPU and nothing needs to be set at run time. The tests
-# run in the build stage, each kernel path the build machine has included.
+# the build machine's CPU and nothing needs to be set at run time. By default
+# the build stage compiles only the two binaries the image ships (CI runs the
+# tests); --build-arg ATTENTION_TESTS=ON builds and runs the tests there too,
+# each kernel path the build machine has included.
 # Configuration is through ATTENTION_* variables (see deploy/README.md); models
 # are read from /models, which holds the example models by default. The
 # entrypoint is the bare server; on an untrusted network run it behind the
@@ -12,16 +14,23 @@
 # 0.0.0.0:50051 -- (as deploy/compose does).
 
 FROM debian:bookworm AS build
+ARG ATTENTION_TESTS=OFF
 WORKDIR /src
 COPY scripts/install-deps.sh scripts/install-deps.sh
-RUN scripts/install-deps.sh && rm -rf /var/lib/apt/lists/*
+RUN if [ "$ATTENTION_TESTS" = ON ]; then scripts/install-deps.sh; \
+    else scripts/install-deps.sh --build; fi \
+ && rm -rf /var/lib/apt/lists/*
 COPY . .
-# The deploy tests need Prometheus, kubectl and npm, and the Node client test
-# installs packages from the npm registry; they run in CI, not here. So does
-# the abuse suite (label abuse), whose latency bound needs a quiet machine.
-RUN cmake -S . -B /build -G Ninja -DATTENTION_BUILD_BENCHMARKS=OFF \
- && ninja -C /build -j 2 \
- && ctest --test-dir /build --output-on-failure -j 2 -LE "deploy|npm|abuse"
+# With the tests: the deploy tests need Prometheus, kubectl and npm, and the
+# Node client test installs packages from the npm registry; they run in CI,
+# not here. So does the abuse suite (label abuse), whose latency bound needs
+# a quiet machine.
+RUN cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTENTION_BUILD_BENCHMARKS=OFF \
+      -DATTENTION_BUILD_TESTS="$ATTENTION_TESTS" \
+ && if [ "$ATTENTION_TESTS" = ON ]; then \
+      ninja -C /build -j 2 \
+      && ctest --test-dir /build --output-on-failure -j 2 -LE "deploy|npm|abuse"; \
+    else ninja -C /build -j 2 attention-server attention-client; fi
 RUN install -D -m 0755 /build/server/attention-server /out/attention-server \
  && install -D -m 0755 /build/client/attention-client /out/attention-client
 

@@ -3,6 +3,9 @@
 # test and run. Idempotent; used by the README, .ci/run and the Dockerfile.
 #
 #   scripts/install-deps.sh            build + test dependencies
+#   scripts/install-deps.sh --build    what building and running the binaries need,
+#                                      not the test toolchain (scripts/serve.sh,
+#                                      the Dockerfile's default build)
 #   scripts/install-deps.sh --runtime  only the shared libraries the binaries need
 set -euo pipefail
 
@@ -19,20 +22,25 @@ build_packages=(
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
   libabsl-dev libeigen3-dev libhwy-dev libopenblas-pthread-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
   prometheus-cpp-dev libcli11-dev
+  grpc-proto
+)
+
+test_packages=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   openssl curl
   python3 python3-numpy python3-grpcio python3-grpc-tools python3-matplotlib python3-protobuf
   python3-setuptools python3-wheel python3-venv
-  grpc-proto
   prometheus python3-yaml
   python3-h2
 )
 
-if [[ "${1:-}" == "--runtime" ]]; then
-  wanted=("${runtime_packages[@]}")
-else
-  wanted=("${runtime_packages[@]}" "${build_packages[@]}")
-fi
+mode=${1:-}
+case $mode in
+  --runtime) wanted=("${runtime_packages[@]}") ;;
+  --build) wanted=("${runtime_packages[@]}" "${build_packages[@]}") ;;
+  "") wanted=("${runtime_packages[@]}" "${build_packages[@]}" "${test_packages[@]}") ;;
+  *) sed -n '2,11p' "$0"; exit 2 ;;
+esac
 
 missing=()
 for p in "${wanted[@]}"; do
@@ -40,7 +48,7 @@ for p in "${wanted[@]}"; do
 done
 # The Node client's test needs node and npm; a machine that already has a
 # Node.js (e.g. NodeSource's, which bundles npm) keeps it.
-if [[ "${1:-}" != "--runtime" ]] && ! command -v npm >/dev/null; then
+if [[ -z $mode ]] && ! command -v npm >/dev/null; then
   missing+=(nodejs npm)
 fi
 if ((${#missing[@]} == 0)); then
