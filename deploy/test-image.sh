@@ -9,11 +9,14 @@
 #   deploy/test-image.sh --seed    only seed the base images
 #   deploy/test-image.sh --run-only   skip the build: check an image kept by KEEP_IMAGE=1
 #   KEEP_IMAGE=1 deploy/test-image.sh   keep the built image afterwards
+#   BUILD_ARGS="--build-arg ATTENTION_TESTS=ON" deploy/test-image.sh
+#     build the image with the test suite run in its build stage
 #   BUILD_CONTEXT=DIR deploy/test-image.sh   build another tree (e.g. a
 #     `git archive HEAD` export) instead of this working tree
 #
 # Needs root (buildah with chroot isolation, debootstrap), about 15 GB of disk
-# and, on 2 cores, most of an hour.
+# and, on 2 cores, minutes for the default build (most of an hour with
+# BUILD_ARGS="--build-arg ATTENTION_TESTS=ON", which also runs the tests).
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -114,8 +117,10 @@ seed_base_images() {
 build_image() {
   log "building $image (buildah bud, chroot isolation)"
   local start=$SECONDS
+  local build_args
+  read -r -a build_args <<<"${BUILD_ARGS:-}"
   nice buildah "${buildah_opts[@]}" bud --pull=never --isolation chroot --format docker \
-    --layers -t "$image" -f "$context/Dockerfile" "$context"
+    --layers "${build_args[@]}" -t "$image" -f "$context/Dockerfile" "$context"
   log "image built in $((SECONDS - start)) s"
 }
 
