@@ -12,9 +12,10 @@
 // FMAs through exp to the P V FMAs.
 //
 // The code has no Eigen and one source for every path (Highway, compiled per
-// target in flash_tile.cc): Eigen built with different -m flags in different
-// files would break the one-definition rule, and the linker could hand the
-// portable path an AVX-512 copy of an inline Eigen function.
+// target in flash_tile.cc, chosen through core/isa_dispatch.h): Eigen built
+// with different -m flags in different files would break the one-definition
+// rule, and the linker could hand the portable path an AVX-512 copy of an
+// inline Eigen function.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 // packed_gemm.cc: packing of projection weights and the packed-panel GEMM
-// (packed_gemm.h), the kernel compiled by Highway once per vector path:
-// AVX-512 (HWY_AVX3), AVX2 (HWY_AVX2) and the portable baseline.
+// (packed_gemm.h), the kernel compiled by Highway once per vector path
+// (core/isa_dispatch.h).
 #include "core/packed_gemm.h"
 
 #include <algorithm>
@@ -8,10 +8,7 @@
 #include <cstdint>
 #include <new>
 
-// As in flash_tile.cc: the portable path covers what SSSE3/SSE4 would.
-#ifndef HWY_DISABLED_TARGETS
-#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4)
-#endif
+#include "core/isa_dispatch.h"
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "core/packed_gemm.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -149,22 +146,8 @@ PackedWeights PackedWeights::Pack(const float* weight, int64_t out_cols, int64_t
 }
 
 PackedKernel PackedKernelFor(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512:
-#if HWY_TARGETS & HWY_AVX3
-      return &N_AVX3::PackedProductImpl;
-#endif
-      [[fallthrough]];
-    case Isa::kAvx2:
-#if HWY_TARGETS & HWY_AVX2
-      return &N_AVX2::PackedProductImpl;
-#endif
-      [[fallthrough]];
-    case Isa::kPortable:
-      break;
-  }
-  // The baseline every x86-64 runs, as in FlashTilePathFor.
-  return &HWY_STATIC_DISPATCH(PackedProductImpl);
+  static constexpr auto kPackedProduct = ISA_TABLE(PackedProductImpl);
+  return kPackedProduct.For(isa);
 }
 
 }  // namespace attention

@@ -12,7 +12,7 @@
 // input rows are read where they are (no copy).
 //
 // One Highway source (packed_gemm.cc) builds the kernel per path, like
-// flash_tile.cc; PackedKernelFor picks one. The engine uses it on the avx512
+// flash_tile.cc; PackedKernelFor picks one (core/isa_dispatch.h). The engine uses it on the avx512
 // and avx2 paths at every row count, where it measured as fast as the BLAS or
 // faster, and the BLAS on the portable path (Projection::UsesPackedWeights,
 // core/engine.cc).
