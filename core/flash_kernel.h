@@ -27,11 +27,9 @@
 
 #include <cstdint>
 
-namespace attention {
+#include "core/tile_sizes.h"
 
-// Query rows the kernel processes together (one tile). Callers splitting a
-// problem's rows into tasks use multiples of it.
-inline constexpr int64_t kFlashQueryTile = 64;
+namespace attention {
 
 // Work units (docs/api.md, section 6.2: about one multiply-add each) a
 // kernel does between two polls of a problem's WorkStop: about a millisecond
