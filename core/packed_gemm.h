@@ -16,7 +16,7 @@
 // flash_tile.cc; PackedKernelFor picks one (core/isa_dispatch.h). The engine
 // uses it on the avx512 and avx2 paths at every row count, where it measured
 // as fast as the BLAS or faster, and the BLAS on the portable path
-// (Projection::UsesPackedWeights, core/engine.cc).
+// (Projection::UsesPackedWeights, core/projection.h).
 #pragma once
 
 #include <cstdint>
