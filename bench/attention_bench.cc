@@ -26,7 +26,7 @@
 //       m rows, W e x e, on one thread: over the weights packed at load
 //       (core/packed_gemm.h) or through Eigen and the BLAS as the engine
 //       calls it: the measurement behind the engine's choice between them
-//       (Projection::UsesPackedWeights in core/engine.cc).
+//       (Projection::UsesPackedWeights in core/projection.h).
 //
 // masked:1 gives every example a valid length drawn uniformly from [n/4, n]
 // (fixed seed). GFLOPS counts useful work per wall-clock second:

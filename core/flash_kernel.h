@@ -27,11 +27,9 @@
 
 #include <cstdint>
 
-namespace attention {
+#include "core/tile_sizes.h"
 
-// Query rows the kernel processes together (one tile). Callers splitting a
-// problem's rows into tasks use multiples of it.
-inline constexpr int64_t kFlashQueryTile = 64;
+namespace attention {
 
 // Work units (docs/api.md, section 6.2: about one multiply-add each) a
 // kernel does between two polls of a problem's WorkStop: about a millisecond
@@ -51,11 +49,11 @@ class WorkStop {
 };
 
 // Value rows a problem was given unfinished. The engine projects only the
-// value rows that allowed keys read (core/engine.cc, RowsRead); a row whose
-// allowed scores sit near or below -1e6 gives its disallowed keys weight and
-// so reads the rest, which it asks for first. Complete() makes all n_k value
-// rows readable; thread-safe and idempotent, since every head of an example
-// may ask at once.
+// value rows that allowed keys read (core/run_multi_head.cc, RowsRead); a
+// row whose allowed scores sit near or below -1e6 gives its disallowed keys
+// weight and so reads the rest, which it asks for first. Complete() makes
+// all n_k value rows readable; thread-safe and idempotent, since every head
+// of an example may ask at once.
 class PendingValues {
  public:
   virtual void Complete() = 0;

@@ -1,6 +1,5 @@
 // flash_tile.cc: the fused tile kernel (flash_tile.h), compiled by Highway
-// once per vector path: AVX-512 (HWY_AVX3), AVX2 (HWY_AVX2) and the portable
-// path (the compiler's baseline target, any x86-64), with the query tile's
+// once per vector path (core/isa_dispatch.h), with the query tile's
 // transpose into lanes and the output's back into rows. FlashTilePathFor
 // picks among them.
 #include "core/flash_tile.h"
@@ -9,11 +8,7 @@
 #include <cstdint>
 #include <limits>
 
-// SSSE3 and SSE4 would only lengthen the build: every x86-64 CPU sold this
-// decade has AVX2, and the portable path covers the rest.
-#ifndef HWY_DISABLED_TARGETS
-#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4)
-#endif
+#include "core/isa_dispatch.h"
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "core/flash_tile.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -366,24 +361,10 @@ HWY_AFTER_NAMESPACE();
 namespace attention {
 
 FlashTilePath FlashTilePathFor(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512:
-#if HWY_TARGETS & HWY_AVX3
-      return {&N_AVX3::LoadQueriesImpl, &N_AVX3::FlashTileImpl, &N_AVX3::StoreOutputImpl};
-#endif
-      [[fallthrough]];
-    case Isa::kAvx2:
-#if HWY_TARGETS & HWY_AVX2
-      return {&N_AVX2::LoadQueriesImpl, &N_AVX2::FlashTileImpl, &N_AVX2::StoreOutputImpl};
-#endif
-      [[fallthrough]];
-    case Isa::kPortable:
-      break;
-  }
-  // The baseline every x86-64 runs: HWY_SCALAR with GCC 12.2, EMU128 (SSE2)
-  // with Clang.
-  return {&HWY_STATIC_DISPATCH(LoadQueriesImpl), &HWY_STATIC_DISPATCH(FlashTileImpl),
-          &HWY_STATIC_DISPATCH(StoreOutputImpl)};
+  static constexpr auto kLoadQueries = ISA_TABLE(LoadQueriesImpl);
+  static constexpr auto kKernel = ISA_TABLE(FlashTileImpl);
+  static constexpr auto kStoreOutput = ISA_TABLE(StoreOutputImpl);
+  return {kLoadQueries.For(isa), kKernel.For(isa), kStoreOutput.For(isa)};
 }
 
 }  // namespace attention

@@ -12,21 +12,18 @@
 // FMAs through exp to the P V FMAs.
 //
 // The code has no Eigen and one source for every path (Highway, compiled per
-// target in flash_tile.cc): Eigen built with different -m flags in different
-// files would break the one-definition rule, and the linker could hand the
-// portable path an AVX-512 copy of an inline Eigen function.
+// target in flash_tile.cc, chosen through core/isa_dispatch.h): Eigen built
+// with different -m flags in different files would break the one-definition
+// rule, and the linker could hand the portable path an AVX-512 copy of an
+// inline Eigen function.
 #pragma once
 
 #include <cstdint>
 
 #include "core/cpu_features.h"
-#include "core/flash_kernel.h"
+#include "core/tile_sizes.h"
 
 namespace attention {
-
-// Keys per key tile: the tile's scores, 64 x 64 floats (16 KiB), and the
-// value rows it reads stay in a 32 KiB L1 next to the accumulator.
-inline constexpr int64_t kFlashKeyTile = 64;
 
 // A multiple of every path's micro-kernel width (two vectors: 32 lanes on
 // AVX-512, 16 on AVX2, 2 or 8 on the portable baseline): lanes the caller

@@ -15,7 +15,7 @@
 #include <string>
 #include <string_view>
 
-#include "core/packed_gemm.h"
+#include "core/packed_weights.h"
 
 namespace attention {
 

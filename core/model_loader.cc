@@ -36,6 +36,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "core/safetensors.h"
+#include "core/status_macros.h"
 
 namespace attention {
 namespace {
@@ -215,13 +216,10 @@ absl::Status TakeInputProjections(Weights& weights, absl::string_view q_name, ab
 
 // d2l.ai MultiHeadAttention: W_q/W_k/W_v [E, d_*], W_o [E, E], biases all or none.
 absl::Status LoadD2lMultiHead(Weights& weights, Model& model) {
-  if (absl::Status status =
-          TakeInputProjections(weights, "W_q.weight", "W_k.weight", "W_v.weight", Sym("d_q"), model);
-      !status.ok()) {
-    return status;
-  }
+  RETURN_IF_ERROR(
+      TakeInputProjections(weights, "W_q.weight", "W_k.weight", "W_v.weight", Sym("d_q"), model));
   const int64_t width = weights.Size("E");
-  if (absl::Status status = CheckHeadsDivideWidth(model, width); !status.ok()) return status;
+  RETURN_IF_ERROR(CheckHeadsDivideWidth(model, width));
   absl::StatusOr<Tensor> w_o = weights.Take("W_o.weight", {Sym("E"), Sym("E")});
   if (!w_o.ok()) return w_o.status();
   model.output_size = width;
@@ -252,7 +250,7 @@ absl::Status LoadTorchMultiHead(Weights& weights, Model& model) {
   absl::StatusOr<Tensor> out_weight = weights.Take("out_proj.weight", {Sym("E"), Sym("E")});
   if (!out_weight.ok()) return out_weight.status();
   const int64_t width = weights.Size("E");
-  if (absl::Status status = CheckHeadsDivideWidth(model, width); !status.ok()) return status;
+  RETURN_IF_ERROR(CheckHeadsDivideWidth(model, width));
   model.w_o = Matrix(*out_weight);
 
   const bool separate =
@@ -261,11 +259,8 @@ absl::Status LoadTorchMultiHead(Weights& weights, Model& model) {
     return Invalid("has both in_proj_weight and q/k/v_proj_weight; torch writes one or the other");
   }
   if (separate) {
-    if (absl::Status status =
-            TakeInputProjections(weights, "q_proj_weight", "k_proj_weight", "v_proj_weight", Sym("E"), model);
-        !status.ok()) {
-      return status;
-    }
+    RETURN_IF_ERROR(TakeInputProjections(weights, "q_proj_weight", "k_proj_weight",
+                                         "v_proj_weight", Sym("E"), model));
   } else {
     if (!weights.Has("in_proj_weight")) {
       return Invalid(absl::StrCat("missing tensor 'in_proj_weight' (expected shape [", 3 * width, ", ", width,

@@ -1,17 +1,12 @@
-// packed_gemm.cc: packing of projection weights and the packed-panel GEMM
-// (packed_gemm.h), the kernel compiled by Highway once per vector path:
-// AVX-512 (HWY_AVX3), AVX2 (HWY_AVX2) and the portable baseline.
+// packed_gemm.cc: the packed-panel GEMM (packed_gemm.h), compiled by Highway
+// once per vector path (core/isa_dispatch.h).
 #include "core/packed_gemm.h"
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <new>
 
-// As in flash_tile.cc: the portable path covers what SSSE3/SSE4 would.
-#ifndef HWY_DISABLED_TARGETS
-#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4)
-#endif
+#include "core/isa_dispatch.h"
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "core/packed_gemm.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -108,63 +103,10 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace attention {
-namespace {
-
-// Panels are read with aligned loads: 64 bytes, an AVX-512 vector and a
-// cache line.
-constexpr std::align_val_t kPanelAlignment{64};
-
-std::shared_ptr<float[]> AllocatePanels(int64_t floats) {
-  auto* data = static_cast<float*>(
-      ::operator new[](static_cast<size_t>(floats) * sizeof(float), kPanelAlignment));
-  return std::shared_ptr<float[]>(
-      data, [](float* f) { ::operator delete[](f, kPanelAlignment); });
-}
-
-}  // namespace
-
-PackedWeights PackedWeights::Pack(const float* weight, int64_t out_cols, int64_t in_cols,
-                                  const float* bias) {
-  PackedWeights packed;
-  packed.out_cols_ = out_cols;
-  packed.in_cols_ = in_cols;
-  const int64_t padded = packed.panels() * kPanelWidth;
-  std::shared_ptr<float[]> panels = AllocatePanels(padded * in_cols);
-  std::shared_ptr<float[]> biases = AllocatePanels(padded);
-  for (int64_t p = 0; p < packed.panels(); ++p) {
-    float* panel = panels.get() + p * in_cols * kPanelWidth;
-    for (int64_t k = 0; k < in_cols; ++k) {
-      for (int64_t j = 0; j < kPanelWidth; ++j) {
-        const int64_t n = p * kPanelWidth + j;
-        panel[k * kPanelWidth + j] = n < out_cols ? weight[n * in_cols + k] : 0.0f;
-      }
-    }
-  }
-  for (int64_t n = 0; n < padded; ++n) {
-    biases[n] = bias != nullptr && n < out_cols ? bias[n] : 0.0f;
-  }
-  packed.panels_ = std::move(panels);
-  packed.bias_ = std::move(biases);
-  return packed;
-}
 
 PackedKernel PackedKernelFor(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512:
-#if HWY_TARGETS & HWY_AVX3
-      return &N_AVX3::PackedProductImpl;
-#endif
-      [[fallthrough]];
-    case Isa::kAvx2:
-#if HWY_TARGETS & HWY_AVX2
-      return &N_AVX2::PackedProductImpl;
-#endif
-      [[fallthrough]];
-    case Isa::kPortable:
-      break;
-  }
-  // The baseline every x86-64 runs, as in FlashTilePathFor.
-  return &HWY_STATIC_DISPATCH(PackedProductImpl);
+  static constexpr auto kPackedProduct = ISA_TABLE(PackedProductImpl);
+  return kPackedProduct.For(isa);
 }
 
 }  // namespace attention

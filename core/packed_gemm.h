@@ -7,53 +7,24 @@
 // loaded, into the panels the micro-kernel reads: kPanelWidth output columns
 // at a time, each panel in_cols x kPanelWidth, row k holding W[n][k] for the
 // panel's n, so every step of the kernel's k loop loads one contiguous,
-// aligned panel row and broadcasts one input value per row. The bias is
-// packed beside the panels and added as the results are stored, and the
-// input rows are read where they are (no copy).
+// aligned panel row and broadcasts one input value per row (the layout:
+// core/packed_weights.h). The bias is packed beside the panels and added as
+// the results are stored, and the input rows are read where they are (no
+// copy).
 //
 // One Highway source (packed_gemm.cc) builds the kernel per path, like
-// flash_tile.cc; PackedKernelFor picks one. The engine uses it on the avx512
-// and avx2 paths at every row count, where it measured as fast as the BLAS or
-// faster, and the BLAS on the portable path (Projection::UsesPackedWeights,
-// core/engine.cc).
+// flash_tile.cc; PackedKernelFor picks one (core/isa_dispatch.h). The engine
+// uses it on the avx512 and avx2 paths at every row count, where it measured
+// as fast as the BLAS or faster, and the BLAS on the portable path
+// (Projection::UsesPackedWeights, core/projection.h).
 #pragma once
 
 #include <cstdint>
-#include <memory>
 
 #include "core/cpu_features.h"
+#include "core/packed_weights.h"
 
 namespace attention {
-
-// Output columns per panel: two AVX-512 vectors, four AVX2 ones; 128 bytes,
-// two cache lines per k step.
-inline constexpr int64_t kPanelWidth = 32;
-
-// Immutable once packed; copies share the storage.
-class PackedWeights {
- public:
-  PackedWeights() = default;
-
-  // Packs W (out_cols x in_cols, row-major, as PyTorch stores it) and the
-  // bias (out_cols floats, or null for none). Columns past out_cols in the
-  // last panel are zero.
-  static PackedWeights Pack(const float* weight, int64_t out_cols, int64_t in_cols,
-                            const float* bias);
-
-  bool empty() const { return out_cols_ == 0; }
-  int64_t out_cols() const { return out_cols_; }
-  int64_t in_cols() const { return in_cols_; }
-  int64_t panels() const { return (out_cols_ + kPanelWidth - 1) / kPanelWidth; }
-  // Panel p: in_cols rows of kPanelWidth floats, 64-byte aligned.
-  const float* panel(int64_t p) const { return panels_.get() + p * in_cols_ * kPanelWidth; }
-  // The bias of panel p's columns, kPanelWidth floats.
-  const float* bias(int64_t p) const { return bias_.get() + p * kPanelWidth; }
-
- private:
-  std::shared_ptr<const float[]> panels_;
-  std::shared_ptr<const float[]> bias_;
-  int64_t out_cols_ = 0, in_cols_ = 0;
-};
 
 // out[r][0, out_cols) = in[r] W^T + b for rows r of `rows`.
 struct PackedProduct {

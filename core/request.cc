@@ -10,6 +10,7 @@
 #include "absl/strings/string_view.h"
 
 #include "core/finite.h"
+#include "core/status_macros.h"
 
 namespace attention {
 namespace {
@@ -99,6 +100,160 @@ std::string Count(double value) {
   return absl::StrCat(static_cast<int64_t>(value));
 }
 
+// The three tensors' shapes, each on its own (CheckShape): the queries are
+// required, keys and values optional.
+absl::Status CheckShapes(const AttentionRequest& request) {
+  if (request.queries.shape.empty() && request.queries.data.empty()) {
+    return absl::InvalidArgumentError(
+        "queries: required tensor (B, n_q, d_q) is missing");
+  }
+  RETURN_IF_ERROR(CheckShape("queries", request.queries, "(B, n_q, d_q)"));
+  if (request.keys) RETURN_IF_ERROR(CheckShape("keys", *request.keys, "(B, n_k, d_k)"));
+  if (request.values) RETURN_IF_ERROR(CheckShape("values", *request.values, "(B, n_k, d_v)"));
+  return absl::OkStatus();
+}
+
+// The sizes the shapes give, after the self-attention shorthand.
+AttentionDims SizesOf(const AttentionRequest& request) {
+  const TensorView& queries = request.queries;
+  const TensorView& keys = ResolvedKeys(request);
+  AttentionDims dims;
+  dims.batch = queries.shape[0];
+  dims.num_queries = queries.shape[1];
+  dims.query_size = queries.shape[2];
+  dims.num_keys = keys.shape[1];
+  dims.key_size = keys.shape[2];
+  dims.value_size = ResolvedValues(request).shape[2];
+  return dims;
+}
+
+// Keys and values agree with the queries' batch, values with the keys' n_k.
+absl::Status CheckBatchAndKeyCounts(const AttentionRequest& request, const AttentionDims& dims) {
+  RETURN_IF_ERROR(CheckAxis(request.keys ? "keys" : "queries", 0, "B", dims.batch,
+                            ResolvedKeys(request).shape[0], "queries' batch"));
+  if (!request.values) return absl::OkStatus();
+  const TensorView& values = *request.values;
+  RETURN_IF_ERROR(CheckAxis("values", 0, "B", dims.batch, values.shape[0], "queries' batch"));
+  return CheckAxis("values", 1, "n_k", dims.num_keys, values.shape[1],
+                   request.keys ? "keys' n_k" : "n_q, since keys = queries");
+}
+
+// The feature sizes the model's kind needs: d_k == d_q for the weightless
+// kinds, the model's own sizes for the others.
+absl::Status CheckModelSizes(const Model& model, const AttentionRequest& request,
+                             const AttentionDims& dims) {
+  // Name the tensors after the fields the caller actually sent.
+  const absl::string_view keys_field = request.keys ? "keys" : "queries (standing in for keys)";
+  const absl::string_view values_field =
+      request.values ? "values" : (request.keys ? "keys (standing in for values)"
+                                                : "queries (standing in for values)");
+  if (model.kind == Kind::kDotProduct || model.kind == Kind::kDistance) {
+    return CheckAxis(keys_field, 2, "d_k", dims.query_size, dims.key_size,
+                     absl::StrCat(std::string(KindName(model.kind)), " needs d_k == d_q"));
+  }
+  const std::string why = absl::StrCat("model '", model.name, "' input size");
+  RETURN_IF_ERROR(CheckAxis("queries", 2, "d_q", model.query_size, dims.query_size, why));
+  RETURN_IF_ERROR(CheckAxis(keys_field, 2, "d_k", model.key_size, dims.key_size, why));
+  if (model.value_size == 0) return absl::OkStatus();
+  return CheckAxis(values_field, 2, "d_v", model.value_size, dims.value_size, why);
+}
+
+// The form of the length mask, from how many valid lengths were sent; each
+// must be >= 0.
+absl::StatusOr<LengthMask> CheckValidLens(const AttentionRequest& request,
+                                          const AttentionDims& dims) {
+  const int64_t num_lens = static_cast<int64_t>(request.valid_lens.size());
+  LengthMask mask;
+  if (num_lens == 0) {
+    mask = LengthMask::kNone;
+  } else if (num_lens == dims.batch) {
+    mask = LengthMask::kPerExample;
+  } else if (num_lens == dims.batch * dims.num_queries) {  // no overflow: <= queries' size
+    mask = LengthMask::kPerQuery;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "valid_lens: expected 0, ", dims.batch, " (B, one per example) or ",
+        dims.batch * dims.num_queries, " (B*n_q, one per query) entries, got ", num_lens));
+  }
+  for (int64_t i = 0; i < num_lens; ++i) {
+    if (request.valid_lens[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("valid_lens[", i, "]: expected >= 0, got ",
+                                                     request.valid_lens[i]));
+    }
+  }
+  return mask;
+}
+
+// Limits::max_request_elements over inputs, output and weights together.
+absl::Status CheckElementLimit(const AttentionRequest& request, const AttentionDims& dims,
+                               const Limits& limits) {
+  if (limits.max_request_elements <= 0) return absl::OkStatus();
+  // Each term is at most a validated tensor's size or a product checked here.
+  std::optional<int64_t> total = static_cast<int64_t>(request.queries.data.size());
+  if (request.keys) total = CheckedAdd(*total, static_cast<int64_t>(request.keys->data.size()));
+  if (total && request.values) {
+    total = CheckedAdd(*total, static_cast<int64_t>(request.values->data.size()));
+  }
+  auto output = CheckedMul(dims.batch * dims.num_queries, dims.output_size);
+  total = total && output ? CheckedAdd(*total, *output) : std::nullopt;
+  if (total && request.return_attention_weights) {
+    auto weights = CheckedMul(dims.batch, dims.num_heads);
+    if (weights) weights = CheckedMul(*weights, dims.num_queries);
+    if (weights) weights = CheckedMul(*weights, dims.num_keys);
+    total = weights ? CheckedAdd(*total, *weights) : std::nullopt;
+  }
+  if (total && *total <= limits.max_request_elements) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "request: expected at most ", limits.max_request_elements,
+      " float elements in queries, keys, values, output and weights together, got ",
+      total ? absl::StrCat(*total) : std::string("more than 2^63")));
+}
+
+// Limits::max_request_work over RequestWork.
+absl::Status CheckWorkLimit(const Model& model, const AttentionDims& dims, const Limits& limits) {
+  if (limits.max_request_work <= 0) return absl::OkStatus();
+  const double work = RequestWork(model, dims);
+  if (work <= static_cast<double>(limits.max_request_work)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "request: expected at most ", limits.max_request_work,
+      " work units (about one per multiply-add; docs/api.md, section 6.2) for one "
+      "request, got ", Count(work), " (B=", dims.batch,
+      " n_q=", dims.num_queries, " n_k=", dims.num_keys, " d_k=", dims.key_size,
+      " d_v=", dims.value_size, " on ", std::string(KindName(model.kind)),
+      "); split it into smaller requests"));
+}
+
+// Limits::max_request_scratch_elements over RequestScratch and, for
+// additive models, over their projections.
+absl::Status CheckScratchLimit(const Model& model, const AttentionDims& dims,
+                               const Limits& limits) {
+  if (limits.max_request_scratch_elements <= 0) return absl::OkStatus();
+  const double scratch = RequestScratch(dims);
+  if (scratch > static_cast<double>(limits.max_request_scratch_elements)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request: expected at most ", limits.max_request_scratch_elements,
+        " floats of engine scratch per thread, got ", Count(scratch),
+        " (64 query rows x (d_q=", dims.query_size, " + d_k=", dims.key_size,
+        " + d_v=", dims.value_size, " + output ", dims.output_size,
+        ")); feature sizes this wide are refused"));
+  }
+  // additive projects every query and key to its h hidden units before
+  // scoring, all at once, so its projections grow with n_k, not with 64
+  // query rows.
+  if (model.kind != Kind::kAdditive) return absl::OkStatus();
+  const double hidden = static_cast<double>(model.w_q.rows());
+  const double projected = static_cast<double>(dims.batch) *
+                           (static_cast<double>(dims.num_queries) + dims.num_keys) * hidden;
+  if (projected <= static_cast<double>(limits.max_request_scratch_elements)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "request: expected at most ", limits.max_request_scratch_elements,
+      " floats of additive projections, got ", Count(projected), " (B=", dims.batch,
+      " x (n_q=", dims.num_queries, " + n_k=", dims.num_keys, ") x h=", model.w_q.rows(),
+      "); split it into smaller requests"));
+}
+
 }  // namespace
 
 double RequestWork(const Model& model, const AttentionDims& dims) {
@@ -141,176 +296,28 @@ const TensorView& ResolvedValues(const AttentionRequest& request) {
 
 absl::StatusOr<AttentionDims> Validate(const Model& model, const AttentionRequest& request,
                                        const Limits& limits) {
-  if (request.queries.shape.empty() && request.queries.data.empty()) {
-    return absl::InvalidArgumentError(
-        "queries: required tensor (B, n_q, d_q) is missing");
-  }
-  // Name the tensors after the fields the caller actually sent.
-  const absl::string_view keys_field = request.keys ? "keys" : "queries (standing in for keys)";
-  const absl::string_view values_field =
-      request.values ? "values" : (request.keys ? "keys (standing in for values)"
-                                                : "queries (standing in for values)");
-  if (auto s = CheckShape("queries", request.queries, "(B, n_q, d_q)"); !s.ok()) return s;
-  if (request.keys) {
-    if (auto s = CheckShape("keys", *request.keys, "(B, n_k, d_k)"); !s.ok()) return s;
-  }
-  if (request.values) {
-    if (auto s = CheckShape("values", *request.values, "(B, n_k, d_v)"); !s.ok()) return s;
-  }
-  const TensorView& queries = request.queries;
-  const TensorView& keys = ResolvedKeys(request);
-  const TensorView& values = ResolvedValues(request);
-
-  AttentionDims dims;
-  dims.batch = queries.shape[0];
-  dims.num_queries = queries.shape[1];
-  dims.query_size = queries.shape[2];
-  dims.num_keys = keys.shape[1];
-  dims.key_size = keys.shape[2];
-  dims.value_size = values.shape[2];
-
-  if (auto s = CheckAxis(request.keys ? "keys" : "queries", 0, "B", dims.batch, keys.shape[0],
-                         "queries' batch");
-      !s.ok()) {
-    return s;
-  }
-  if (request.values) {
-    if (auto s = CheckAxis("values", 0, "B", dims.batch, values.shape[0], "queries' batch");
-        !s.ok()) {
-      return s;
-    }
-    if (auto s = CheckAxis("values", 1, "n_k", dims.num_keys, values.shape[1],
-                           request.keys ? "keys' n_k" : "n_q, since keys = queries");
-        !s.ok()) {
-      return s;
-    }
-  }
-
-  switch (model.kind) {
-    case Kind::kDotProduct:
-    case Kind::kDistance:
-      if (auto s = CheckAxis(keys_field, 2, "d_k", dims.query_size, dims.key_size,
-                             absl::StrCat(std::string(KindName(model.kind)), " needs d_k == d_q"));
-          !s.ok()) {
-        return s;
-      }
-      break;
-    default: {
-      const std::string why = absl::StrCat("model '", model.name, "' input size");
-      if (auto s = CheckAxis("queries", 2, "d_q", model.query_size, dims.query_size, why);
-          !s.ok()) {
-        return s;
-      }
-      if (auto s = CheckAxis(keys_field, 2, "d_k", model.key_size, dims.key_size, why); !s.ok()) {
-        return s;
-      }
-      if (model.value_size != 0) {
-        if (auto s = CheckAxis(values_field, 2, "d_v", model.value_size, dims.value_size, why);
-            !s.ok()) {
-          return s;
-        }
-      }
-    }
-  }
+  RETURN_IF_ERROR(CheckShapes(request));
+  AttentionDims dims = SizesOf(request);
+  RETURN_IF_ERROR(CheckBatchAndKeyCounts(request, dims));
+  RETURN_IF_ERROR(CheckModelSizes(model, request, dims));
   dims.output_size = model.output_size != 0 ? model.output_size : dims.value_size;
   dims.num_heads = model.kind == Kind::kMultiHead ? model.num_heads : 1;
-
-  const int64_t num_lens = static_cast<int64_t>(request.valid_lens.size());
-  if (num_lens == 0) {
-    dims.length_mask = LengthMask::kNone;
-  } else if (num_lens == dims.batch) {
-    dims.length_mask = LengthMask::kPerExample;
-  } else if (num_lens == dims.batch * dims.num_queries) {  // no overflow: <= queries' size
-    dims.length_mask = LengthMask::kPerQuery;
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "valid_lens: expected 0, ", dims.batch, " (B, one per example) or ",
-        dims.batch * dims.num_queries, " (B*n_q, one per query) entries, got ", num_lens));
-  }
-  for (int64_t i = 0; i < num_lens; ++i) {
-    if (request.valid_lens[i] < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("valid_lens[", i, "]: expected >= 0, got ",
-                                                     request.valid_lens[i]));
-    }
-  }
-
+  absl::StatusOr<LengthMask> length_mask = CheckValidLens(request, dims);
+  if (!length_mask.ok()) return length_mask.status();
+  dims.length_mask = *length_mask;
   if (request.scale && !std::isfinite(*request.scale)) {
     return absl::InvalidArgumentError(
         absl::StrCat("scale: expected a finite value, got ", *request.scale));
   }
   dims.scale = request.scale ? *request.scale : DefaultScale(model, dims);
-
-  if (limits.max_request_elements > 0) {
-    // Each term is at most a validated tensor's size or a product checked here.
-    std::optional<int64_t> total = static_cast<int64_t>(queries.data.size());
-    if (request.keys) total = CheckedAdd(*total, static_cast<int64_t>(keys.data.size()));
-    if (total && request.values) {
-      total = CheckedAdd(*total, static_cast<int64_t>(values.data.size()));
-    }
-    auto output = CheckedMul(dims.batch * dims.num_queries, dims.output_size);
-    total = total && output ? CheckedAdd(*total, *output) : std::nullopt;
-    if (total && request.return_attention_weights) {
-      auto weights = CheckedMul(dims.batch, dims.num_heads);
-      if (weights) weights = CheckedMul(*weights, dims.num_queries);
-      if (weights) weights = CheckedMul(*weights, dims.num_keys);
-      total = weights ? CheckedAdd(*total, *weights) : std::nullopt;
-    }
-    if (!total || *total > limits.max_request_elements) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request: expected at most ", limits.max_request_elements,
-          " float elements in queries, keys, values, output and weights together, got ",
-          total ? absl::StrCat(*total) : std::string("more than 2^63")));
-    }
-  }
-
+  RETURN_IF_ERROR(CheckElementLimit(request, dims, limits));
   // Before the finiteness pass: a request refused for its cost is refused
   // cheaply.
-  if (limits.max_request_work > 0) {
-    const double work = RequestWork(model, dims);
-    if (work > static_cast<double>(limits.max_request_work)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request: expected at most ", limits.max_request_work,
-          " work units (about one per multiply-add; docs/api.md, section 6.2) for one "
-          "request, got ", Count(work), " (B=", dims.batch,
-          " n_q=", dims.num_queries, " n_k=", dims.num_keys, " d_k=", dims.key_size,
-          " d_v=", dims.value_size, " on ", std::string(KindName(model.kind)),
-          "); split it into smaller requests"));
-    }
-  }
-  if (limits.max_request_scratch_elements > 0) {
-    const double scratch = RequestScratch(dims);
-    if (scratch > static_cast<double>(limits.max_request_scratch_elements)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request: expected at most ", limits.max_request_scratch_elements,
-          " floats of engine scratch per thread, got ", Count(scratch),
-          " (64 query rows x (d_q=", dims.query_size, " + d_k=", dims.key_size,
-          " + d_v=", dims.value_size, " + output ", dims.output_size,
-          ")); feature sizes this wide are refused"));
-    }
-    // additive projects every query and key to its h hidden units before
-    // scoring, all at once: 500,000 keys at h = 256 took 525 MiB from a 4 MB
-    // request.
-    if (model.kind == Kind::kAdditive) {
-      const double hidden = static_cast<double>(model.w_q.rows());
-      const double projected = static_cast<double>(dims.batch) *
-                               (static_cast<double>(dims.num_queries) + dims.num_keys) * hidden;
-      if (projected > static_cast<double>(limits.max_request_scratch_elements)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "request: expected at most ", limits.max_request_scratch_elements,
-            " floats of additive projections, got ", Count(projected), " (B=", dims.batch,
-            " x (n_q=", dims.num_queries, " + n_k=", dims.num_keys, ") x h=", model.w_q.rows(),
-            "); split it into smaller requests"));
-      }
-    }
-  }
-
-  if (auto s = CheckFinite("queries", queries); !s.ok()) return s;
-  if (request.keys) {
-    if (auto s = CheckFinite("keys", keys); !s.ok()) return s;
-  }
-  if (request.values) {
-    if (auto s = CheckFinite("values", values); !s.ok()) return s;
-  }
+  RETURN_IF_ERROR(CheckWorkLimit(model, dims, limits));
+  RETURN_IF_ERROR(CheckScratchLimit(model, dims, limits));
+  RETURN_IF_ERROR(CheckFinite("queries", request.queries));
+  if (request.keys) RETURN_IF_ERROR(CheckFinite("keys", *request.keys));
+  if (request.values) RETURN_IF_ERROR(CheckFinite("values", *request.values));
   return dims;
 }
 

@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "core/float16.h"
+#include "core/status_macros.h"
 
 namespace attention {
 namespace {
@@ -322,7 +323,7 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(std::span<const uint8_t> bytes)
   }
   std::vector<const Entry*> layout;
   for (const Entry& entry : entries) layout.push_back(&entry);
-  if (absl::Status status = CheckLayout(std::move(layout), data_size); !status.ok()) return status;
+  RETURN_IF_ERROR(CheckLayout(std::move(layout), data_size));
 
   for (const Entry& entry : entries) file.tensors.emplace(entry.name, Convert(entry, data));
   return file;

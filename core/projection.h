@@ -1,0 +1,71 @@
+// projection.h: the engine's projections (y = x W^T + b) and where each runs:
+// on the packed GEMM (core/packed_gemm.h) or on the BLAS, in row and panel
+// blocks spread over the pool (internal to the engine).
+#pragma once
+
+#include <Eigen/Core>
+#include <cstdint>
+#include <vector>
+
+#include "core/cpu_features.h"
+#include "core/flash_kernel.h"
+#include "core/model.h"
+#include "core/packed_weights.h"
+
+namespace attention {
+
+class ThreadPool;
+
+namespace internal {
+
+using ConstMatrixMap = Eigen::Map<const RowMatrix>;
+using MatrixMap = Eigen::Map<RowMatrix>;
+
+// out (rows x out_cols) = in (rows x in_cols) * weight^T + bias, or
+// in * weight when `transposed` is false (bilinear's q^T W_k).
+struct Projection {
+  const float* in;
+  float* out;
+  int64_t rows;
+  const RowMatrix* weight;
+  const Vector* bias;  // null: none
+  bool transposed = true;
+  // The same weight and bias packed (core/packed_weights.h); null or empty: none.
+  const PackedWeights* packed = nullptr;
+  int64_t out_stride = 0;  // floats between output rows; 0: out_cols()
+
+  int64_t in_cols() const { return transposed ? weight->cols() : weight->rows(); }
+  int64_t out_cols() const { return transposed ? weight->rows() : weight->cols(); }
+  int64_t out_row_stride() const { return out_stride != 0 ? out_stride : out_cols(); }
+  // Projections with packed weights (multi_head models, PackProjections) run
+  // on them on the avx512 and avx2 paths, whatever their rows: there the
+  // packed kernel was never slower than the BLAS at any row count, so there
+  // is no crossover to switch at. The others, and all on the portable path,
+  // whose packed kernel is scalar, run on the BLAS (BENCHMARKS.md,
+  // "Projections").
+  bool UsesPackedWeights() const {
+    return packed != nullptr && !packed->empty() && ActiveIsa() != Isa::kPortable;
+  }
+  // The same product over rows [first, first + count) only.
+  Projection Rows(int64_t first, int64_t count) const {
+    Projection part = *this;
+    part.in += first * in_cols();
+    part.out += first * out_row_stride();
+    part.rows = count;
+    return part;
+  }
+};
+
+// The whole of one projection on the calling thread.
+void ProjectAll(const Projection& p);
+
+// Every projection of `projections`, in blocks spread over the pool. With a
+// `stop`, each block asks it first, so a stopped request's remaining blocks
+// are skipped (a block is at most a few milliseconds of one core). Only a
+// group of one request passes its stop (LoneStop): the rows of a larger
+// group's products belong to all of its requests.
+void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections,
+                    WorkStop* stop = nullptr);
+
+}  // namespace internal
+}  // namespace attention
