@@ -54,6 +54,7 @@
 #include <string>
 #include <vector>
 
+#include "core/blas.h"
 #include "core/cpu_features.h"
 #include "core/engine.h"
 #include "core/model.h"

@@ -52,7 +52,7 @@ bool ReexecWithMatchingBlasCore() {
   if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return false;
   const Isa isa = WantedIsa();
   const char* core_type = CoreTypeFor(isa);
-  if (core_type == nullptr || BlasCoreMatches(isa, RunningBlasCore())) return false;
+  if (core_type == nullptr || BlasCoreMatches(isa, BlasCoreName())) return false;
   std::ifstream file("/proc/self/cmdline", std::ios::binary);
   const std::string cmdline{std::istreambuf_iterator<char>(file), {}};
   std::vector<char*> argv;
@@ -86,7 +86,7 @@ bool BlasCoreForcedByCaller() {
   return core_type != nullptr && (chosen == nullptr || std::string_view(core_type) != chosen);
 }
 
-std::string RunningBlasCore() {
+std::string BlasCoreName() {
   const char* name = openblas_get_corename();
   return name != nullptr ? name : "none";
 }

@@ -26,8 +26,9 @@ void RunBlasOnCallingThread();
 // it is obeyed as it is) rather than by the re-exec.
 bool BlasCoreForcedByCaller();
 
-// The OpenBLAS kernel family running, e.g. "SkylakeX".
-std::string RunningBlasCore();
+// The BLAS kernel family running the projections, as the BLAS names it
+// (OpenBLAS: "SkylakeX", "Haswell", ...), or "none" if no BLAS is linked.
+std::string BlasCoreName();
 
 // Whether OpenBLAS core `core` runs the kernels of path `isa` ("Haswell" and
 // "Zen" for avx2; "SkylakeX", "Cooperlake", "SapphireRapids" for avx512).

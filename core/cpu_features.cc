@@ -10,7 +10,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/blas.h"
 
 namespace attention {
 namespace {
@@ -104,7 +103,5 @@ absl::Status SelectIsaFromEnvironment() {
   if (status.ok()) return status;
   return absl::Status(status.code(), absl::StrCat("ATTENTION_ISA: ", status.message()));
 }
-
-std::string BlasCoreName() { return RunningBlasCore(); }
 
 }  // namespace attention

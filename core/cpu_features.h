@@ -42,8 +42,4 @@ Isa ActiveIsa();
 // the error of ParseIsa or SelectIsa otherwise, naming the variable.
 absl::Status SelectIsaFromEnvironment();
 
-// The BLAS kernel family running the projections, as the BLAS names it
-// (OpenBLAS: "SkylakeX", "Haswell", ...), or "none" if no BLAS is linked.
-std::string BlasCoreName();
-
 }  // namespace attention

@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "core/blas.h"
 #include "core/cpu_features.h"
 #include "core/engine.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
