@@ -15,7 +15,7 @@
 #     `git archive HEAD` export) instead of this working tree
 #
 # Needs root (buildah with chroot isolation, debootstrap), about 15 GB of disk
-# and, on 2 cores, minutes for the default build (most of an hour with
+# and, on 2 cores, about 4 minutes for the default build (most of an hour with
 # BUILD_ARGS="--build-arg ATTENTION_TESTS=ON", which also runs the tests).
 set -euo pipefail
 
