@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
+#include "grpcpp/support/proto_buffer_reader.h"
 #include "server/api/attention_adapter.h"
 #include "server/api/wire_fault.h"
 
@@ -27,11 +28,17 @@ namespace attention::server {
 // be found, the field whose bytes are broken (wire_fault.h).
 template <typename Message>
 absl::Status ParseWire(grpc::ByteBuffer* wire, Message* message) {
-  const grpc::ByteBuffer received(*wire);  // shares the slices, for the diagnosis
-  const grpc::Status parsed = grpc::SerializationTraits<Message>::Deserialize(wire, message);
-  if (parsed.ok()) return absl::OkStatus();
+  bool parsed = false;
+  {
+    // What gRPC's own deserializer does, but the bytes stay until the
+    // diagnosis below has read them.
+    grpc::ProtoBufferReader reader(wire);
+    parsed = reader.status().ok() && message->ParseFromZeroCopyStream(&reader);
+  }
+  const std::string fault = parsed ? "" : FindWireFault(*Message::descriptor(), *wire);
+  wire->Clear();
+  if (parsed) return absl::OkStatus();
   message->Clear();
-  const std::string fault = FindWireFault(*Message::descriptor(), received);
   return absl::InvalidArgumentError(absl::StrCat(
       "the request's bytes are not a valid ", Message::descriptor()->full_name(),
       " message (protobuf wire format)", fault.empty() ? "" : ": ", fault));
