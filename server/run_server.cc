@@ -34,6 +34,7 @@
 #include "prometheus/exposer.h"
 #include "server/api/attention_api.h"
 #include "server/api/inference_api.h"
+#include "server/api/inference_operations.h"
 #include "server/dispatch/dispatcher.h"
 #include "server/observability/request_names.h"
 #include "server/dispatch/test_gate.h"
@@ -191,6 +192,7 @@ struct RunningServer {
   // (at most Dispatcher::kRefusalLinesPerSecond lines a second).
   RefusalLogLimiter unauthenticated_log{Dispatcher::kRefusalLinesPerSecond};
   std::unique_ptr<AttentionApi> attention_api;
+  std::unique_ptr<InferenceOperations> inference_operations;
   std::unique_ptr<InferenceApi> inference_api;
   std::unique_ptr<grpc::Server> grpc;
   std::string grpc_address;
@@ -312,9 +314,8 @@ absl::Status StartGrpc(const ServerConfig& config, RunningServer& s) {
   int port = 0;
   builder.AddListeningPort(config.address, s.credentials, &port);
   s.attention_api = std::make_unique<AttentionApi>(s.dispatcher.get(), &s.registry);
-  s.inference_api = std::make_unique<InferenceApi>(
-      s.dispatcher.get(), &s.registry,
-      config.model_control == "explicit" ? s.manager.get() : nullptr, s.metrics.get());
+  s.inference_api =
+      std::make_unique<InferenceApi>(s.dispatcher.get(), s.inference_operations.get());
   builder.RegisterService(s.attention_api.get());
   builder.RegisterService(s.inference_api.get());
   if (!config.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
@@ -428,6 +429,9 @@ absl::Status Start(const ServerConfig& config, RunningServer& s) {
       Dispatcher::Create(&s.registry, s.engine.get(), s.metrics.get(), s.dispatch_options);
   if (!dispatcher.ok()) return dispatcher.status();
   s.dispatcher = *std::move(dispatcher);
+  s.inference_operations = std::make_unique<InferenceOperations>(
+      s.dispatcher.get(), &s.registry,
+      config.model_control == "explicit" ? s.manager.get() : nullptr, s.metrics.get());
   if (absl::Status started = StartGrpc(config, s); !started.ok()) return started;
   absl::Status serving = StartMetrics(config, s);
   if (serving.ok()) {

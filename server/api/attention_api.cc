@@ -22,16 +22,16 @@ void SubmitAttend(Dispatcher& dispatcher, const CallOrigin& origin,
                   bool credentials_checked, Dispatcher::Done done) {
   dispatcher.Submit(
       origin,
-      Dispatcher::Request{
-          .api = kAttentionApi,
-          .model = request.model(),
-          .version =
-              request.has_version() ? std::optional<int64_t>(request.version()) : std::nullopt,
-          .request_id = request.request_id(),
-          .message_bytes = static_cast<int64_t>(request.ByteSizeLong()),
-          .served_version = served_version,
-          .credentials_checked = credentials_checked,
-          .readable = std::move(readable)},
+      Dispatcher::Request{.api = kAttentionApi,
+                          .model = request.model(),
+                          .version = request.has_version()
+                                         ? std::optional<int64_t>(request.version())
+                                         : std::nullopt,
+                          .request_id = request.request_id(),
+                          .message_bytes = static_cast<int64_t>(request.ByteSizeLong()),
+                          .served_version = served_version,
+                          .credentials_checked = credentials_checked,
+                          .readable = std::move(readable)},
       [&request]() -> absl::StatusOr<AttentionRequest> { return ToAttentionRequest(request); },
       std::move(done));
 }
@@ -118,14 +118,13 @@ grpc::ServerUnaryReactor* AttentionApi::ListModels(grpc::CallbackServerContext* 
   return AnswerAtOnce(context, request, response, this, &AttentionApi::List);
 }
 
-absl::Status AttentionApi::List(const grpc::CallbackServerContext& context,
-                                const v1::ListModelsRequest& request,
+absl::Status AttentionApi::List(const CallOrigin& origin, const v1::ListModelsRequest& request,
                                 v1::ListModelsResponse* response) const {
-  absl::Status status = dispatcher_->access().Check(context);
+  absl::Status status = origin.Authenticate(dispatcher_->access());
   if (status.ok()) {
     ListRegistry(*registry_, request.include_unavailable(), response);
   } else {
-    spdlog::warn("ListModels refused: peer={}: {}", context.peer(), std::string(status.message()));
+    spdlog::warn("ListModels refused: peer={}: {}", origin.peer(), std::string(status.message()));
   }
   return status;
 }

@@ -11,6 +11,7 @@
 
 #include "attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "server/dispatch/call_origin.h"
 #include "server/dispatch/dispatcher.h"
 #include "server/repository/registry.h"
 
@@ -37,8 +38,8 @@ class AttentionApi final : public AttentionWireService {
                                        grpc::ByteBuffer* response) override;
 
  private:
-  absl::Status List(const grpc::CallbackServerContext& context,
-                    const v1::ListModelsRequest& request, v1::ListModelsResponse* response) const;
+  absl::Status List(const CallOrigin& origin, const v1::ListModelsRequest& request,
+                    v1::ListModelsResponse* response) const;
 
   Dispatcher* const dispatcher_;         // not owned
   const ModelRegistry* const registry_;  // not owned

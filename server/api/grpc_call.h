@@ -22,11 +22,11 @@
 
 namespace attention::server {
 
-// A gRPC call as the dispatcher sees it.
+// A gRPC call as the dispatcher and the APIs' operations see it.
 class GrpcCallOrigin final : public CallOrigin {
  public:
   // `context` is owned by gRPC and alive until the call's OnDone.
-  explicit GrpcCallOrigin(grpc::CallbackServerContext* context) : context_(context) {}
+  explicit GrpcCallOrigin(const grpc::CallbackServerContext* context) : context_(context) {}
 
   absl::Time deadline() const override {
     const std::chrono::system_clock::time_point t = context_->deadline();
@@ -40,7 +40,7 @@ class GrpcCallOrigin final : public CallOrigin {
   }
 
  private:
-  grpc::CallbackServerContext* const context_;
+  const grpc::CallbackServerContext* const context_;
 };
 
 // A unary call whose request the dispatcher computes: it parses the request
@@ -120,5 +120,23 @@ class AdmittedStream : public OrderedStream<Slot> {
   const GrpcCallOrigin origin_;
   bool open_ = false;  // set before anything can call OnDone
 };
+
+// A unary call answered inside its handler: parses the request, runs
+// (api->*handle)(origin, request, &response), which gives the call's status,
+// and finishes with the response when that is OK.
+template <typename Api, typename Request, typename Response>
+grpc::ServerUnaryReactor* AnswerAtOnce(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire_request,
+    grpc::ByteBuffer* wire_response, const Api* api,
+    absl::Status (Api::*handle)(const CallOrigin&, const Request&, Response*) const) {
+  Request request;
+  Response response;
+  absl::Status status = ParseWire(wire_request, &request);
+  if (status.ok()) status = (api->*handle)(GrpcCallOrigin(context), request, &response);
+  if (status.ok()) WriteWire(response, wire_response);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
 
 }  // namespace attention::server

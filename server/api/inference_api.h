@@ -1,32 +1,21 @@
 // inference_api.h: inference.GRPCInferenceService, the Open Inference
 // Protocol (KServe v2, Triton's gRPC API) on attention-server's port.
 //
-// A second front door to the same server, not a second server: every
-// ModelInfer request goes through Dispatcher::Submit(), so it is
-// authenticated, admitted, validated, limited, batched (merged with Attend
-// requests for the same model), counted and logged exactly as an Attend
-// request is, and drain waits for its call. What is its own is the mapping
-// of tensors (inference_adapter.h) and the protocol's model descriptions.
-//
-// ServerLive and ServerReady answer without credentials, like
-// grpc.health.v1.Health, so orchestrators can probe them; every other RPC
-// needs the bearer token when the server has tokens. RepositoryModelLoad and
-// RepositoryModelUnload are refused (FAILED_PRECONDITION) unless the server
-// runs with --model-control explicit.
+// A second front door to the same server, not a second server: every method
+// is the protocol's operation (inference_operations.h), which the REST API
+// (rest_api.h) shares, and every ModelInfer request goes through
+// Dispatcher::Submit(), so it is authenticated, admitted, validated,
+// limited, batched (merged with Attend and REST requests for the same
+// model), counted and logged exactly as an Attend request is, and drain
+// waits for its call. What is its own is the gRPC transport: raw messages
+// and the ModelStreamInfer stream.
 #pragma once
-
-#include <cstdint>
-#include <string_view>
-#include <vector>
 
 #include "grpcpp/grpcpp.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/api/inference_adapter.h"
-#include "server/dispatch/call_origin.h"
+#include "server/api/inference_operations.h"
 #include "server/dispatch/dispatcher.h"
-#include "server/observability/metrics.h"
-#include "server/repository/manager.h"
-#include "server/repository/registry.h"
 
 namespace attention::server {
 
@@ -52,10 +41,9 @@ using InferenceWireService = inference::GRPCInferenceService::WithRawCallbackMet
 
 class InferenceApi final : public InferenceWireService {
  public:
-  // Not owned; all must outlive the service. `manager`: the explicit model
-  // control of RepositoryModelLoad/Unload; nullptr refuses them.
-  InferenceApi(Dispatcher* dispatcher, const ModelRegistry* registry, RepositoryManager* manager,
-               ServerMetrics* metrics);
+  // Not owned; both must outlive the service.
+  InferenceApi(Dispatcher* dispatcher, InferenceOperations* operations)
+      : dispatcher_(dispatcher), operations_(operations) {}
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const grpc::ByteBuffer* request,
@@ -96,65 +84,8 @@ class InferenceApi final : public InferenceWireService {
  private:
   class StreamReactor;
 
-  // The typed answers of the methods answered at once (AnswerAtOnce).
-  absl::Status AnswerServerLive(const grpc::CallbackServerContext& context,
-                                const inference::ServerLiveRequest& request,
-                                inference::ServerLiveResponse* response) const;
-  absl::Status AnswerServerReady(const grpc::CallbackServerContext& context,
-                                 const inference::ServerReadyRequest& request,
-                                 inference::ServerReadyResponse* response) const;
-  absl::Status AnswerModelReady(const grpc::CallbackServerContext& context,
-                                const inference::ModelReadyRequest& request,
-                                inference::ModelReadyResponse* response) const;
-  absl::Status AnswerServerMetadata(const grpc::CallbackServerContext& context,
-                                    const inference::ServerMetadataRequest& request,
-                                    inference::ServerMetadataResponse* response) const;
-  absl::Status AnswerModelMetadata(const grpc::CallbackServerContext& context,
-                                   const inference::ModelMetadataRequest& request,
-                                   inference::ModelMetadataResponse* response) const;
-  absl::Status AnswerModelConfig(const grpc::CallbackServerContext& context,
-                                 const inference::ModelConfigRequest& request,
-                                 inference::ModelConfigResponse* response) const;
-  absl::Status AnswerModelStatistics(const grpc::CallbackServerContext& context,
-                                     const inference::ModelStatisticsRequest& request,
-                                     inference::ModelStatisticsResponse* response) const;
-  absl::Status AnswerRepositoryIndex(const grpc::CallbackServerContext& context,
-                                     const inference::RepositoryIndexRequest& request,
-                                     inference::RepositoryIndexResponse* response) const;
-  absl::Status AnswerRepositoryModelLoad(const grpc::CallbackServerContext& context,
-                                         const inference::RepositoryModelLoadRequest& request,
-                                         inference::RepositoryModelLoadResponse* response) const;
-  absl::Status AnswerRepositoryModelUnload(
-      const grpc::CallbackServerContext& context,
-      const inference::RepositoryModelUnloadRequest& request,
-      inference::RepositoryModelUnloadResponse* response) const;
-
-  // The model `name` at `version` ("": the newest ready), or NOT_FOUND
-  // naming which.
-  absl::StatusOr<ServedModel> FindModel(std::string_view name, std::string_view version) const;
-  // The same for a caller whose credentials are accepted; their error first.
-  absl::StatusOr<ServedModel> FindModelFor(const grpc::CallbackServerContext& context,
-                                           std::string_view name, std::string_view version) const;
-  // The ready versions of `name`, ascending.
-  std::vector<int64_t> ReadyVersions(std::string_view name) const;
-  // Why `context` may not load or unload models; OK when it may.
-  absl::Status CheckControl(const grpc::CallbackServerContext& context) const;
-  // RepositoryModelLoad and RepositoryModelUnload: `change` (`verb`, e.g.
-  // "loaded") of `name`, once the caller may control the repository.
-  absl::Status ChangeRepository(const grpc::CallbackServerContext& context, std::string_view method,
-                                std::string_view name, std::string_view verb,
-                                absl::Status (RepositoryManager::*change)(std::string_view)) const;
-  // Submits `proto`, decoded into `decoded` once admitted; as for
-  // Dispatcher::Submit(), `readable` and `served_version` as in
-  // Dispatcher::Request.
-  void Infer(const CallOrigin& origin, const inference::ModelInferRequest& proto,
-             absl::Status readable, DecodedInferRequest* decoded, int64_t* served_version,
-             bool credentials_checked, Dispatcher::Done done);
-
-  Dispatcher* const dispatcher_;         // not owned
-  const ModelRegistry* const registry_;  // not owned
-  RepositoryManager* const manager_;     // not owned; nullptr: no explicit control
-  ServerMetrics* const metrics_;         // not owned
+  Dispatcher* const dispatcher_;           // not owned
+  InferenceOperations* const operations_;  // not owned
 };
 
 }  // namespace attention::server

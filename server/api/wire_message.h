@@ -39,9 +39,9 @@ absl::Status ParseWire(grpc::ByteBuffer* wire, Message* message) {
   wire->Clear();
   if (parsed) return absl::OkStatus();
   message->Clear();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "the request's bytes are not a valid ", Message::descriptor()->full_name(),
-      " message (protobuf wire format)", fault.empty() ? "" : ": ", fault));
+  return absl::InvalidArgumentError(
+      absl::StrCat("the request's bytes are not a valid ", Message::descriptor()->full_name(),
+                   " message (protobuf wire format)", fault.empty() ? "" : ": ", fault));
 }
 
 // A unary handler's request: gRPC owns it for the call and hands it out as
@@ -56,25 +56,6 @@ template <typename Message>
 void WriteWire(const Message& message, grpc::ByteBuffer* wire) {
   bool own_buffer = false;
   grpc::SerializationTraits<Message>::Serialize(message, wire, &own_buffer);
-}
-
-// A unary call answered inside its handler: parses the request, runs
-// (api->*handle)(context, request, &response), which gives the call's status,
-// and finishes with the response when that is OK.
-template <typename Api, typename Request, typename Response>
-grpc::ServerUnaryReactor* AnswerAtOnce(
-    grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire_request,
-    grpc::ByteBuffer* wire_response, const Api* api,
-    absl::Status (Api::*handle)(const grpc::CallbackServerContext&, const Request&, Response*)
-        const) {
-  Request request;
-  Response response;
-  absl::Status status = ParseWire(wire_request, &request);
-  if (status.ok()) status = (api->*handle)(*context, request, &response);
-  if (status.ok()) WriteWire(response, wire_response);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
 }
 
 }  // namespace attention::server
