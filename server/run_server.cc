@@ -35,6 +35,8 @@
 #include "server/api/attention_api.h"
 #include "server/api/inference_api.h"
 #include "server/api/inference_operations.h"
+#include "server/api/http_transport.h"
+#include "server/api/rest_api.h"
 #include "server/dispatch/dispatcher.h"
 #include "server/observability/request_names.h"
 #include "server/dispatch/test_gate.h"
@@ -72,12 +74,13 @@ bool IsLoopback(const std::string& address) {
 
 // Written to a temporary name first, so a reader never sees half a file.
 absl::Status WritePortFile(const std::string& path, const std::string& grpc_address,
-                           const std::string& metrics_address) {
+                           const std::string& metrics_address, const std::string& http_address) {
   const std::string temporary = path + ".tmp";
   {
     std::ofstream out(temporary);
     out << "grpc " << grpc_address << "\n";
     if (!metrics_address.empty()) out << "metrics " << metrics_address << "\n";
+    if (!http_address.empty()) out << "http " << http_address << "\n";
     if (!out) return absl::UnavailableError(absl::StrCat("--port-file ", path, ": cannot write"));
   }
   if (std::rename(temporary.c_str(), path.c_str()) != 0) {
@@ -196,6 +199,9 @@ struct RunningServer {
   std::unique_ptr<InferenceApi> inference_api;
   std::unique_ptr<grpc::Server> grpc;
   std::string grpc_address;
+  std::unique_ptr<RestApi> rest_api;
+  std::unique_ptr<HttpServer> http;
+  std::string http_address;
   std::unique_ptr<prometheus::Exposer> exposer;
   std::string metrics_address;
   std::unique_ptr<RepositoryPoller> poller;
@@ -343,6 +349,30 @@ absl::Status StartGrpc(const ServerConfig& config, RunningServer& s) {
   return absl::OkStatus();
 }
 
+// The REST API on --http-address. Not over TLS: with --tls-cert it stays off
+// (docs/api.md, "REST"), since its tokens would travel in plaintext.
+absl::Status StartRest(const ServerConfig& config, RunningServer& s) {
+  if (config.http_address.empty()) return absl::OkStatus();
+  if (!config.tls_cert.empty()) {
+    spdlog::warn("REST is not served over TLS: --http-address {} is not opened while --tls-cert "
+                 "is set; put the edge (deploy/edge) in front to serve REST over TLS",
+                 config.http_address);
+    return absl::OkStatus();
+  }
+  HttpOptions options = config.http;
+  options.address = config.http_address;
+  options.max_body_bytes = config.max_message_bytes;
+  options.timeout = absl::Seconds(config.http_timeout_seconds);
+  s.rest_api = std::make_unique<RestApi>(s.dispatcher.get(), s.inference_operations.get());
+  RestApi* const api = s.rest_api.get();
+  absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
+      options, [api](std::shared_ptr<HttpExchange> exchange) { api->Handle(std::move(exchange)); });
+  if (!http.ok()) return http.status();
+  s.http = *std::move(http);
+  s.http_address = WithPort(config.http_address, s.http->port());
+  return absl::OkStatus();
+}
+
 absl::Status StartMetrics(const ServerConfig& config, RunningServer& s) {
   if (config.metrics_address.empty()) return absl::OkStatus();
   try {
@@ -372,6 +402,10 @@ void LogServing(const ServerConfig& config, const RunningServer& s) {
                tokens ? ", bearer tokens required" : "");
   if (config.tls_cert.empty() && tokens && !IsLoopback(config.address)) {
     spdlog::warn("bearer tokens travel in plaintext: set --tls-cert and --tls-key");
+  }
+  if (s.http) {
+    spdlog::info("REST (Open Inference Protocol v2) on http://{}/v2 ({})", s.http_address,
+                 tokens ? "bearer tokens required" : "no credentials");
   }
   if (s.exposer) spdlog::info("metrics on {}/metrics", s.metrics_address);
   spdlog::info("kernel path {} (this CPU's best: {}), BLAS core {}", IsaName(ActiveIsa()),
@@ -433,13 +467,15 @@ absl::Status Start(const ServerConfig& config, RunningServer& s) {
       s.dispatcher.get(), &s.registry,
       config.model_control == "explicit" ? s.manager.get() : nullptr, s.metrics.get());
   if (absl::Status started = StartGrpc(config, s); !started.ok()) return started;
-  absl::Status serving = StartMetrics(config, s);
+  absl::Status serving = StartRest(config, s);
+  if (serving.ok()) serving = StartMetrics(config, s);
   if (serving.ok()) {
     SetHealth(*s.grpc, true);
     LogServing(config, s);
     StartPolling(config, s);
     if (!config.port_file.empty()) {
-      serving = WritePortFile(config.port_file, s.grpc_address, s.metrics_address);
+      serving =
+          WritePortFile(config.port_file, s.grpc_address, s.metrics_address, s.http_address);
     }
   }
   if (!serving.ok()) s.grpc->Shutdown();

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "core/request.h"
+#include "server/api/http_transport.h"
 #include "server/dispatch/batcher.h"
 #include "server/dispatch/dispatch_options.h"
 
@@ -22,6 +23,13 @@ struct ServerConfig {
   std::string address = "0.0.0.0:50051";
   // Prometheus endpoint (path /metrics); empty disables it.
   std::string metrics_address = "0.0.0.0:9464";
+  // REST (Open Inference Protocol over HTTP/1.1) listening address; empty
+  // disables it.
+  std::string http_address = "0.0.0.0:8000";
+  // The REST listener's threads and connection cap (its header and body caps
+  // follow from max_message_bytes).
+  HttpOptions http;
+  double http_timeout_seconds = 30.0;
   // Directory of *.safetensors models; empty: built-ins only.
   std::string model_repository;
   // A model file that fails to load stops the server instead of being skipped.

@@ -25,6 +25,19 @@ void AddListeningFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--address", &c->address, "gRPC listening address HOST:PORT (port 0: any free port)");
   Flag(app, "--metrics-address", &c->metrics_address,
        "Prometheus listening address HOST:PORT, path /metrics (empty: no metrics endpoint)");
+  Flag(app, "--http-address", &c->http_address,
+       "REST (Open Inference Protocol v2 over HTTP/1.1) listening address HOST:PORT (port 0: "
+       "any free port; empty: no REST)");
+  Flag(app, "--http-threads", &c->http.threads,
+       "Threads of the REST listener (reading, parsing and writing HTTP; the engine's are apart)")
+      ->check(CLI::Range(1, 64));
+  Flag(app, "--http-max-connections", &c->http.max_connections,
+       "Most REST connections open at once; further ones are closed as they are accepted")
+      ->check(CLI::Range(1, 1 << 20));
+  Flag(app, "--http-timeout-seconds", &c->http_timeout_seconds,
+       "A REST connection that takes longer to send a whole request (or to start the next), or "
+       "to take a whole response, is closed")
+      ->check(CLI::Range(0.001, 3600.0));
 }
 
 // Which models are served, and how the repository is watched.

@@ -20,6 +20,15 @@ absl::Status AccessPolicy::Check(const grpc::ServerContextBase& context) const {
   return CheckBearerToken(context, *tokens());
 }
 
+absl::Status AccessPolicy::CheckHttp(const std::string* authorization) const {
+  if (!allowed_client_identities_.empty()) {
+    return absl::PermissionDeniedError(
+        "this server admits only callers with an allowed client certificate "
+        "(--tls-client-allow), which HTTP calls do not carry: call over gRPC");
+  }
+  return CheckBearerHeader(authorization, *tokens());
+}
+
 std::shared_ptr<const std::vector<std::string>> AccessPolicy::tokens() const {
   absl::MutexLock lock(&mu_);
   return tokens_;

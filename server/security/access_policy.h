@@ -30,6 +30,11 @@ class AccessPolicy {
   // CheckBearerToken() against the tokens accepted now (auth.h).
   absl::Status Check(const grpc::ServerContextBase& context) const;
 
+  // The check of an HTTP call, which has no client certificate: refused
+  // (PERMISSION_DENIED) when client identities are required, else
+  // CheckBearerHeader() of its Authorization header (nullptr: none).
+  absl::Status CheckHttp(const std::string* authorization) const;
+
   // The bearer tokens accepted now.
   std::shared_ptr<const std::vector<std::string>> tokens() const;
   // Calls checked from now on need one of `tokens` (a reloaded

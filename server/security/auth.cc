@@ -80,6 +80,17 @@ absl::Status CheckBearerToken(const grpc::ServerContextBase& context,
   return absl::UnauthenticatedError(kRefusal);
 }
 
+absl::Status CheckBearerHeader(const std::string* authorization,
+                               const std::vector<std::string>& accepted) {
+  if (accepted.empty()) return absl::OkStatus();
+  if (authorization != nullptr && AcceptedBearer(*authorization, accepted)) {
+    return absl::OkStatus();
+  }
+  return absl::UnauthenticatedError(
+      "missing or unknown credentials: send the header 'Authorization: Bearer <token>' with a "
+      "token the server accepts");
+}
+
 grpc::Status EarlyTokenCheck::Process(const InputMetadata& auth_metadata, grpc::AuthContext*,
                                       OutputMetadata*, OutputMetadata*) {
   const auto path_entry = auth_metadata.find(":path");

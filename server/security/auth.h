@@ -33,6 +33,11 @@ absl::StatusOr<std::vector<std::string>> ReadTokenFile(const std::string& path);
 absl::Status CheckBearerToken(const grpc::ServerContextBase& context,
                               const std::vector<std::string>& accepted);
 
+// The same check for an HTTP call: `authorization` is its Authorization
+// header (nullptr: none).
+absl::Status CheckBearerHeader(const std::string* authorization,
+                               const std::vector<std::string>& accepted);
+
 // gRPC's auth filter runs this on each call's metadata before the message is
 // read or parsed: calls to attention.v1.AttentionService without an accepted
 // token end UNAUTHENTICATED there, so an unauthenticated client cannot make
