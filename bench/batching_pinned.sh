@@ -20,7 +20,7 @@ run() {  # label, rate (0: closed loop), server flags...
   local label=$1 rate=$2
   shift 2
   rm -f "$work/ports"
-  taskset -c 1 "$build/server/attention-server" --address 127.0.0.1:0 --metrics-address "" \
+  taskset -c 1 "$build/server/attention-server" --address 127.0.0.1:0 --http-address "" --metrics-address "" \
     --model-repository models --port-file "$work/ports" --threads 1 "$@" >"$work/server.log" 2>&1 &
   local server=$!
   for _ in $(seq 100); do [[ -s $work/ports ]] && break; sleep 0.1; done

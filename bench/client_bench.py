@@ -180,7 +180,7 @@ def start_server(args, scratch):
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "ATTENTION_ISA")}
     server = subprocess.Popen(
         [os.path.join(args.build, "server", "attention-server"), "--address", "127.0.0.1:0",
-         "--metrics-address", "127.0.0.1:0", "--port-file", ports],
+         "--http-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0", "--port-file", ports],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     give_up = time.monotonic() + 60
     while not os.path.exists(ports):

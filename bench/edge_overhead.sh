@@ -19,7 +19,7 @@ trap 'kill -TERM $(jobs -p) 2>/dev/null; wait; rm -rf "$work"' EXIT
 
 free_port() { /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 bare=127.0.0.1:$(free_port) edge=127.0.0.1:$(free_port)
-"$ATTENTION_SERVER_BIN" --address "$bare" --metrics-address "" > "$work/bare.log" 2>&1 &
+"$ATTENTION_SERVER_BIN" --address "$bare" --http-address "" --metrics-address "" > "$work/bare.log" 2>&1 &
 deploy/edge/run.sh --listen "$edge" -- --metrics-address "" > "$work/edge.log" 2>&1 &
 for target in "$bare" "$edge"; do
   until "$client" --target "$target" --timeout 1 health > /dev/null 2>&1; do sleep 0.2; done

@@ -87,7 +87,7 @@ class Server:
         self.args = args
         self._dir = tempfile.TemporaryDirectory(prefix="service_sweep_")
         port_file = os.path.join(self._dir.name, "ports")
-        command = [binary, "--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
+        command = [binary, "--address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
                    "--model-repository", os.path.join(REPO, "models"), "--port-file", port_file,
                    "--log-level", "warn", *args]
         self._process = subprocess.Popen(command)

@@ -93,7 +93,7 @@ class Server:
         self.log = open(work / f"server_{mode}.log", "w")
         self.process = subprocess.Popen(
             [str(build / "server/attention-server"), "--address", "127.0.0.1:0",
-             "--metrics-address", "127.0.0.1:0", "--model-repository", str(repository),
+             "--http-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0", "--model-repository", str(repository),
              "--port-file", str(port_file), "--log-level", "warn", *MODES[mode]],
             stdout=self.log, stderr=subprocess.STDOUT, env=clean_env())
         for _ in range(300):

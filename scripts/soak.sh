@@ -60,7 +60,7 @@ workloads=(
   "bilinear_causal|--model bilinear_d64 --batch 2 --n 96 --causal"
 )
 
-"$server_bin" --address 127.0.0.1:0 --metrics-address 127.0.0.1:0 \
+"$server_bin" --address 127.0.0.1:0 --http-address 127.0.0.1:0 --metrics-address 127.0.0.1:0 \
   --model-repository models --port-file "$out/ports" >"$out/server.log" 2>&1 &
 server_pid=$!
 cleanup() { kill "$server_pid" 2>/dev/null || true; }

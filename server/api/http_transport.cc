@@ -173,8 +173,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
     if (ec == http::error::body_limit) {
       return Refuse(http::status::payload_too_large, "the body is larger than the server accepts");
     }
-    const bool malformed = ec.category() == make_error_code(http::error::end_of_stream).category() &&
-                           ec != http::error::end_of_stream && ec != http::error::partial_message;
+    const bool malformed =
+        ec.category() == make_error_code(http::error::end_of_stream).category() &&
+        ec != http::error::end_of_stream && ec != http::error::partial_message;
     if (malformed) return Refuse(http::status::bad_request, "the request is not valid HTTP/1.1");
     beast::error_code ignored;
     stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);

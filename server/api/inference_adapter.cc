@@ -117,10 +117,12 @@ absl::StatusOr<InputData> Locate(const InputTensor& input, const std::string* ra
     }
     const int64_t expected = *count * type->bytes;
     if (static_cast<int64_t>(raw->size()) != expected) {
-      return InputError(input.name(),
-                        absl::StrCat("raw_input_contents holds ", raw->size(), " bytes; expected ",
-                                     expected, " (shape ", ShapeString(input.shape()), ", ",
-                                     type->name, ", ", type->bytes, " bytes each)"));
+      return InputError(
+          input.name(),
+          absl::StrCat("its raw bytes (raw_input_contents; binary_data_size over REST) are ",
+                       raw->size(), " bytes; expected ", expected, " (shape ",
+                       ShapeString(input.shape()), ", ", type->name, ", ", type->bytes,
+                       " bytes each)"));
     }
     return InputData{&input, type, *count, raw};
   }

@@ -68,7 +68,8 @@ std::vector<int64_t> InferenceOperations::ReadyVersions(std::string_view name) c
 void InferenceOperations::Infer(const CallOrigin& origin, std::string_view api,
                                 const inference::ModelInferRequest& proto, absl::Status readable,
                                 DecodedInferRequest* decoded, int64_t* served_version,
-                                bool credentials_checked, Dispatcher::Done done) {
+                                bool credentials_checked, Dispatcher::Done done,
+                                absl::Status encoding) {
   dispatcher_->Submit(
       origin,
       Dispatcher::Request{.api = api,
@@ -79,7 +80,8 @@ void InferenceOperations::Infer(const CallOrigin& origin, std::string_view api,
                           .served_version = served_version,
                           .credentials_checked = credentials_checked,
                           .readable = std::move(readable)},
-      [&proto, decoded]() -> absl::StatusOr<AttentionRequest> {
+      [&proto, decoded, &encoding]() -> absl::StatusOr<AttentionRequest> {
+        if (!encoding.ok()) return encoding;
         if (absl::Status s = DecodeInferRequest(proto, decoded); !s.ok()) return s;
         return decoded->request;
       },

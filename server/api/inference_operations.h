@@ -65,12 +65,14 @@ class InferenceOperations {
   // One inference request, as Dispatcher::Submit() takes it: `proto` is
   // decoded into `decoded` once admitted; `api` labels its metrics and log
   // line; `readable`, `served_version` and `credentials_checked` as in
-  // Dispatcher::Request. `proto`, `decoded` and `served_version` stay alive
-  // until `done` runs.
+  // Dispatcher::Request. `encoding`: why the transport could not turn its
+  // body into `proto` when the model is known without it (REST's path names
+  // it), answered as a decoding fault once the model is found. `proto`,
+  // `decoded` and `served_version` stay alive until `done` runs.
   void Infer(const CallOrigin& origin, std::string_view api,
              const inference::ModelInferRequest& proto, absl::Status readable,
              DecodedInferRequest* decoded, int64_t* served_version, bool credentials_checked,
-             Dispatcher::Done done);
+             Dispatcher::Done done, absl::Status encoding = absl::OkStatus());
 
   // Whether new requests are accepted (false once draining).
   bool accepting() const { return dispatcher_->accepting(); }

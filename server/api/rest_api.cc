@@ -102,7 +102,8 @@ HttpResponse JsonResponse(int status, std::string body) {
 }
 
 HttpResponse ErrorResponse(const absl::Status& status) {
-  HttpResponse response = JsonResponse(HttpStatusOf(status.code()), ErrorJson(std::string(status.message())));
+  HttpResponse response =
+      JsonResponse(HttpStatusOf(status.code()), ErrorJson(std::string(status.message())));
   if (status.code() == absl::StatusCode::kUnauthenticated) {
     response.headers.emplace_back("WWW-Authenticate", "Bearer");
   }
@@ -118,7 +119,8 @@ std::optional<std::string> PercentDecode(std::string_view text) {
       continue;
     }
     int value = 0;
-    if (i + 2 >= text.size() || !absl::SimpleHexAtoi(absl::string_view(text.data() + i + 1, 2), &value)) {
+    if (i + 2 >= text.size() ||
+        !absl::SimpleHexAtoi(absl::string_view(text.data() + i + 1, 2), &value)) {
       return std::nullopt;
     }
     decoded.push_back(static_cast<char>(value));
@@ -431,32 +433,38 @@ HttpResponse InferResponse(const inference::ModelInferRequest& request,
 
 }  // namespace
 
+// Sends `call`'s answer and deletes it; the call stays open in the
+// dispatcher until the answer is written.
+Dispatcher::Done RestApi::Finisher(InferCall* call) const {
+  Dispatcher* const dispatcher = dispatcher_;
+  return [call, dispatcher](const absl::Status& status, const AttentionResult* result) {
+    std::unique_ptr<InferCall> owned(call);
+    HttpResponse response =
+        status.ok() ? InferResponse(call->proto, call->decoded, *result, call->served_version)
+                    : ErrorResponse(status);
+    const bool open = call->open;
+    call->exchange->Respond(std::move(response), [dispatcher, open] {
+      if (open) dispatcher->CloseCall();
+    });
+  };
+}
+
 void RestApi::Infer(std::shared_ptr<HttpExchange> exchange, const Route& route) {
   const absl::StatusOr<absl::Time> deadline = DeadlineOf(exchange->request(), absl::Now());
   auto* call = new InferCall(std::move(exchange), deadline.value_or(absl::InfiniteFuture()));
   call->open = dispatcher_->OpenCall("requests").ok();
   HttpRequest& request = call->exchange->request();
   const bool authenticated = call->origin.Authenticate(dispatcher_->access()).ok();
-  absl::Status readable;
-  if (authenticated) readable = ReadInfer(request, deadline.status(), &call->proto);
+  // The path names the model, so a body that does not parse is answered
+  // once the model is found, as a decoding fault.
+  absl::Status encoding;
+  if (authenticated) encoding = ReadInfer(request, deadline.status(), &call->proto);
   // Parsed: the body's bytes are not held while the request waits.
   std::string().swap(request.body);
   call->proto.set_model_name(route.model);
   call->proto.set_model_version(route.version);
-  Dispatcher* const dispatcher = dispatcher_;
-  operations_->Infer(call->origin, kRestApi, call->proto, std::move(readable), &call->decoded,
-                     &call->served_version, authenticated,
-                     [call, dispatcher](const absl::Status& status, const AttentionResult* result) {
-                       std::unique_ptr<InferCall> owned(call);
-                       HttpResponse response = status.ok()
-                                                   ? InferResponse(call->proto, call->decoded,
-                                                                   *result, call->served_version)
-                                                   : ErrorResponse(status);
-                       const bool open = call->open;
-                       call->exchange->Respond(std::move(response), [dispatcher, open] {
-                         if (open) dispatcher->CloseCall();
-                       });
-                     });
+  operations_->Infer(call->origin, kRestApi, call->proto, absl::OkStatus(), &call->decoded,
+                     &call->served_version, authenticated, Finisher(call), std::move(encoding));
 }
 
 }  // namespace attention::server

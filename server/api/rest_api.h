@@ -40,6 +40,7 @@ class RestApi {
   struct InferCall;
 
   void Infer(std::shared_ptr<HttpExchange> exchange, const Route& route);
+  Dispatcher::Done Finisher(InferCall* call) const;
   // The non-infer endpoints: answered at once.
   void Describe(HttpExchange& exchange, const Route& route);
 

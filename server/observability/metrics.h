@@ -145,7 +145,7 @@ class ServerMetrics {
   // trivial request's server CPU (BENCHMARKS.md). A series is still created
   // by the first request it counts, as docs/api.md section 7 says.
   static constexpr size_t kStatusCodes = 17;  // absl::StatusCode 0..16
-  static constexpr std::array<std::string_view, 2> kApis = {"attention", "inference"};
+  static constexpr std::array<std::string_view, 3> kApis = {"attention", "inference", "http"};
   struct RequestCounters {
     std::array<std::atomic<prometheus::Counter*>, kStatusCodes> requests{};
     std::array<std::array<std::atomic<prometheus::Counter*>, kStatusCodes>, kApis.size()>

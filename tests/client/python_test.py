@@ -44,6 +44,7 @@ class Server:
         self.log = open(os.path.join(self.dir.name, "log"), "wb")
         self.process = subprocess.Popen(
             [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0",
+             "--http-address", "127.0.0.1:0",
              "--metrics-address", "127.0.0.1:0", "--port-file", ports, "--threads", "1", *flags],
             stdout=self.log, stderr=subprocess.STDOUT)
         give_up = time.monotonic() + 60

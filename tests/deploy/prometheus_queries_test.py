@@ -229,7 +229,8 @@ def main():
             f.write(b"not a safetensors file")
         port_file = os.path.join(workdir, "ports")
         processes.start("server", [
-            args.server, "--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
+            args.server, "--address", "127.0.0.1:0", "--http-address", "127.0.0.1:0",
+            "--metrics-address", "127.0.0.1:0",
             "--port-file", port_file, "--model-repository", repository,
             "--max-batch-size", "8", "--queue-capacity", "256"])
         ports = wait_for("the server's port file", lambda: os.path.exists(port_file) and dict(

@@ -101,6 +101,7 @@ class Launch:
     def _bare_server(self, address):
         ports = os.path.join(self.dir.name, "ports")
         process = self._popen([os.environ["ATTENTION_SERVER_BIN"], "--address", address,
+                               "--http-address", "127.0.0.1:0",
                                "--metrics-address", self.metrics_address, "--port-file", ports,
                                *self.server_flags])
         wait_for(lambda: os.path.exists(ports), "attention-server", process)
@@ -115,7 +116,8 @@ class Launch:
             self.address = f"127.0.0.1:{free_port()}"
             pid_file = os.path.join(self.dir.name, "pids")
             process = self._popen(["bash", RUN_SH, "--listen", self.address, "--pid-file",
-                                   pid_file, *self.run_flags, "--", "--metrics-address",
+                                   pid_file, *self.run_flags, "--", "--http-address",
+                                   "127.0.0.1:0", "--metrics-address",
                                    self.metrics_address, *self.server_flags])
             wait_for(lambda: os.path.exists(pid_file), "run.sh", process)
             with open(pid_file) as f:

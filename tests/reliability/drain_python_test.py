@@ -72,7 +72,8 @@ def start_server(directory, flags):
     ports = os.path.join(directory, "ports")
     log = open(os.path.join(directory, "log"), "wb")
     process = subprocess.Popen(
-        [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0", "--metrics-address", "",
+        [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0", "--http-address", "127.0.0.1:0",
+         "--metrics-address", "",
          "--port-file", ports, "--log-level", "debug", *flags], stdout=log, stderr=subprocess.STDOUT)
     give_up = time.monotonic() + 60
     while not os.path.exists(ports):

@@ -104,6 +104,8 @@ TEST(ServerConfigTest, HelpDocumentsEveryFlagWithItsDefaultAndVariable) {
   }
   EXPECT_THAT(help, HasSubstr("--address TEXT=0.0.0.0:50051"));
   EXPECT_THAT(help, HasSubstr("--metrics-address TEXT=0.0.0.0:9464"));
+  EXPECT_THAT(help, HasSubstr("--http-address TEXT=0.0.0.0:8000"));
+  EXPECT_THAT(help, HasSubstr("ATTENTION_HTTP_ADDRESS"));
   EXPECT_THAT(help, HasSubstr("ATTENTION_MAX_BATCH_SIZE"));
 }
 

@@ -165,7 +165,7 @@ TEST(InferenceAdapterTest, ErrorsNameTheTensorOrParameter) {
       {"length datatype", [](auto* p) { AddInput(p, "valid_lens", "FP32", {1}); p->add_raw_input_contents(Bytes(std::vector<float>{1})); },
        {"inputs 'valid_lens'", "expected INT32 or INT64", "'FP32'"}},
       {"byte size", [](auto* p) { p->set_raw_input_contents(0, Bytes(std::vector<float>{1, 2, 3})); },
-       {"inputs 'queries'", "holds 12 bytes", "expected 16"}},
+       {"inputs 'queries'", "are 12 bytes", "expected 16"}},
       {"negative size", [](auto* p) { p->mutable_inputs(0)->set_shape(1, -2); },
        {"inputs 'queries'", "expected sizes >= 0", "got -2"}},
       {"overflowing shape", [](auto* p) { for (int axis = 0; axis < 3; ++axis) p->mutable_inputs(0)->set_shape(axis, int64_t{1} << 30); },

@@ -60,6 +60,7 @@ class Server:
         self.log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
             [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0",
+             "--http-address", "127.0.0.1:0",
              "--metrics-address", "127.0.0.1:0", "--port-file", ports, "--threads", "1",
              "--model-repository", os.path.join(CONFORMANCE, "models"), "--strict"],
             stdout=self.log, stderr=subprocess.STDOUT)

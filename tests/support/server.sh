@@ -26,7 +26,7 @@ start_server() {
   local dir
   dir=$(mktemp -d "$CLIENT_TEST_TMP/server.XXXXXX")
   SERVER_LOG=$dir/log
-  "$binary" --address 127.0.0.1:0 --metrics-address 127.0.0.1:0 --port-file "$dir/ports" \
+  "$binary" --address 127.0.0.1:0 --http-address 127.0.0.1:0 --metrics-address 127.0.0.1:0 --port-file "$dir/ports" \
     --threads 1 "$@" >"$SERVER_LOG" 2>&1 &
   SERVER_PID=$!
   CLIENT_TEST_PIDS+=("$SERVER_PID")

@@ -46,6 +46,11 @@ pid_t Spawn(const std::vector<std::string>& args, const std::map<std::string, st
     if (std::strncmp(*e, "ATTENTION_", 10) != 0) environment.emplace_back(*e);
   }
   for (const auto& [name, value] : env) environment.push_back(name + "=" + value);
+  // Tests run in parallel: REST listens where the system picks, not on its
+  // default port 8000, unless a test says otherwise.
+  if (!env.contains("ATTENTION_HTTP_ADDRESS")) {
+    environment.push_back("ATTENTION_HTTP_ADDRESS=127.0.0.1:0");
+  }
   std::vector<char*> envp;
   for (std::string& e : environment) envp.push_back(e.data());
   envp.push_back(nullptr);
@@ -117,6 +122,7 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   for (absl::string_view line : absl::StrSplit(ReadFile(port_file), '\n')) {
     if (absl::ConsumePrefix(&line, "grpc ")) server->address_ = std::string(line);
     if (absl::ConsumePrefix(&line, "metrics ")) server->metrics_address_ = std::string(line);
+    if (absl::ConsumePrefix(&line, "http ")) server->http_address_ = std::string(line);
   }
   return server;
 }

@@ -1,8 +1,9 @@
 // server_process.h: a real attention-server process for tests.
 //
-// The server binary is started on 127.0.0.1 port 0 (and metrics likewise);
-// the bound ports come back through --port-file. Its log goes to a file that
-// tests can read (and that is printed when a test fails to start it).
+// The server binary is started on 127.0.0.1 port 0 (and metrics and REST
+// likewise); the bound ports come back through --port-file. Its log goes to
+// a file that tests can read (and that is printed when a test fails to start
+// it).
 //
 //   auto server = ServerProcess::Start({"--max-batch-size", "4"});
 //   ASSERT_TRUE(server.ok()) << server.status();
@@ -57,6 +58,8 @@ class ServerProcess {
 
   const std::string& address() const { return address_; }          // 127.0.0.1:PORT
   const std::string& metrics_address() const { return metrics_address_; }
+  // REST's; empty when the server runs without it.
+  const std::string& http_address() const { return http_address_; }
 
   std::shared_ptr<grpc::Channel> Channel() const;  // plaintext
   std::unique_ptr<v1::AttentionService::Stub> Stub() const;
@@ -77,6 +80,7 @@ class ServerProcess {
   pid_t pid_ = -1;
   std::string address_;
   std::string metrics_address_;
+  std::string http_address_;
 };
 
 // Path of the attention-server binary of this build.
