@@ -234,6 +234,11 @@ void Accept(const std::shared_ptr<TransportState>& state) {
             beast::error_code ignored;
             socket.close(ignored);
           } else {
+            // An answer goes out in several writes (header, body); with
+            // Nagle's algorithm the last one waited for the client's delayed
+            // ACK, 40 ms.
+            beast::error_code ignored;
+            socket.set_option(tcp::no_delay(true), ignored);
             auto connection = std::make_shared<Connection>(state, std::move(socket));
             {
               absl::MutexLock lock(&state->mu);
