@@ -3,6 +3,7 @@
 // out.
 #include "server/api/http_transport.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <optional>
@@ -67,54 +68,72 @@ std::string ErrorJson(std::string_view message) {
   return "{\"error\":\"" + std::string(message) + "\"}";
 }
 
+// One client connection. Every handler runs on the connection's strand. A
+// single timer per phase (reading a request, writing an answer) bounds a
+// slow client, armed once per phase rather than per socket operation (a
+// 1 MB body arrives in dozens of reads).
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
   Connection(std::shared_ptr<TransportState> state, tcp::socket socket)
-      : state_(std::move(state)), peer_(PeerName(socket)), stream_(std::move(socket)) {}
+      : state_(std::move(state)),
+        peer_(PeerName(socket)),
+        socket_(std::move(socket)),
+        timer_(socket_.get_executor()) {}
   ~Connection() { state_->connections.fetch_sub(1); }
 
   void Start() {
-    asio::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->Read(); });
+    asio::dispatch(socket_.get_executor(), [self = shared_from_this()] { self->Read(); });
   }
 
   void Close() {
-    asio::post(stream_.get_executor(), [self = shared_from_this()] {
-      beast::error_code ec;
-      self->stream_.socket().shutdown(tcp::socket::shutdown_both, ec);
-      self->stream_.close();
-    });
+    asio::post(socket_.get_executor(), [self = shared_from_this()] { self->Shutdown(); });
   }
 
   // From the exchange, on any thread.
   void Respond(HttpResponse response, std::function<void()> sent) {
-    asio::post(stream_.get_executor(), [self = shared_from_this(), response = std::move(response),
+    asio::post(socket_.get_executor(), [self = shared_from_this(), response = std::move(response),
                                         sent = std::move(sent)]() mutable {
       self->Write(std::move(response), std::move(sent));
     });
   }
 
  private:
+  // Closes the connection unless the phase ends first.
+  void ArmTimer() {
+    timer_.expires_after(Chrono(state_->options.timeout));
+    timer_.async_wait([weak = weak_from_this()](beast::error_code ec) {
+      if (ec) return;  // re-armed or cancelled
+      if (auto self = weak.lock()) self->Shutdown();
+    });
+  }
+
+  void Shutdown() {
+    beast::error_code ignored;
+    timer_.cancel();
+    socket_.shutdown(tcp::socket::shutdown_both, ignored);
+    socket_.close(ignored);
+  }
+
   void Read() {
     parser_.emplace();
     parser_->header_limit(static_cast<uint32_t>(state_->options.max_header_bytes));
     parser_->body_limit(static_cast<uint64_t>(state_->options.max_body_bytes));
-    stream_.expires_after(Chrono(state_->options.timeout));
+    ArmTimer();
     http::async_read_header(
-        stream_, buffer_, *parser_,
+        socket_, buffer_, *parser_,
         [self = shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
   }
 
   void OnHeader(beast::error_code ec) {
     if (ec) return Fail(ec);
-    const auto& header = parser_->get();
-    if (const auto length = parser_->content_length();
-        length && *length > static_cast<uint64_t>(state_->options.max_body_bytes)) {
+    const auto length = parser_->content_length();
+    if (length && *length > static_cast<uint64_t>(state_->options.max_body_bytes)) {
       return Refuse(http::status::payload_too_large, "the body is larger than the server accepts");
     }
-    if (beast::iequals(header[http::field::expect], "100-continue")) {
+    if (beast::iequals(parser_->get()[http::field::expect], "100-continue")) {
       // curl waits a second for this before it sends a large body.
       static const std::string kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
-      asio::async_write(stream_, asio::buffer(kContinue),
+      asio::async_write(socket_, asio::buffer(kContinue),
                         [self = shared_from_this()](beast::error_code ec, size_t) {
                           if (ec) return self->Fail(ec);
                           self->ReadBody();
@@ -124,16 +143,29 @@ class Connection : public std::enable_shared_from_this<Connection> {
     ReadBody();
   }
 
+  // A body of known length goes straight from the socket into its string;
+  // a chunked one through Beast's parser.
   void ReadBody() {
-    http::async_read(
-        stream_, buffer_, *parser_,
+    const auto length = parser_->content_length();
+    if (!length || parser_->is_done()) {
+      http::async_read(
+          socket_, buffer_, *parser_,
+          [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRequest(ec); });
+      return;
+    }
+    body_.resize(*length);
+    const size_t buffered = std::min<size_t>(buffer_.size(), *length);
+    asio::buffer_copy(asio::buffer(body_.data(), buffered), buffer_.data());
+    buffer_.consume(buffered);
+    asio::async_read(
+        socket_, asio::buffer(body_.data() + buffered, *length - buffered),
         [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRequest(ec); });
   }
 
   void OnRequest(beast::error_code ec) {
     if (ec) return Fail(ec);
-    stream_.expires_never();  // the answer may take as long as the request's deadline
-    http::request<http::string_body> message = parser_->release();
+    timer_.cancel();  // the answer may take as long as the request's deadline
+    http::request<http::string_body>& message = parser_->get();
     keep_alive_ = message.keep_alive();
     auto exchange = std::make_shared<Exchange>(shared_from_this());
     HttpRequest& request = exchange->request();
@@ -151,7 +183,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
         request.headers.emplace_back(std::move(name), std::move(value));
       }
     }
-    request.body = std::move(message.body());
+    request.body = message.body().empty() ? std::move(body_) : std::move(message.body());
+    body_.clear();
     request.peer = peer_;
     state_->handler(std::move(exchange));
   }
@@ -177,8 +210,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
         ec.category() == make_error_code(http::error::end_of_stream).category() &&
         ec != http::error::end_of_stream && ec != http::error::partial_message;
     if (malformed) return Refuse(http::status::bad_request, "the request is not valid HTTP/1.1");
-    beast::error_code ignored;
-    stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
+    Shutdown();
   }
 
   void Write(HttpResponse response, std::function<void()> sent) {
@@ -188,14 +220,17 @@ class Connection : public std::enable_shared_from_this<Connection> {
     for (auto& [name, value] : response.headers) message->set(name, value);
     message->keep_alive(keep_alive_);
     message->prepare_payload();
-    stream_.expires_after(Chrono(state_->options.timeout));
+    ArmTimer();
     http::async_write(
-        stream_, *message,
+        socket_, *message,
         [self = shared_from_this(), message, sent = std::move(sent)](beast::error_code ec, size_t) {
           if (sent) sent();
-          if (ec || !self->keep_alive_) {
+          if (ec) return self->Shutdown();
+          if (!self->keep_alive_) {
+            // The client reads the answer, then sees the end.
+            self->timer_.cancel();
             beast::error_code ignored;
-            self->stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+            self->socket_.shutdown(tcp::socket::shutdown_send, ignored);
             return;
           }
           self->Read();
@@ -218,9 +253,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   const std::shared_ptr<TransportState> state_;
   const std::string peer_;
-  beast::tcp_stream stream_;
+  tcp::socket socket_;
+  asio::steady_timer timer_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
+  std::string body_;  // a body of known length, read past the parser
   bool keep_alive_ = true;
 };
 
