@@ -299,6 +299,15 @@ void RestApi::Handle(std::shared_ptr<HttpExchange> exchange) {
     exchange->Respond(std::move(response));
     return;
   }
+  if (const std::string* encoding = exchange->request().Header("content-encoding");
+      encoding != nullptr && *encoding != "identity") {
+    HttpResponse response = ErrorResponse(absl::InvalidArgumentError(
+        absl::StrCat("header Content-Encoding: '", Printable(*encoding),
+                     "' is not supported; send the body uncompressed")));
+    response.status = 415;
+    exchange->Respond(std::move(response));
+    return;
+  }
   if (route->endpoint == Endpoint::kInfer) return Infer(std::move(exchange), *route);
   Describe(*exchange, *route);
 }

@@ -366,6 +366,7 @@ TEST_F(ServerRestTest, BadRequestsGetTheirStatusAndNameTheField) {
        {},
        400,
        "parameters 'causal': expected bool_param"},
+      {"compressed", "{}", {{"Content-Encoding", "gzip"}}, 415, "'gzip' is not supported"},
       {"body too large", std::string(200000, ' '), {}, 413, "body is larger"},
       {"header too large", "{}", {{"X-Padding", std::string(20000, 'x')}}, 431, "header block"},
   };
@@ -378,8 +379,8 @@ TEST_F(ServerRestTest, BadRequestsGetTheirStatusAndNameTheField) {
   const std::string metrics = ScrapeMetrics(server_->metrics_address());
   EXPECT_EQ(MetricValue(metrics, "attention_api_requests_total",
                         {{"api", "http"}, {"model", "dot_product"}, {"code", "INVALID_ARGUMENT"}}),
-            cases.size() - 2)
-      << "all but the transport's own 413 and 431";
+            cases.size() - 3)
+      << "all but the transport's own 413 and 431, and the 415";
   EXPECT_EQ(server_->Stop(), 0) << server_->Log();
 }
 
