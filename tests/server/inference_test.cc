@@ -158,15 +158,9 @@ Output FindOutput(const inference::ModelInferResponse& response, const std::stri
   return out;
 }
 
-void ExpectNear(const Output& actual, const nlohmann::json& expected, const Case& c,
+void ExpectNear(const Output& actual, const nlohmann::json& expected, const ConformanceCase& c,
                 const std::string& what) {
-  ASSERT_EQ(actual.shape, expected["shape"].get<std::vector<int64_t>>()) << c.name << " " << what;
-  const std::vector<double> want = expected["data"].get<std::vector<double>>();
-  ASSERT_EQ(actual.data.size(), want.size()) << c.name << " " << what;
-  for (size_t i = 0; i < want.size(); ++i) {
-    ASSERT_LE(std::abs(actual.data[i] - want[i]), c.atol + c.rtol * std::abs(want[i]))
-        << c.name << " " << what << "[" << i << "]";
-  }
+  ExpectMatchesCase(actual.shape, actual.data, expected, c, what);
 }
 
 // Every element within 1e-5 (the batching tolerance of docs/api.md 2.6), same shape.
@@ -195,25 +189,11 @@ InferReply Infer(InferStub& stub, const inference::ModelInferRequest& request,
   return reply;
 }
 
-// A small dot_product request, (1, 3, 2) queries as self-attention.
-v1::AttendRequest SmallRequest(const std::string& model, const std::string& id, float shift = 0) {
-  v1::AttendRequest request;
-  request.set_model(model);
-  request.set_request_id(id);
-  request.set_return_attention_weights(true);
-  for (int64_t s : {1, 3, 2}) request.mutable_queries()->add_shape(s);
-  for (float v : {1.0f, -2.0f, 0.5f, 3.0f, 2.0f, 1.0f}) request.mutable_queries()->add_data(v + shift);
-  return request;
-}
-
 class ServerInferenceTest : public ::testing::Test {
  protected:
   void Start(std::vector<std::string> more_flags = {}) {
     ASSERT_TRUE(gate_.ok());
-    std::vector<std::string> flags = {"--model-repository", (ConformanceDir() / "models").string(),
-                                      "--strict"};
-    flags.insert(flags.end(), more_flags.begin(), more_flags.end());
-    auto started = ServerProcess::Start(gate_.Flags(flags));
+    auto started = gate_.StartWithConformanceModels(more_flags);
     ASSERT_TRUE(started.ok()) << started.status();
     server_ = *std::move(started);
     infer_ = inference::GRPCInferenceService::NewStub(server_->Channel());

@@ -137,27 +137,9 @@ std::map<std::string, Output> ReadOutputs(const HttpResult& result) {
   return outputs;
 }
 
-void ExpectNear(const Output& actual, const json& expected, const ConformanceCase& c,
+void ExpectNear(const Output& actual, const nlohmann::json& expected, const ConformanceCase& c,
                 const std::string& what) {
-  ASSERT_EQ(actual.shape, expected["shape"].get<std::vector<int64_t>>()) << c.name << " " << what;
-  const std::vector<double> want = expected["data"].get<std::vector<double>>();
-  ASSERT_EQ(actual.data.size(), want.size()) << c.name << " " << what;
-  for (size_t i = 0; i < want.size(); ++i) {
-    ASSERT_LE(std::abs(actual.data[i] - want[i]), c.atol + c.rtol * std::abs(want[i]))
-        << c.name << " " << what << "[" << i << "]";
-  }
-}
-
-// A small dot_product request, (1, 3, 2) queries as self-attention.
-v1::AttendRequest SmallRequest(const std::string& model, const std::string& id, float shift = 0) {
-  v1::AttendRequest request;
-  request.set_model(model);
-  request.set_request_id(id);
-  request.set_return_attention_weights(true);
-  for (int64_t s : {1, 3, 2}) request.mutable_queries()->add_shape(s);
-  for (float v : {1.0f, -2.0f, 0.5f, 3.0f, 2.0f, 1.0f})
-    request.mutable_queries()->add_data(v + shift);
-  return request;
+  ExpectMatchesCase(actual.shape, actual.data, expected, c, what);
 }
 
 int HttpStatusOf(const std::string& code) {
@@ -173,10 +155,7 @@ class ServerRestTest : public ::testing::Test {
  protected:
   void Start(std::vector<std::string> more_flags = {}) {
     ASSERT_TRUE(gate_.ok());
-    std::vector<std::string> flags = {"--model-repository", (ConformanceDir() / "models").string(),
-                                      "--strict"};
-    flags.insert(flags.end(), more_flags.begin(), more_flags.end());
-    auto started = ServerProcess::Start(gate_.Flags(flags));
+    auto started = gate_.StartWithConformanceModels(more_flags);
     ASSERT_TRUE(started.ok()) << started.status();
     server_ = *std::move(started);
     ASSERT_FALSE(server_->http_address().empty()) << "no http line in the port file";

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <utility>
@@ -46,6 +48,20 @@ inline std::vector<ConformanceCase> LoadConformanceCases() {
   std::sort(cases.begin(), cases.end(),
             [](const ConformanceCase& a, const ConformanceCase& b) { return a.name < b.name; });
   return cases;
+}
+
+// That an output of shape `shape` and values `data` is the case's
+// `expected` (its "output" or "attention_weights"), within its tolerances.
+inline void ExpectMatchesCase(const std::vector<int64_t>& shape, const std::vector<float>& data,
+                              const nlohmann::json& expected, const ConformanceCase& c,
+                              const std::string& what) {
+  ASSERT_EQ(shape, expected["shape"].get<std::vector<int64_t>>()) << c.name << " " << what;
+  const std::vector<double> want = expected["data"].get<std::vector<double>>();
+  ASSERT_EQ(data.size(), want.size()) << c.name << " " << what;
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_LE(std::abs(data[i] - want[i]), c.atol + c.rtol * std::abs(want[i]))
+        << c.name << " " << what << "[" << i << "]";
+  }
 }
 
 }  // namespace attention::testing

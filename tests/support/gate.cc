@@ -41,4 +41,12 @@ v1::AttendRequest GateRequest(int batch, int n, int dim, int seed) {
   return request;
 }
 
+absl::StatusOr<std::unique_ptr<ServerProcess>> TestGate::StartWithConformanceModels(
+    const std::vector<std::string>& flags) const {
+  std::vector<std::string> all = {"--model-repository", (ConformanceDir() / "models").string(),
+                                  "--strict"};
+  all.insert(all.end(), flags.begin(), flags.end());
+  return ServerProcess::Start(Flags(all));
+}
+
 }  // namespace attention::testing

@@ -14,9 +14,11 @@
 //   gate.Release(3);  // the next three batches compute
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "attention.grpc.pb.h"
 #include "tests/support/server_process.h"
 
@@ -31,6 +33,9 @@ class TestGate {
   const std::string& fifo() const { return fifo_; }
   // `flags` with --test-gate-fifo added.
   std::vector<std::string> Flags(std::vector<std::string> flags = {}) const;
+  // A server with this gate, the conformance models (--strict) and `flags`.
+  absl::StatusOr<std::unique_ptr<ServerProcess>> StartWithConformanceModels(
+      const std::vector<std::string>& flags) const;
 
   // Lets the next `batches` batches of the model gate compute: true when the
   // bytes were written. The server holds the FIFO open, so this never blocks.

@@ -92,4 +92,14 @@ std::string CheckAnswer(const v1::AttendRequest& request, const v1::AttendRespon
   return "";
 }
 
+v1::AttendRequest SmallRequest(const std::string& model, const std::string& id, float shift) {
+  v1::AttendRequest request;
+  request.set_model(model);
+  request.set_request_id(id);
+  request.set_return_attention_weights(true);
+  for (int64_t s : {1, 3, 2}) request.mutable_queries()->add_shape(s);
+  for (float v : {1.0f, -2.0f, 0.5f, 3.0f, 2.0f, 1.0f}) request.mutable_queries()->add_data(v + shift);
+  return request;
+}
+
 }  // namespace attention::testing

@@ -20,6 +20,10 @@ v1::AttendRequest SelfAttentionRequest(int batch, int n, int dim, int seed);
 // `seed`, asking for the attention weights.
 v1::AttendRequest CrossAttentionRequest(int n_q, int n_k, int d, int seed);
 
+// A small request for `model` (dot_product or gate): (1, 3, 2) queries as
+// self-attention, each value plus `shift`, asking for the weights.
+v1::AttendRequest SmallRequest(const std::string& model, const std::string& id, float shift = 0);
+
 // One Attend call that gives up `timeout` from now; the answer goes to
 // `response` when it is not null.
 grpc::Status AttendWithin(v1::AttentionService::Stub& stub, std::chrono::milliseconds timeout,
