@@ -162,9 +162,26 @@ class Connection : public std::enable_shared_from_this<Connection> {
         [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRequest(ec); });
   }
 
+  // While the answer is due, the only thing a client can send that matters
+  // is the end of its connection: a readable socket is peeked at, and one
+  // at its end marks the request's client gone. Anything else (a pipelined
+  // request) is left for Read().
+  void WatchForClose() {
+    socket_.async_wait(tcp::socket::wait_read, [self = shared_from_this()](beast::error_code ec) {
+      if (ec) return;  // cancelled: the answer is out
+      char byte;
+      beast::error_code peek;
+      const size_t n =
+          self->socket_.receive(asio::buffer(&byte, 1), tcp::socket::message_peek, peek);
+      if (peek || n == 0) self->client_gone_.store(true);
+    });
+  }
+
   void OnRequest(beast::error_code ec) {
     if (ec) return Fail(ec);
     timer_.cancel();  // the answer may take as long as the request's deadline
+    client_gone_.store(false);
+    WatchForClose();
     http::request<http::string_body>& message = parser_->get();
     keep_alive_ = message.keep_alive();
     auto exchange = std::make_shared<Exchange>(shared_from_this());
@@ -214,6 +231,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
 
   void Write(HttpResponse response, std::function<void()> sent) {
+    beast::error_code ignored;
+    socket_.cancel(ignored);  // the close watch: a client that left sees nothing anyway
     auto message = std::make_shared<http::response<http::string_body>>(
         static_cast<http::status>(response.status), 11, std::move(response.body));
     message->set(http::field::content_type, response.content_type);
@@ -245,6 +264,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
       if (answered_.exchange(true)) return;
       connection_->Respond(std::move(response), std::move(sent));
     }
+    bool client_gone() const override { return connection_->client_gone_.load(); }
 
    private:
     std::shared_ptr<Connection> connection_;
@@ -258,6 +278,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
   std::string body_;  // a body of known length, read past the parser
+  std::atomic<bool> client_gone_{false};
   bool keep_alive_ = true;
 };
 

@@ -67,6 +67,9 @@ class HttpExchange {
   // Sends `response`; `sent` runs once it is written or the connection has
   // failed, on the transport's thread. A second call is ignored.
   virtual void Respond(HttpResponse response, std::function<void()> sent = nullptr) = 0;
+  // Whether the client has closed its connection while the answer is due
+  // (HTTP/1.1's only way to cancel).
+  virtual bool client_gone() const = 0;
 
  protected:
   HttpRequest request_;

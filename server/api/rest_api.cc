@@ -39,24 +39,23 @@ enum class Endpoint {
   kRepositoryUnload,
 };
 
-// An HTTP call as the dispatcher sees it. A client that disconnects is not
-// noticed before its answer is due: its request is still computed, within
-// its deadline.
+// An HTTP call as the dispatcher sees it: a client that closes its
+// connection has cancelled its call.
 class HttpCallOrigin final : public CallOrigin {
  public:
-  // `request` is the exchange's, alive as long as this.
-  HttpCallOrigin(const HttpRequest* request, absl::Time deadline)
-      : request_(request), deadline_(deadline) {}
+  // `exchange` alive as long as this.
+  HttpCallOrigin(const HttpExchange* exchange, absl::Time deadline)
+      : exchange_(exchange), deadline_(deadline) {}
 
   absl::Time deadline() const override { return deadline_; }
-  bool cancelled() const override { return false; }
-  std::string peer() const override { return request_->peer; }
+  bool cancelled() const override { return exchange_->client_gone(); }
+  std::string peer() const override { return exchange_->request().peer; }
   absl::Status Authenticate(const AccessPolicy& access) const override {
-    return access.CheckHttp(request_->Header("authorization"));
+    return access.CheckHttp(exchange_->request().Header("authorization"));
   }
 
  private:
-  const HttpRequest* const request_;
+  const HttpExchange* const exchange_;
   const absl::Time deadline_;
 };
 
@@ -301,9 +300,9 @@ void RestApi::Handle(std::shared_ptr<HttpExchange> exchange) {
   }
   if (const std::string* encoding = exchange->request().Header("content-encoding");
       encoding != nullptr && *encoding != "identity") {
-    HttpResponse response = ErrorResponse(absl::InvalidArgumentError(
-        absl::StrCat("header Content-Encoding: '", Printable(*encoding),
-                     "' is not supported; send the body uncompressed")));
+    HttpResponse response = ErrorResponse(
+        absl::InvalidArgumentError(absl::StrCat("header Content-Encoding: '", Printable(*encoding),
+                                                "' is not supported; send the body uncompressed")));
     response.status = 415;
     exchange->Respond(std::move(response));
     return;
@@ -313,7 +312,7 @@ void RestApi::Handle(std::shared_ptr<HttpExchange> exchange) {
 }
 
 void RestApi::Describe(HttpExchange& exchange, const Route& route) {
-  const HttpCallOrigin origin(&exchange.request(), absl::InfiniteFuture());
+  const HttpCallOrigin origin(&exchange, absl::InfiniteFuture());
   const InferenceOperations& ops = *operations_;
   HttpResponse response;
   switch (route.endpoint) {
@@ -403,7 +402,7 @@ void RestApi::Describe(HttpExchange& exchange, const Route& route) {
 // One infer call: what its answer needs until it is sent.
 struct RestApi::InferCall {
   InferCall(std::shared_ptr<HttpExchange> exchange, absl::Time deadline)
-      : exchange(std::move(exchange)), origin(&this->exchange->request(), deadline) {}
+      : exchange(std::move(exchange)), origin(this->exchange.get(), deadline) {}
 
   std::shared_ptr<HttpExchange> exchange;
   HttpCallOrigin origin;

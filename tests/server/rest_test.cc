@@ -2,9 +2,9 @@
 // attention-server: every conformance case through infer in JSON and with
 // the binary tensor extension; every errors.json entry with its HTTP status;
 // health, metadata, config, statistics and the repository; bad requests get
-// 400 (or 413, 431) naming the field; tokens; REST and gRPC requests merged
-// into one batch answer as alone; drain; the deadline header; the
-// connection cap and the slow-client timeout.
+// 400 (or 413, 415, 431) naming the field; tokens; REST and gRPC requests
+// merged into one batch answer as alone; drain; the deadline header; a
+// closed connection cancels; the connection cap and the slow-client timeout.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -500,6 +500,42 @@ TEST_F(ServerRestTest, DeadlineHeaderEndsAQueuedRequestWith504) {
   const HttpResult late = expiring.get();
   EXPECT_EQ(late.status, 504) << late.body;
   EXPECT_THAT(late.body, HasSubstr("deadline"));
+  EXPECT_EQ(server_->Stop(), 0) << server_->Log();
+}
+
+TEST_F(ServerRestTest, AClientThatClosesItsConnectionCancelsItsRequest) {
+  Start({"--max-batch-size", "1"});
+  auto held = std::async(std::launch::async,
+                         [&] { return Infer(SmallRequest("gate", "held"), Form::kJson); });
+  EXPECT_EQ(held.wait_for(kHeldFor), std::future_status::timeout);
+  {
+    const RestRequest rest = ToRest(SmallRequest("gate", "left"), Form::kJson);
+    TcpConnection leaving(server_->http_address());
+    ASSERT_TRUE(leaving.Send("POST /v2/models/gate/infer HTTP/1.1\r\nHost: x\r\nContent-Length: " +
+                             std::to_string(rest.body.size()) + "\r\n\r\n" + rest.body));
+    WaitForMetrics(
+        server_->metrics_address(),
+        [](const std::string& text) {
+          return MetricValue(text, "attention_queue_depth", {{"model", "gate"}}) >= 1;
+        },
+        std::chrono::seconds(30));
+  }  // closed while queued
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_TRUE(gate_.Release(2));
+  EXPECT_EQ(held.get().status, 200);
+  std::string metrics;
+  WaitForMetrics(
+      server_->metrics_address(),
+      [&](const std::string& text) {
+        metrics = text;
+        return MetricValue(text, "attention_api_requests_total", {{"code", "CANCELLED"}}) >= 1;
+      },
+      std::chrono::seconds(30));
+  EXPECT_EQ(MetricValue(metrics, "attention_api_requests_total",
+                        {{"api", "http"}, {"model", "gate"}, {"code", "CANCELLED"}}),
+            1);
+  EXPECT_EQ(MetricValue(metrics, "attention_batch_size_sum", {{"model", "gate"}}), 1)
+      << "only the held request was computed";
   EXPECT_EQ(server_->Stop(), 0) << server_->Log();
 }
 
