@@ -47,10 +47,11 @@ COPY deploy/edge/run.sh deploy/edge/haproxy.cfg /usr/local/share/attention-edge/
 COPY deploy/edge/errors/ /usr/local/share/attention-edge/errors/
 
 ENV ATTENTION_ADDRESS=0.0.0.0:50051 \
+    ATTENTION_HTTP_ADDRESS=0.0.0.0:8000 \
     ATTENTION_METRICS_ADDRESS=0.0.0.0:9464 \
     ATTENTION_MODEL_REPOSITORY=/models
 USER 10001
-EXPOSE 50051 9464
+EXPOSE 50051 8000 9464
 # Probes the gRPC health service on whatever port ATTENTION_ADDRESS names.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
   CMD attention-client health --target "127.0.0.1:${ATTENTION_ADDRESS##*:}" || exit 1

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # test-image.sh: builds the container image from the Dockerfile with buildah
 # (no Docker engine or registry needed) and checks that it really serves:
-# gRPC health through the image's own HEALTHCHECK command, one Attend, and a
+# gRPC health through the image's own HEALTHCHECK command, one Attend, the same
+# request as REST infer (port 8000), and a
 # /metrics scrape. The Debian base images are seeded from debootstrap into
 # buildah's local storage, so nothing is pulled from a registry.
 #
@@ -162,10 +163,11 @@ cleanup() {
 }
 
 run_and_check() {
-  local grpc_port metrics_port workdir entrypoint healthcheck
+  local grpc_port metrics_port http_port workdir entrypoint healthcheck
   workdir=$(mktemp -d)
   grpc_port=$(free_port)
   metrics_port=$(free_port)
+  http_port=$(free_port)
   ctr=$(buildah "${buildah_opts[@]}" from --pull=never "$image")
 
   entrypoint=$(image_config Entrypoint)
@@ -173,6 +175,7 @@ run_and_check() {
   [[ $(image_config User) == '"10001"' ]] || die "image does not run as user 10001"
   image_config ExposedPorts | grep -q '"50051/tcp"' || die "50051 not exposed"
   image_config ExposedPorts | grep -q '"9464/tcp"' || die "9464 not exposed"
+  image_config ExposedPorts | grep -q '"8000/tcp"' || die "8000 (REST) not exposed"
   # One build carries every kernel path: AVX-512 code (zmm registers) is in
   # it, chosen at run time only where the CPU has it (this check needs no
   # AVX-512 CPU).
@@ -188,10 +191,11 @@ run_and_check() {
 
   # chroot isolation shares the host's network, so the ports are picked free
   # on the host and handed over through the ATTENTION_* variables (docs/api.md 6.1).
-  log "starting the image's entrypoint on 127.0.0.1:$grpc_port (metrics :$metrics_port)"
+  log "starting the image's entrypoint on 127.0.0.1:$grpc_port (metrics :$metrics_port, REST :$http_port)"
   buildah "${buildah_opts[@]}" run --isolation chroot \
     --env ATTENTION_ADDRESS="127.0.0.1:$grpc_port" \
     --env ATTENTION_METRICS_ADDRESS="127.0.0.1:$metrics_port" \
+    --env ATTENTION_HTTP_ADDRESS="127.0.0.1:$http_port" \
     "$ctr" -- attention-server >"$workdir/server.log" 2>&1 &
   server_pid=$!
 
@@ -239,6 +243,22 @@ a = math.exp(1 / math.sqrt(2))
 expected = [(10 * a + 20) / (a + 1), (10 + 20 * a) / (a + 1)]
 got = out["data"]
 assert all(abs(g - e) < 1e-4 for g, e in zip(got, expected, strict=True)), (got, expected)
+PY
+
+  # The same request over REST (docs/api.md section 10), in JSON.
+  curl -fsS "http://127.0.0.1:$http_port/v2/models/dot_product/infer" -d '{"inputs": [
+    {"name": "queries", "datatype": "FP32", "shape": [1, 2, 2], "data": [1, 0, 0, 1]},
+    {"name": "keys", "datatype": "FP32", "shape": [1, 2, 2], "data": [1, 0, 0, 1]},
+    {"name": "values", "datatype": "FP32", "shape": [1, 2, 1], "data": [10, 20]}]}' \
+    >"$workdir/rest.json" || die "REST infer failed"
+  log "REST infer answered: $(cat "$workdir/rest.json")"
+  /usr/bin/python3 - "$workdir/rest.json" <<'PY'
+import json, math, sys
+out = json.load(open(sys.argv[1]))["outputs"][0]
+assert out["name"] == "output" and out["shape"] == [1, 2, 1], out
+a = math.exp(1 / math.sqrt(2))
+expected = [(10 * a + 20) / (a + 1), (10 + 20 * a) / (a + 1)]
+assert all(abs(g - e) < 1e-4 for g, e in zip(out["data"], expected, strict=True)), out
 PY
 
   curl -fsS "http://127.0.0.1:$metrics_port/metrics" >"$workdir/metrics.txt"
