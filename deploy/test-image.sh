@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # test-image.sh: builds the container image from the Dockerfile with buildah
 # (no Docker engine or registry needed) and checks that it really serves:
-# gRPC health through the image's own HEALTHCHECK command, one Attend, the same
-# request as REST infer (port 8000), and a
-# /metrics scrape. The Debian base images are seeded from debootstrap into
-# buildah's local storage, so nothing is pulled from a registry.
+# gRPC health through the image's own HEALTHCHECK command, one Attend, the
+# same request as REST infer (port 8000), and a /metrics scrape. The Debian
+# base images are seeded from debootstrap into buildah's local storage, so
+# nothing is pulled from a registry.
 #
 #   deploy/test-image.sh           seed (once), build, run, check, clean up
 #   deploy/test-image.sh --seed    only seed the base images
