@@ -105,6 +105,8 @@ TEST(ServerConfigTest, HelpDocumentsEveryFlagWithItsDefaultAndVariable) {
   EXPECT_THAT(help, HasSubstr("--address TEXT=0.0.0.0:50051"));
   EXPECT_THAT(help, HasSubstr("--metrics-address TEXT=0.0.0.0:9464"));
   EXPECT_THAT(help, HasSubstr("ATTENTION_MAX_BATCH_SIZE"));
+  EXPECT_THAT(help, HasSubstr("--batching-delay"));
+  EXPECT_THAT(help, HasSubstr("ATTENTION_BATCHING_DELAY"));
 }
 
 // The kernel path: the CPU's best unless --isa (or ATTENTION_ISA) forces a
