@@ -1,6 +1,7 @@
 // bare_attention_server: a benchmark anchor, not a server. A minimal gRPC C++
 // callback server of attention.v1 that answers every Attend at once with the
-// request's queries as its output: the cost of a unary call and its messages
+// request's queries as its output (and to ListModels with the built-in
+// dot_product, which the client's generated requests need): the cost of a unary call and its messages
 // with nothing of ours in it, to set attention-server's per-call cost against
 // (bench/service_targets.py runs both with the same client). Links only the
 // proto.
@@ -28,6 +29,18 @@ class BareAttention final : public v1::AttentionService::CallbackService {
     *response->mutable_output() = request->queries();
     response->set_request_id(request->request_id());
     response->set_model(request->model());
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+  // attention-client bench shapes its request from the model's description.
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
+                                       const v1::ListModelsRequest* /*request*/,
+                                       v1::ListModelsResponse* response) override {
+    v1::ModelInfo* model = response->add_models();
+    model->set_name("dot_product");
+    model->set_kind("dot_product");
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
