@@ -410,10 +410,12 @@ void LogServing(const ServerConfig& config, const RunningServer& s) {
   if (s.exposer) spdlog::info("metrics on {}/metrics", s.metrics_address);
   spdlog::info("kernel path {} (this CPU's best: {}), BLAS core {}", IsaName(ActiveIsa()),
                IsaName(DetectedIsa()), BlasCoreName());
-  spdlog::info("batching: --max-batch-size {} --max-queue-delay-us {} --queue-capacity {}; "
-               "engine threads {}; --max-message-bytes {} --max-request-elements {} "
-               "--max-request-work {} --max-request-scratch-elements {} --max-queued-bytes {}",
-               config.batching.max_batch_size, config.batching.max_queue_delay_us,
+  spdlog::info("batching: --max-batch-size {} --batching-delay {} --max-queue-delay-us {} "
+               "--queue-capacity {}; engine threads {}; --max-message-bytes {} "
+               "--max-request-elements {} --max-request-work {} --max-request-scratch-elements {} "
+               "--max-queued-bytes {}",
+               config.batching.max_batch_size, BatchingDelayName(config.batching.delay),
+               config.batching.max_queue_delay_us,
                config.batching.queue_capacity, s.engine->num_threads(), config.max_message_bytes,
                config.limits.max_request_elements, config.limits.max_request_work,
                config.limits.max_request_scratch_elements, config.max_queued_bytes);

@@ -69,8 +69,21 @@ void AddBatchingFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--max-batch-size", &c->batching.max_batch_size,
        "Most requests of one model merged into one execution (1: no batching)")
       ->check(CLI::Range(1, 1 << 16));
+  const char* const fixed = BatchingDelayName(BatchingDelay::kFixed);
+  app.add_option_function<std::string>(
+         "--batching-delay",
+         [c, fixed](const std::string& name) {
+           c->batching.delay = name == fixed ? BatchingDelay::kFixed : BatchingDelay::kWhileBusy;
+         },
+         "When a batch that is not full runs: 'while-busy' (as soon as no batch of its model "
+         "computes; requests wait only behind the one in flight) or 'fixed' (once its oldest "
+         "request has waited --max-queue-delay-us)")
+      ->envname(EnvName("--batching-delay"))
+      ->check(CLI::IsMember({BatchingDelayName(BatchingDelay::kWhileBusy), fixed}))
+      ->default_str(BatchingDelayName(c->batching.delay));
   Flag(app, "--max-queue-delay-us", &c->batching.max_queue_delay_us,
-       "Longest wait, in microseconds, for a batch to fill before it runs anyway")
+       "With --batching-delay fixed: longest wait, in microseconds, for a batch to fill "
+       "before it runs anyway")
       ->check(CLI::Range(int64_t{0}, int64_t{60'000'000}));
   Flag(app, "--queue-capacity", &c->batching.queue_capacity,
        "Most requests waiting per model; beyond it requests get RESOURCE_EXHAUSTED")

@@ -3,16 +3,18 @@
 // A Batcher owns a bounded queue and one thread. Callers hand it tasks with
 // Schedule(), which never blocks; the thread merges queued tasks into batches
 // of up to `max_batch_size` and hands each batch to the ProcessBatch callback,
-// in arrival order. A batch closes as soon as it is full, or when its oldest
-// task has waited `max_queue_delay_us`, whichever comes first; while one batch
-// runs the next one fills, so a busy batcher runs full batches back to back.
+// in arrival order. While one batch runs the next one fills, so a busy
+// batcher runs full batches back to back. When a partial batch runs depends
+// on `delay` (BatchingDelay): at once when the thread is free (kWhileBusy,
+// the default: tasks wait only behind the batch in flight), or once its
+// oldest task has waited `max_queue_delay_us` (kFixed).
 //
 // Use one Batcher per model when concurrent requests are cheaper to compute
 // together than one by one. With max_batch_size = 1 it is a plain bounded FIFO.
 //
-// Worst-case queueing latency of a task: max_queue_delay_us plus the compute
-// time of the batches ahead of it (at most queue_capacity / max_batch_size of
-// them).
+// Worst-case queueing latency of a task: the compute time of the batches
+// ahead of it (at most queue_capacity / max_batch_size of them), plus
+// max_queue_delay_us with kFixed.
 //
 // Every accepted task is answered exactly once: it is either processed in a
 // batch or dropped through the DropTask callback, with DEADLINE_EXCEEDED when
@@ -57,15 +59,36 @@ class BatcherClock {
 // The wall clock (absl::Now()). Process-wide; never destroyed.
 BatcherClock* RealBatcherClock();
 
+// When a batch that is not full runs.
+enum class BatchingDelay {
+  // As soon as the batcher's thread is free: a task that arrives while no
+  // batch runs is handed over at once, and the tasks that arrive while one
+  // runs form the next batch. There is one execution in flight per batcher,
+  // so the wait to fill a batch is what remains of the one in flight.
+  kWhileBusy,
+  // Once its oldest task has waited max_queue_delay_us, even on an idle
+  // batcher (waits for company that a lone caller never brings).
+  kFixed,
+};
+
+// --batching-delay's spelling of `delay`: "while-busy" or "fixed".
+inline const char* BatchingDelayName(BatchingDelay delay) {
+  return delay == BatchingDelay::kFixed ? "fixed" : "while-busy";
+}
+
 // How a Batcher batches. The defaults are attention-server's documented
-// defaults (--max-batch-size, --max-queue-delay-us, --queue-capacity; see
+// defaults (--max-batch-size, --batching-delay, --max-queue-delay-us,
+// --queue-capacity; see
 // docs/api.md) and are defined here only: ServerConfig and DispatchOptions
 // hold this struct.
 struct BatcherOptions {
   // Most tasks merged into one batch; 1 disables batching. Must be >= 1.
   int max_batch_size = 32;
-  // Longest time the oldest queued task waits for its batch to fill before
-  // the batch runs anyway. Must be >= 0; 0 runs whatever is queued at once.
+  // When a partial batch runs (--batching-delay).
+  BatchingDelay delay = BatchingDelay::kWhileBusy;
+  // With kFixed: longest time the oldest queued task waits for its batch to
+  // fill before the batch runs anyway. Must be >= 0; 0 runs whatever is
+  // queued at once, as kWhileBusy does.
   int64_t max_queue_delay_us = 1000;
   // Most tasks waiting in the queue (tasks in a running batch do not count).
   // Schedule() returns RESOURCE_EXHAUSTED beyond it. Must be >= 1.
@@ -272,10 +295,12 @@ void Batcher<Task>::Loop() {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(this, &Batcher::HasWorkOrDraining));
       if (queue_.empty()) return;  // draining and every task answered
-      const absl::Time close_at =
-          queue_.front().enqueued + absl::Microseconds(options_.max_queue_delay_us);
-      clock_->AwaitWithDeadline(mu_, absl::Condition(this, &Batcher::BatchFullOrDraining),
-                                close_at);
+      if (options_.delay == BatchingDelay::kFixed) {
+        const absl::Time close_at =
+            queue_.front().enqueued + absl::Microseconds(options_.max_queue_delay_us);
+        clock_->AwaitWithDeadline(mu_, absl::Condition(this, &Batcher::BatchFullOrDraining),
+                                  close_at);
+      }
       const absl::Time now = clock_->Now();
       while (static_cast<int>(batch.size()) < options_.max_batch_size && !queue_.empty()) {
         Entry entry = std::move(queue_.front());

@@ -3,6 +3,8 @@
 // once a batch forms is in execution.cc.
 #include "server/dispatch/dispatcher.h"
 
+#include <algorithm>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -13,6 +15,14 @@
 #include "spdlog/spdlog.h"
 
 namespace attention::server {
+namespace {
+
+// Sending answers is cheap next to computing them: half the cores, at most 4.
+int AnswerThreads() {
+  return std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 2, 1, 4);
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Dispatcher>> Dispatcher::Create(const ModelRegistry* registry,
                                                                Engine* engine,
@@ -35,7 +45,8 @@ Dispatcher::Dispatcher(const ModelRegistry* registry, Engine* engine, ServerMetr
       engine_(engine),
       metrics_(metrics),
       options_(std::move(options)),
-      access_(options_.allowed_client_identities, options_.auth_tokens) {}
+      access_(options_.allowed_client_identities, options_.auth_tokens),
+      answers_(AnswerThreads()) {}
 
 Dispatcher::~Dispatcher() { Drain(); }
 
@@ -114,6 +125,7 @@ void Dispatcher::Drain() {
     for (auto& [name, queue] : queues_) queues.push_back(queue.get());
   }
   for (ModelQueue* queue : queues) queue->batcher->Drain();
+  answers_.Drain();
 }
 
 void Dispatcher::Submit(const CallOrigin& origin, Request request, Decode decode, Done done) {

@@ -12,11 +12,13 @@
 // versions of a batch apart (one Engine::Run per version), so a reload never
 // fails or mixes queued requests. Requests of every API merge into the same
 // batches. Each answer is counted, timed and logged in one place (Answer),
-// then handed to the request's completion.
+// then handed to the request's completion; a computed batch's answers go out
+// on the answer threads (answer_pool.h) while its batcher forms the next.
 //
 // Shutdown: StopAccepting() refuses new calls and requests (UNAVAILABLE);
 // WaitForIdle() waits for the calls opened before it to be done, answers and
-// all; Drain() answers every queued request; the destructor drains too.
+// all; Drain() answers every queued request, its answer sent; the destructor
+// drains too.
 #pragma once
 
 #include <atomic>
@@ -36,6 +38,7 @@
 #include "absl/time/time.h"
 #include "core/engine.h"
 #include "core/request.h"
+#include "server/dispatch/answer_pool.h"
 #include "server/dispatch/batcher.h"
 #include "server/dispatch/call_origin.h"
 #include "server/dispatch/dispatch_options.h"
@@ -91,8 +94,9 @@ class Dispatcher {
                                                             DispatchOptions options);
   ~Dispatcher();
 
-  // Answers `request` through `done`: now (when it is refused) or from the
-  // model's batcher thread. `origin`, the strings `request` views and what
+  // Answers `request` through `done`: now (when it is refused), from an
+  // answer thread once computed, or from the model's batcher thread when it
+  // is dropped from the queue. `origin`, the strings `request` views and what
   // `decode` returns must stay alive until `done` runs.
   void Submit(const CallOrigin& origin, Request request, Decode decode, Done done);
 
@@ -118,7 +122,8 @@ class Dispatcher {
   // transport has sent the last answer and the status), or until
   // `deadline`; false on the deadline.
   bool WaitForIdle(absl::Time deadline);
-  // Answers every queued request, then stops the batchers. Idempotent.
+  // Answers every queued request, then stops the batchers and the answer
+  // threads. Idempotent.
   void Drain();
 
  private:
@@ -145,6 +150,10 @@ class Dispatcher {
   void ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch);
   // Computes `tasks`, all of one model version, in one Engine::Run.
   void RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> tasks);
+  // Answers the tasks of a computed batch (on an answer thread): `status`
+  // when it is not OK, each task's result otherwise.
+  void AnswerBatch(std::vector<std::unique_ptr<Task>> batch, const absl::Status& status,
+                   std::vector<AttentionResult> results);
   void DropTask(ModelQueue& queue, std::unique_ptr<Task> task, const absl::Status& why);
   // Counts, logs and answers `task`.
   void Answer(Task& task, const absl::Status& status, const AttentionResult* result);
@@ -163,6 +172,9 @@ class Dispatcher {
   int64_t open_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;  // opened, not yet closed
   // "request failed" lines: at most kRefusalLinesPerSecond a second.
   RefusalLogLimiter refusal_log_{kRefusalLinesPerSecond};
+  // Declared before queues_: a batcher drained by its destructor still
+  // answers through it.
+  AnswerPool answers_;
   // One per model name ever requested. A removed model's batcher stays (idle,
   // its thread asleep): a request may hold its pointer between lookup and
   // Schedule(), and names are bounded by the repository's files.

@@ -1,6 +1,7 @@
 // execution.cc: what the dispatcher does once a model's batcher hands it a
 // batch: one engine execution per model version, then one answer per
-// request, counted, timed and logged in one place (Answer).
+// request, counted, timed and logged in one place (Answer), on an answer
+// thread.
 #include <exception>
 #include <utility>
 
@@ -53,8 +54,15 @@ void Dispatcher::RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> 
     status = absl::InternalError(absl::StrCat("the engine failed: ", e.what()));
   }
   const absl::Duration computed = absl::Now() - start;
+  for (auto& task : batch) task->computed = computed;
+  answers_.Post([this, batch = std::move(batch), status, results = std::move(results)]() mutable {
+    AnswerBatch(std::move(batch), status, std::move(results));
+  });
+}
+
+void Dispatcher::AnswerBatch(std::vector<std::unique_ptr<Task>> batch, const absl::Status& status,
+                             std::vector<AttentionResult> results) {
   for (size_t i = 0; i < batch.size(); ++i) {
-    batch[i]->computed = computed;
     const absl::Status& answer = status.ok() ? results[i].status : status;
     Answer(*batch[i], answer, answer.ok() ? &results[i] : nullptr);
   }

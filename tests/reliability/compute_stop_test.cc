@@ -41,8 +41,10 @@ v1::AttendRequest BudgetSized() {
 class ComputeStopTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    // One engine thread; a batch forms once two requests are queued.
+    // One engine thread; a batch forms once two requests are queued (the
+    // fixed delay: an idle model would run the first one alone).
     auto started = ServerProcess::Start({"--threads", "1", "--max-batch-size", "2",
+                                         "--batching-delay", "fixed",
                                          "--max-queue-delay-us", "10000000"});
     ASSERT_TRUE(started.ok()) << started.status();
     server_ = *std::move(started);

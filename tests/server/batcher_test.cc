@@ -125,9 +125,12 @@ class Recorder {
 
 class BatcherTest : public ::testing::Test {
  protected:
+  // kFixed unless told: the tests written before kWhileBusy check today's delay.
   std::unique_ptr<TestBatcher> Make(int max_batch_size, int64_t max_queue_delay_us,
-                                    int queue_capacity = 100) {
+                                    int queue_capacity = 100,
+                                    BatchingDelay delay = BatchingDelay::kFixed) {
     TestBatcher::Options options;
+    options.delay = delay;
     options.max_batch_size = max_batch_size;
     options.max_queue_delay_us = max_queue_delay_us;
     options.queue_capacity = queue_capacity;
@@ -294,11 +297,64 @@ TEST_F(BatcherTest, DestructionDrains) {
               ElementsAre(ElementsAre(0, 1), ElementsAre(2, 3), ElementsAre(4)));
 }
 
+// kWhileBusy: the clock never moves in these tests, so a batch that runs ran
+// without waiting for any delay.
+TEST_F(BatcherTest, WhileBusyHandsAnIdleBatchersTaskOverAtOnce) {
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
+                      /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
+  ScheduleOk(*batcher, 0);
+  ASSERT_TRUE(recorder_.WaitForAnswered(1));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0)));
+}
+
+TEST_F(BatcherTest, WhileBusyFillsBatchesUpToMaxWhileOneRuns) {
+  recorder_.HoldFirstBatch();
+  auto batcher = Make(/*max_batch_size=*/3, /*max_queue_delay_us=*/1'000'000,
+                      /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
+  ScheduleOk(*batcher, 0);
+  recorder_.WaitUntilFirstBatchStarted();
+  for (int id = 1; id <= 7; ++id) ScheduleOk(*batcher, id);
+  LetBatcherRun();
+  EXPECT_EQ(batcher->queue_depth(), 7) << "tasks left the queue while a batch was running";
+  recorder_.ReleaseFirstBatch();
+  ASSERT_TRUE(recorder_.WaitForAnswered(8));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(1, 2, 3),
+                                               ElementsAre(4, 5, 6), ElementsAre(7)));
+}
+
+TEST_F(BatcherTest, WhileBusyPartialBatchRunsAsSoonAsTheOneInFlightEnds) {
+  recorder_.HoldFirstBatch();
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
+                      /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
+  ScheduleOk(*batcher, 0);
+  recorder_.WaitUntilFirstBatchStarted();
+  ScheduleOk(*batcher, 1);
+  ScheduleOk(*batcher, 2);
+  recorder_.ReleaseFirstBatch();
+  ASSERT_TRUE(recorder_.WaitForAnswered(3));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(1, 2)));
+}
+
+// The contrast: kFixed holds an idle batcher's lone task for the delay.
+TEST_F(BatcherTest, FixedHoldsAnIdleBatchersTaskForTheDelay) {
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1000);
+  ScheduleOk(*batcher, 0);
+  LetBatcherRun();
+  EXPECT_THAT(recorder_.batches(), IsEmpty());
+  EXPECT_EQ(batcher->queue_depth(), 1);
+  clock_.Advance(absl::Microseconds(1000));
+  ASSERT_TRUE(recorder_.WaitForAnswered(1));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0)));
+}
+
 TEST(BatcherRealClockTest, PartialBatchRunsAfterTheDelay) {
   absl::Notification done;
   std::vector<int> ids;
   auto batcher = TestBatcher::Create(
-      {.max_batch_size = 8, .max_queue_delay_us = 100, .queue_capacity = 8},
+      {.max_batch_size = 8,
+       .delay = BatchingDelay::kFixed,
+       .max_queue_delay_us = 100,
+       .queue_capacity = 8},
       [&](std::vector<std::unique_ptr<TestTask>> batch) {
         for (const auto& task : batch) ids.push_back(task->id);
         done.Notify();

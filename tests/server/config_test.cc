@@ -107,6 +107,8 @@ TEST(ServerConfigTest, HelpDocumentsEveryFlagWithItsDefaultAndVariable) {
   EXPECT_THAT(help, HasSubstr("--http-address TEXT=0.0.0.0:8000"));
   EXPECT_THAT(help, HasSubstr("ATTENTION_HTTP_ADDRESS"));
   EXPECT_THAT(help, HasSubstr("ATTENTION_MAX_BATCH_SIZE"));
+  EXPECT_THAT(help, HasSubstr("--batching-delay"));
+  EXPECT_THAT(help, HasSubstr("ATTENTION_BATCHING_DELAY"));
 }
 
 // The kernel path: the CPU's best unless --isa (or ATTENTION_ISA) forces a
