@@ -1,4 +1,4 @@
-// model.cc: kind names, the built-in weightless models and the packing of
+// model.cc: kind and precision names, the built-in weightless models and the packing of
 // multi_head projection weights.
 #include "core/model.h"
 
@@ -17,6 +17,11 @@ constexpr std::array<std::pair<Kind, std::string_view>, 5> kKindNames = {{
     {Kind::kMultiHead, "multi_head"},
 }};
 
+constexpr std::array<std::pair<Precision, std::string_view>, 2> kPrecisionNames = {{
+    {Precision::kFp32, "fp32"},
+    {Precision::kBf16, "bf16"},
+}};
+
 }  // namespace
 
 std::string_view KindName(Kind kind) {
@@ -33,6 +38,20 @@ std::optional<Kind> KindFromName(std::string_view name) {
   return std::nullopt;
 }
 
+std::string_view PrecisionName(Precision precision) {
+  for (const auto& [p, name] : kPrecisionNames) {
+    if (p == precision) return name;
+  }
+  return "unknown";
+}
+
+std::optional<Precision> PrecisionFromName(std::string_view name) {
+  for (const auto& [precision, n] : kPrecisionNames) {
+    if (n == name) return precision;
+  }
+  return std::nullopt;
+}
+
 Model DotProductModel() {
   Model model;
   model.name = std::string(KindName(Kind::kDotProduct));
@@ -42,14 +61,29 @@ Model DotProductModel() {
 
 void PackProjections(Model& model) {
   if (model.kind != Kind::kMultiHead) return;
-  const auto pack = [](const RowMatrix& weight, const Vector& bias) {
-    return PackedWeights::Pack(weight.data(), weight.rows(), weight.cols(),
-                               bias.size() > 0 ? bias.data() : nullptr);
+  const auto pack = [&](RowMatrix& weight, Vector& bias, PackedWeights& packed) {
+    packed = PackedWeights::Pack(weight.data(), weight.rows(), weight.cols(),
+                                 bias.size() > 0 ? bias.data() : nullptr, model.precision);
+    weight = RowMatrix();
+    bias = Vector();
   };
-  model.packed_q = pack(model.w_q, model.b_q);
-  model.packed_k = pack(model.w_k, model.b_k);
-  model.packed_v = pack(model.w_v, model.b_v);
-  model.packed_o = pack(model.w_o, model.b_o);
+  pack(model.w_q, model.b_q, model.packed_q);
+  pack(model.w_k, model.b_k, model.packed_k);
+  pack(model.w_v, model.b_v, model.packed_v);
+  pack(model.w_o, model.b_o, model.packed_o);
+}
+
+void UnpackProjections(Model& model) {
+  if (model.kind != Kind::kMultiHead || model.packed_q.empty()) return;
+  const auto unpack = [](const PackedWeights& packed, RowMatrix& weight, Vector& bias) {
+    weight.resize(packed.out_cols(), packed.in_cols());
+    bias.resize(packed.out_cols());
+    packed.Unpack(weight.data(), bias.data());
+  };
+  unpack(model.packed_q, model.w_q, model.b_q);
+  unpack(model.packed_k, model.w_k, model.b_k);
+  unpack(model.packed_v, model.w_v, model.b_v);
+  unpack(model.packed_o, model.w_o, model.b_o);
 }
 
 Model DistanceModel() {

@@ -1,5 +1,7 @@
 // packed_gemm.cc: the packed-panel GEMM (packed_gemm.h), compiled by Highway
-// once per vector path (core/isa_dispatch.h).
+// once per vector path (core/isa_dispatch.h), over fp32 panels and over bf16
+// ones widened to FP32 (the avx512_bf16 path's own bf16 kernel:
+// packed_gemm_bf16.cc).
 #include "core/packed_gemm.h"
 
 #include <algorithm>
@@ -36,29 +38,15 @@ constexpr int kRows = 1;
 #endif
 static_assert(kVectors * HWY_LANES(float) == kPanelWidth);
 
-// Rows [row, row + R) times panel `panel`, plus its bias, stored.
+// Accumulators of rows [row, row + R) plus panel `panel`'s bias, stored.
 template <int R>
-HWY_INLINE void PanelTile(const PackedProduct& p, int64_t row, int64_t panel) {
+HWY_INLINE void StoreTile(const PackedProduct& p, int64_t row, int64_t panel,
+                          const V (&acc)[R][kVectors]) {
   const D d;
   constexpr size_t kLanes = HWY_LANES(float);
-  const PackedWeights& w = *p.weights;
-  V acc[R][kVectors];
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = hn::Zero(d);
-  }
-  const float* x = p.in + row * p.in_stride;
-  const float* weights = w.panel(panel);
-  for (int64_t k = 0; k < w.in_cols(); ++k) {
-    V wk[kVectors];
-    for (int v = 0; v < kVectors; ++v) wk[v] = hn::Load(d, weights + k * kPanelWidth + v * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const V xr = hn::Set(d, x[r * p.in_stride + k]);
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = hn::MulAdd(xr, wk[v], acc[r][v]);
-    }
-  }
-  const float* bias = w.bias(panel);
+  const float* bias = p.weights->bias(panel);
   const int64_t column = panel * kPanelWidth;
-  const int64_t columns = std::min(kPanelWidth, w.out_cols() - column);
+  const int64_t columns = std::min(kPanelWidth, p.weights->out_cols() - column);
   for (int r = 0; r < R; ++r) {
     float* out = p.out + (row + r) * p.out_stride + column;
     if (columns == kPanelWidth) {
@@ -77,24 +65,104 @@ HWY_INLINE void PanelTile(const PackedProduct& p, int64_t row, int64_t panel) {
   }
 }
 
-// PanelTile for the last `rows` (< kRows) rows of a block.
+// acc[r] += x[r][k] * wk for the R rows of x, in_stride apart.
 template <int R>
+HWY_INLINE void AddColumn(const float* x, int64_t in_stride, int64_t k, const V (&wk)[kVectors],
+                          V (&acc)[R][kVectors]) {
+  const D d;
+  for (int r = 0; r < R; ++r) {
+    const V xr = hn::Set(d, x[r * in_stride + k]);
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = hn::MulAdd(xr, wk[v], acc[r][v]);
+  }
+}
+
+// Rows [row, row + R) times panel `panel` of fp32 weights, plus its bias, stored.
+template <int R>
+HWY_INLINE void PanelTile(const PackedProduct& p, int64_t row, int64_t panel) {
+  const D d;
+  constexpr size_t kLanes = HWY_LANES(float);
+  V acc[R][kVectors];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = hn::Zero(d);
+  }
+  const float* x = p.in + row * p.in_stride;
+  const float* weights = p.weights->panel(panel);
+  for (int64_t k = 0; k < p.weights->in_cols(); ++k) {
+    V wk[kVectors];
+    for (int v = 0; v < kVectors; ++v) wk[v] = hn::Load(d, weights + k * kPanelWidth + v * kLanes);
+    AddColumn<R>(x, p.in_stride, k, wk, acc);
+  }
+  StoreTile<R>(p, row, panel, acc);
+}
+
+// The same from bf16 weights, widened to FP32 as they are read: a pair
+// word's low half is W[n][2i] (shifted up, it is that float), its high half
+// W[n][2i + 1] (masked, it is that float). The inputs stay FP32: the path of
+// a bf16 model where the CPU lacks AVX512_BF16 (or --isa chose a lower
+// path), as accurate as fp32 on the held weights, reading half the bytes.
+template <int R>
+HWY_INLINE void Bf16PanelTile(const PackedProduct& p, int64_t row, int64_t panel) {
+  const D d;
+  const hn::RebindToUnsigned<D> du;
+  constexpr size_t kLanes = HWY_LANES(float);
+  V acc[R][kVectors];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = hn::Zero(d);
+  }
+  const float* x = p.in + row * p.in_stride;
+  const uint32_t* weights = p.weights->bf16_panel(panel);
+  const auto high_half = hn::Set(du, 0xffff0000u);
+  const int64_t in_cols = p.weights->in_cols();
+  for (int64_t i = 0; 2 * i < in_cols; ++i) {
+    V wk[kVectors];
+    for (int v = 0; v < kVectors; ++v) {
+      wk[v] = hn::BitCast(d, hn::ShiftLeft<16>(hn::Load(du, weights + i * kPanelWidth + v * kLanes)));
+    }
+    AddColumn<R>(x, p.in_stride, 2 * i, wk, acc);
+    if (2 * i + 1 == in_cols) break;
+    for (int v = 0; v < kVectors; ++v) {
+      wk[v] = hn::BitCast(d, hn::And(hn::Load(du, weights + i * kPanelWidth + v * kLanes),
+                                     high_half));
+    }
+    AddColumn<R>(x, p.in_stride, 2 * i + 1, wk, acc);
+  }
+  StoreTile<R>(p, row, panel, acc);
+}
+
+// The tile of the last `rows` (< kRows) rows of a block.
+template <int R, bool kBf16>
 HWY_INLINE void PanelTileOf(const PackedProduct& p, int64_t row, int64_t rows, int64_t panel) {
   if constexpr (R > 1) {
-    if (rows < R) return PanelTileOf<R - 1>(p, row, rows, panel);
+    if (rows < R) return PanelTileOf<R - 1, kBf16>(p, row, rows, panel);
   }
-  PanelTile<R>(p, row, panel);
+  if constexpr (kBf16) {
+    Bf16PanelTile<R>(p, row, panel);
+  } else {
+    PanelTile<R>(p, row, panel);
+  }
 }
 
 // Panel outer, rows inner: a panel (in_cols x 128 bytes, 128 KiB at
-// in_cols = 1024) stays in L2 while every row group of the block reads it.
-void PackedProductImpl(const PackedProduct& p, int64_t row_begin, int64_t row_end,
-                       int64_t panel_begin, int64_t panel_end) {
+// in_cols = 1024; half that in bf16) stays in L2 while every row group of
+// the block reads it.
+template <bool kBf16>
+HWY_INLINE void PanelsOf(const PackedProduct& p, int64_t row_begin, int64_t row_end,
+                         int64_t panel_begin, int64_t panel_end) {
   for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
     for (int64_t row = row_begin; row < row_end; row += kRows) {
-      PanelTileOf<kRows>(p, row, std::min<int64_t>(kRows, row_end - row), panel);
+      PanelTileOf<kRows, kBf16>(p, row, std::min<int64_t>(kRows, row_end - row), panel);
     }
   }
+}
+
+void PackedProductImpl(const PackedProduct& p, int64_t row_begin, int64_t row_end,
+                       int64_t panel_begin, int64_t panel_end) {
+  PanelsOf<false>(p, row_begin, row_end, panel_begin, panel_end);
+}
+
+void WidenedBf16ProductImpl(const PackedProduct& p, int64_t row_begin, int64_t row_end,
+                            int64_t panel_begin, int64_t panel_end) {
+  PanelsOf<true>(p, row_begin, row_end, panel_begin, panel_end);
 }
 
 }  // namespace HWY_NAMESPACE
@@ -104,9 +172,11 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace attention {
 
-PackedKernel PackedKernelFor(Isa isa) {
+PackedKernel PackedKernelFor(Isa isa, Precision precision) {
   static constexpr auto kPackedProduct = ISA_TABLE(PackedProductImpl);
-  return kPackedProduct.For(isa);
+  static constexpr auto kBf16Product =
+      ISA_TABLE_WITH_BF16(WidenedBf16ProductImpl, &internal::Bf16DotProduct);
+  return precision == Precision::kBf16 ? kBf16Product.For(isa) : kPackedProduct.For(isa);
 }
 
 }  // namespace attention

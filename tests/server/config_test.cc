@@ -146,18 +146,18 @@ TEST(ServerConfigTest, UnknownKernelPathStopsTheServer) {
                                       "--metrics-address", ""},
                                      {}, &output),
             1);
-  EXPECT_THAT(output, HasSubstr("expected one of avx512, avx2, portable, got \"sse9\""));
+  EXPECT_THAT(output, HasSubstr("expected one of avx512_bf16, avx512, avx2, portable, got \"sse9\""));
 }
 
 TEST(ServerConfigTest, KernelPathTheCpuLacksStopsTheServer) {
-  if (DetectedIsa() == Isa::kAvx512) {
+  if (DetectedIsa() == Isa::kAvx512Bf16) {
     GTEST_SKIP() << "this host runs every path, so none can be refused";
   }
   std::string output;
   EXPECT_EQ(ServerProcess::RunToExit({"--address", "127.0.0.1:0", "--metrics-address", ""},
-                                     {{"ATTENTION_ISA", "avx512"}}, &output),
+                                     {{"ATTENTION_ISA", "avx512_bf16"}}, &output),
             1);
-  EXPECT_THAT(output, HasSubstr("avx512"));
+  EXPECT_THAT(output, HasSubstr("avx512_bf16"));
 }
 
 TEST(ServerConfigTest, OutOfRangeFlagIsRefused) {
