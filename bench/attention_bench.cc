@@ -5,10 +5,13 @@
 //       model (torch layout, random weights and biases): projections, H heads
 //       of size E/H, output projection.
 //   multi_head_bf16/B:8/n:128/E:256/H:8/masked:0  the same model with
-//       precision bf16 (docs/api.md 5.5): its projections in BF16 on the
-//       avx512_bf16 path, from BF16-held weights on the others.
+//       precision bf16 (docs/api.md 5.5): its projections, QK^T and P V in
+//       BF16 on the avx512_bf16 path; the FP32 path from BF16-held weights
+//       on the others.
 //   dot_product/B:8/n:128/E:256/H:8/masked:0  the attention core of the same
 //       problem: B*H slices of head size d = E/H through the dot_product model.
+//   dot_product_bf16/...  the same through a bf16 dot_product model (QK^T and
+//       P V in BF16 on the avx512_bf16 path).
 //   gemm/M:2048/N:2048/K:2048/threads:T       Eigen SGEMM C = A B (through
 //       OpenBLAS, one thread per call, as the engine runs it), split by column
 //       blocks over T threads: the peak the kernels are built from.
@@ -219,12 +222,14 @@ void MultiHead(benchmark::State& state, Shape s, bool masked, Precision precisio
             AllowedFraction(s, lens));
 }
 
-void DotProduct(benchmark::State& state, Shape s, bool masked) {
+void DotProduct(benchmark::State& state, Shape s, bool masked, Precision precision) {
   const std::vector<int32_t> lens = masked ? ValidLengths(s.batch, s.length) : std::vector<int32_t>{};
   // Slice b*H + h has example b's valid length.
   std::vector<int32_t> slice_lens;
   for (int32_t l : lens) slice_lens.insert(slice_lens.end(), s.heads, l);
-  RunEngine(state, DotProductModel(), s.batch * s.heads, s.length, s.width / s.heads, slice_lens,
+  Model model = DotProductModel();
+  model.precision = precision;
+  RunEngine(state, model, s.batch * s.heads, s.length, s.width / s.heads, slice_lens,
             AttentionFlops(s, lens), AllowedFraction(s, lens));
 }
 
@@ -454,7 +459,10 @@ void RegisterAll() {
     }
   }
   for (const Shape& s : kShapes) {
-    for (bool masked : {false, true}) Register(ShapeName("dot_product", s, masked), DotProduct, s, masked);
+    for (bool masked : {false, true}) {
+      Register(ShapeName("dot_product", s, masked), DotProduct, s, masked, Precision::kFp32);
+      Register(ShapeName("dot_product_bf16", s, masked), DotProduct, s, masked, Precision::kBf16);
+    }
   }
   const std::string gemm = "gemm/M:" + std::to_string(kGemmSize) + "/N:" + std::to_string(kGemmSize) +
                            "/K:" + std::to_string(kGemmSize) + "/threads:";

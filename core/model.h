@@ -45,8 +45,9 @@ struct Model {
   int64_t key_size = 0;     // d_k
   int64_t value_size = 0;   // d_v
   int64_t output_size = 0;  // multi_head: E; 0 = d_v
-  // What the projections compute in (docs/api.md, "Precision"); only
-  // multi_head models have products it changes, the others report fp32.
+  // What the products compute in (docs/api.md 5.5): multi_head's
+  // projections and attention, dot_product's attention; the other kinds
+  // report fp32.
   Precision precision = Precision::kFp32;
 
   // additive: W_q [h, d_q], W_k [h, d_k], w_v [1, h].

@@ -14,8 +14,9 @@
 //   out_proj.bias; both absent loads with zero biases, one alone is an error.
 // - Metadata keys other than "kind", "num_heads" and "precision" are ignored
 //   (writers add e.g. "format"); "num_heads" on a kind without heads is an
-//   error. "precision" is accepted on every kind (only multi_head has
-//   products it changes); an unknown value is an error naming the key.
+//   error. "precision" is accepted on every kind (only multi_head and the
+//   dot_product alias have products it changes; the others stay fp32); an
+//   unknown value is an error naming the key.
 // - Non-finite weights are an error: they would turn every answer into NaN.
 #include "core/model_loader.h"
 
@@ -358,7 +359,8 @@ absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const u
   model.kind = *kind;
   absl::StatusOr<Precision> precision = PrecisionOf(*file, force_fp32);
   if (!precision.ok()) return precision.status();
-  if (*kind == Kind::kMultiHead) model.precision = *precision;
+  // Only these kinds have products the precision changes (docs/api.md 5.5).
+  if (*kind == Kind::kMultiHead || *kind == Kind::kDotProduct) model.precision = *precision;
 
   const auto heads_entry = file->metadata.find(std::string(kNumHeadsKey));
   if (*kind == Kind::kMultiHead) {

@@ -366,6 +366,14 @@ TEST(ModelLoaderTest, ReadsPrecisionAndRoundsBf16WeightsOnce) {
   }
 }
 
+TEST(ModelLoaderTest, PrecisionAppliesToKindsWithProductsItChanges) {
+  const Metadata bf16_dot = {{"kind", "dot_product"}, {"precision", "bf16"}};
+  EXPECT_EQ(Parse("d", {}, bf16_dot)->precision, Precision::kBf16);
+  const Metadata bf16_bilinear = {{"kind", "bilinear"}, {"precision", "bf16"}};
+  EXPECT_EQ(Parse("b", {Weight("W_k.weight", {2, 2})}, bf16_bilinear)->precision,
+            Precision::kFp32);
+}
+
 TEST(ModelLoaderTest, ForcedFp32LoadsABf16ModelAsFp32) {
   const std::vector<uint8_t> file =
       BuildFile({Weight("in_proj_weight", {6, 2}), Weight("out_proj.weight", {2, 2})},
