@@ -85,7 +85,8 @@ absl::StatusOr<Isa> ParseIsa(std::string_view name) {
     if (name == IsaName(isa)) return isa;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("isa: expected one of avx512_bf16, avx512, avx2, portable, got \"", std::string(name), "\""));
+      absl::StrCat("isa: expected one of avx512_bf16, avx512, avx2, portable, got \"",
+                   std::string(name), "\""));
 }
 
 Isa DetectedIsa() {

@@ -20,7 +20,8 @@
 // Isa. Highway 1.0.3 has no target with AVX512_BF16, so the avx512_bf16 entry
 // is the AVX-512 build (ISA_TABLE), or, for a kernel with a BF16 form
 // (ISA_TABLE_WITH_BF16), a function of its own translation unit built with a
-// target attribute (core/packed_gemm_bf16.cc). Nothing is chosen before main either: an ifunc resolver
+// target attribute (core/packed_gemm_bf16.cc). Nothing is chosen before main
+// either: an ifunc resolver
 // (target_clones) runs before ThreadSanitizer's runtime and crashed every
 // TSan-built binary (f2c56be).
 #pragma once

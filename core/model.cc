@@ -1,5 +1,5 @@
-// model.cc: kind and precision names, the built-in weightless models and the packing of
-// multi_head projection weights.
+// model.cc: kind and precision names, the built-in weightless models and the
+// packing of multi_head projection weights.
 #include "core/model.h"
 
 #include <array>
@@ -22,34 +22,35 @@ constexpr std::array<std::pair<Precision, std::string_view>, 2> kPrecisionNames 
     {Precision::kBf16, "bf16"},
 }};
 
+// The name of `value` in `names`, or "unknown".
+template <typename T, size_t N>
+std::string_view NameIn(const std::array<std::pair<T, std::string_view>, N>& names, T value) {
+  for (const auto& [v, name] : names) {
+    if (v == value) return name;
+  }
+  return "unknown";
+}
+
+// The value named `name` in `names`.
+template <typename T, size_t N>
+std::optional<T> ValueIn(const std::array<std::pair<T, std::string_view>, N>& names,
+                         std::string_view name) {
+  for (const auto& [value, n] : names) {
+    if (n == name) return value;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
-std::string_view KindName(Kind kind) {
-  for (const auto& [k, name] : kKindNames) {
-    if (k == kind) return name;
-  }
-  return "unknown";
-}
+std::string_view KindName(Kind kind) { return NameIn(kKindNames, kind); }
 
-std::optional<Kind> KindFromName(std::string_view name) {
-  for (const auto& [kind, n] : kKindNames) {
-    if (n == name) return kind;
-  }
-  return std::nullopt;
-}
+std::optional<Kind> KindFromName(std::string_view name) { return ValueIn(kKindNames, name); }
 
-std::string_view PrecisionName(Precision precision) {
-  for (const auto& [p, name] : kPrecisionNames) {
-    if (p == precision) return name;
-  }
-  return "unknown";
-}
+std::string_view PrecisionName(Precision precision) { return NameIn(kPrecisionNames, precision); }
 
 std::optional<Precision> PrecisionFromName(std::string_view name) {
-  for (const auto& [precision, n] : kPrecisionNames) {
-    if (n == name) return precision;
-  }
-  return std::nullopt;
+  return ValueIn(kPrecisionNames, name);
 }
 
 Model DotProductModel() {

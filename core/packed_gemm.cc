@@ -139,7 +139,8 @@ HWY_INLINE void WideningPanelTile(const PackedProduct& p, int64_t row, int64_t p
     AddColumn<R>(x, p.in_stride, 2 * i, wk, acc);
     if (2 * i + 1 == in_cols) break;
     for (int v = 0; v < kVectors; ++v) {
-      wk[v] = hn::BitCast(d, hn::And(hn::Load(du, pairs + i * kPanelWidth + v * kLanes), high_half));
+      const auto pair = hn::Load(du, pairs + i * kPanelWidth + v * kLanes);
+      wk[v] = hn::BitCast(d, hn::And(pair, high_half));
     }
     AddColumn<R>(x, p.in_stride, 2 * i + 1, wk, acc);
   }

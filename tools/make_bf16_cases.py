@@ -123,7 +123,9 @@ def attend(weights, queries, keys, values, heads, allowed, scale, dtype, replace
     batch, n_q, e = q.shape
     n_k = k.shape[1]
     size = e // heads
-    split = lambda x, n: x.reshape(batch, n, heads, size).transpose(1, 2).reshape(batch * heads, n, size)
+    def split(x, n):
+        return x.reshape(batch, n, heads, size).transpose(1, 2).reshape(batch * heads, n, size)
+
     q, k, v = split(q, n_q), split(k, n_k), split(v, n_k)
     s = scale if scale is not None else 1.0 / np.sqrt(size)
     mask = torch.tensor(np.repeat(allowed, heads, axis=0))
@@ -131,7 +133,8 @@ def attend(weights, queries, keys, values, heads, allowed, scale, dtype, replace
         scores = torch.bmm(q, k.transpose(1, 2)) * s
         scores = torch.where(mask, scores, torch.tensor(MASKED, dtype=dtype))
     else:
-        additive = torch.where(mask, torch.tensor(0.0, dtype=dtype), torch.tensor(MASKED, dtype=dtype))
+        zero, masked = torch.tensor(0.0, dtype=dtype), torch.tensor(MASKED, dtype=dtype)
+        additive = torch.where(mask, zero, masked)
         scores = torch.baddbmm(additive, q * s, k.transpose(1, 2))
     attention = torch.bmm(torch.softmax(scores, dim=-1), v)
     concat = attention.reshape(batch, heads, n_q, size).transpose(1, 2).reshape(batch, n_q, e)
@@ -164,7 +167,8 @@ def conformance_cases():
     for path in sorted((CONFORMANCE / "cases").glob("multi_head*.json")):
         case = json.loads(path.read_text())
         request = case["request"]
-        metadata, tensors = read_safetensors(CONFORMANCE / "models" / f"{request['model']}.safetensors")
+        model_file = CONFORMANCE / "models" / f"{request['model']}.safetensors"
+        metadata, tensors = read_safetensors(model_file)
         tensor = lambda t: np.array(t["data"], dtype=np.float64).reshape(t["shape"])
         queries = tensor(request["queries"])
         keys = tensor(request["keys"]) if "keys" in request else queries
@@ -194,8 +198,9 @@ def random_cases():
         values = queries if self_attention else rng.standard_normal((batch, n_k, d_v))
         per_example = [int(x) for x in rng.integers(0, n_k + 1, batch)]
         per_query = [int(x) for x in rng.integers(0, n_k + 1, batch * n_q)]
-        for mask, valid_lens, causal in [("unmasked", [], False), ("valid_lens", per_example, False),
-                                         ("query_lens", per_query, False), ("causal", [], True)]:
+        masks = [("unmasked", [], False), ("valid_lens", per_example, False),
+                 ("query_lens", per_query, False), ("causal", [], True)]
+        for mask, valid_lens, causal in masks:
             if causal and n_q != n_k:
                 continue
             make_case(f"random_{name}_{mask}", weights, heads, queries, keys, values, valid_lens,

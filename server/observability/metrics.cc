@@ -105,7 +105,8 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
                    .Add({});
   model_info_ = &prometheus::BuildGauge()
                      .Name("attention_model_info")
-                     .Help("1 for each model version served now, labelled with its kind and precision")
+                     .Help("1 for each model version served now, labelled with its kind and "
+                           "precision")
                      .Register(*registry_);
   load_failures_ = &prometheus::BuildCounter()
                         .Name("attention_model_load_failures_total")

@@ -137,7 +137,8 @@ void RepositoryManager::LoadVersion(const ModelFile& file, Report* report) {
                                                   .reason = {},
                                                   .model = nullptr});
   }
-  absl::StatusOr<Model> loaded = attention::LoadModel(file.path, options_.max_file_bytes, options_.force_fp32);
+  absl::StatusOr<Model> loaded =
+      attention::LoadModel(file.path, options_.max_file_bytes, options_.force_fp32);
   if (!loaded.ok()) {
     report->failures.push_back(loaded.status());
     if (metrics_ != nullptr) metrics_->CountLoadFailure(file.name);

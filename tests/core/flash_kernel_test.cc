@@ -238,29 +238,36 @@ TEST(KeyBoundsTest, IsMinOfValidLenKeysAndCausalLimit) {
 
 // Every (n_q, n_k) pair of sizes, with head and value sizes, mask form, causal
 // flag, biases, padding and the row split drawn per pair from a fixed seed.
+// A case of n_q queries and n_k keys under `mask`, its sizes drawn from
+// `sizes`, its valid length, causal flag, biases and padding from `rng`.
+Case DrawCase(std::mt19937& rng, const std::vector<int64_t>& sizes, int64_t n_q, int64_t n_k,
+              Mask mask) {
+  std::uniform_int_distribution<size_t> pick_size(0, sizes.size() - 1);
+  std::uniform_int_distribution<int> coin(0, 1);
+  Case c;
+  c.num_queries = n_q;
+  c.num_keys = n_k;
+  c.head_size = sizes[pick_size(rng)];
+  c.value_size = sizes[pick_size(rng)];
+  c.mask = mask;
+  const int32_t lens[] = {0, 1, static_cast<int32_t>(n_k / 2), static_cast<int32_t>(n_k),
+                          static_cast<int32_t>(n_k) + 5};
+  c.valid_len = lens[std::uniform_int_distribution<int>(0, 4)(rng)];
+  c.causal = coin(rng) == 1;
+  c.query_bias = coin(rng) == 1;
+  c.key_bias = coin(rng) == 1;
+  c.pad = coin(rng) == 1 ? 3 : 0;
+  c.scale = 1.0f / std::sqrt(static_cast<float>(c.head_size));
+  return c;
+}
+
 TEST(FlashKernelTest, MatchesReferenceAcrossShapesAndMasks) {
   const std::vector<int64_t> sizes = {1, 2, 3, 7, 17, 64, 65, 129};
   std::mt19937 rng(20240611);
-  std::uniform_int_distribution<size_t> pick_size(0, sizes.size() - 1);
-  std::uniform_int_distribution<int> coin(0, 1);
   for (int64_t n_q : sizes) {
     for (int64_t n_k : sizes) {
       for (Mask mask : {Mask::kNone, Mask::kPerExample, Mask::kPerQuery}) {
-        Case c;
-        c.num_queries = n_q;
-        c.num_keys = n_k;
-        c.head_size = sizes[pick_size(rng)];
-        c.value_size = sizes[pick_size(rng)];
-        c.mask = mask;
-        const int32_t lens[] = {0, 1, static_cast<int32_t>(n_k / 2), static_cast<int32_t>(n_k),
-                                static_cast<int32_t>(n_k) + 5};
-        c.valid_len = lens[std::uniform_int_distribution<int>(0, 4)(rng)];
-        c.causal = coin(rng) == 1;
-        c.query_bias = coin(rng) == 1;
-        c.key_bias = coin(rng) == 1;
-        c.pad = coin(rng) == 1 ? 3 : 0;
-        c.scale = 1.0f / std::sqrt(static_cast<float>(c.head_size));
-        const Inputs in = RandomInputs(c, rng);
+        const Inputs in = RandomInputs(DrawCase(rng, sizes, n_q, n_k, mask), rng);
         CheckCase(in, std::uniform_int_distribution<int64_t>(0, n_q)(rng));
         if (HasFatalFailure()) return;
       }
@@ -275,23 +282,11 @@ TEST(FlashKernelTest, MatchesReferenceAcrossShapesAndMasks) {
 TEST(FlashKernelTest, Bf16ProblemsMatchTheReferenceToBf16Rounding) {
   const std::vector<int64_t> sizes = {1, 2, 7, 17, 64, 65, 129};
   std::mt19937 rng(26);
-  std::uniform_int_distribution<size_t> pick_size(0, sizes.size() - 1);
-  std::uniform_int_distribution<int> coin(0, 1);
   bool some_output_differs = false;
   for (int64_t n_q : sizes) {
     for (int64_t n_k : sizes) {
       for (Mask mask : {Mask::kNone, Mask::kPerExample, Mask::kPerQuery}) {
-        Case c;
-        c.num_queries = n_q;
-        c.num_keys = n_k;
-        c.head_size = sizes[pick_size(rng)];
-        c.value_size = sizes[pick_size(rng)];
-        c.mask = mask;
-        c.valid_len = static_cast<int32_t>(n_k / 2);
-        c.causal = coin(rng) == 1;
-        c.key_bias = coin(rng) == 1;
-        c.pad = coin(rng) == 1 ? 3 : 0;
-        c.scale = 1.0f / std::sqrt(static_cast<float>(c.head_size));
+        const Case c = DrawCase(rng, sizes, n_q, n_k, mask);
         const Inputs in = RandomInputs(c, rng);
         SCOPED_TRACE(c.Describe());
         const Reference ref = NaiveAttention(in);
@@ -313,7 +308,8 @@ TEST(FlashKernelTest, Bf16ProblemsMatchTheReferenceToBf16Rounding) {
               continue;
             }
             const double expected = ref.output[i * c.value_size + t];
-            ASSERT_NEAR(out, expected, 2e-2 + 2e-2 * std::abs(expected)) << "(" << i << ", " << t << ")";
+            ASSERT_NEAR(out, expected, 2e-2 + 2e-2 * std::abs(expected))
+                << "(" << i << ", " << t << ")";
             some_output_differs |= out != fp32[i * in.OutputStride() + t];
           }
         }

@@ -389,8 +389,10 @@ TEST(ModelLoaderTest, RejectsUnknownPrecisionNamingTheKey) {
   const std::vector<TensorBytes> torch = {Weight("in_proj_weight", {6, 2}),
                                           Weight("out_proj.weight", {2, 2})};
   for (const char* value : {"BF16", "fp16", ""}) {
-    ExpectInvalid(Parse("mh", torch, {{"kind", "multi_head"}, {"num_heads", "1"}, {"precision", value}}),
-                  "mh", "__metadata__ \"precision\" is \"" + std::string(value) + "\", expected fp32 or bf16");
+    const Metadata metadata = {{"kind", "multi_head"}, {"num_heads", "1"}, {"precision", value}};
+    ExpectInvalid(Parse("mh", torch, metadata), "mh",
+                  "__metadata__ \"precision\" is \"" + std::string(value) +
+                      "\", expected fp32 or bf16");
     // Even where it would be overridden.
     ExpectInvalid(ParseModel("b", BuildFile({Weight("W_k.weight", {2, 2})},
                                             {{"kind", "bilinear"}, {"precision", value}}),

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "core/model.h"
+
 namespace attention {
 namespace {
 
@@ -143,7 +145,9 @@ TEST_P(PackedGemmPrecisionTest, MatchesDoubleReferenceWithAndWithoutBias) {
 
 INSTANTIATE_TEST_SUITE_P(Precisions, PackedGemmPrecisionTest,
                          ::testing::Values(Precision::kFp32, Precision::kBf16),
-                         [](const auto& info) { return std::string(info.param == Precision::kFp32 ? "fp32" : "bf16"); });
+                         [](const auto& info) {
+                           return std::string(PrecisionName(info.param));
+                         });
 
 }  // namespace
 }  // namespace attention

@@ -146,7 +146,8 @@ TEST(ServerConfigTest, UnknownKernelPathStopsTheServer) {
                                       "--metrics-address", ""},
                                      {}, &output),
             1);
-  EXPECT_THAT(output, HasSubstr("expected one of avx512_bf16, avx512, avx2, portable, got \"sse9\""));
+  EXPECT_THAT(output,
+              HasSubstr("expected one of avx512_bf16, avx512, avx2, portable, got \"sse9\""));
 }
 
 TEST(ServerConfigTest, KernelPathTheCpuLacksStopsTheServer) {
