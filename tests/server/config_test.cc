@@ -56,7 +56,7 @@ TEST_F(ServerRepositoryTest, BadFileIsLoggedWithItsReasonAndSkipped) {
   const std::string log = (*server)->Log();
   EXPECT_THAT(log, HasSubstr("model skipped"));
   EXPECT_THAT(log, HasSubstr("broken"));
-  EXPECT_THAT(log, HasSubstr("model good (bilinear, d_q=6 d_k=4)"));
+  EXPECT_THAT(log, HasSubstr("model good (bilinear, d_q=6 d_k=4, precision fp32)"));
 }
 
 TEST_F(ServerRepositoryTest, StrictMakesABadFileFatal) {
