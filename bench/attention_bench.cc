@@ -4,8 +4,14 @@
 //   multi_head/B:8/n:128/E:256/H:8/masked:0   self-attention of a multi_head
 //       model (torch layout, random weights and biases): projections, H heads
 //       of size E/H, output projection.
+//   multi_head_bf16/B:8/n:128/E:256/H:8/masked:0  the same model with
+//       precision bf16 (docs/api.md 5.5): its projections, QK^T and P V in
+//       BF16 on the avx512_bf16 path; the FP32 path from BF16-held weights
+//       on the others.
 //   dot_product/B:8/n:128/E:256/H:8/masked:0  the attention core of the same
 //       problem: B*H slices of head size d = E/H through the dot_product model.
+//   dot_product_bf16/...  the same through a bf16 dot_product model (QK^T and
+//       P V in BF16 on the avx512_bf16 path).
 //   gemm/M:2048/N:2048/K:2048/threads:T       Eigen SGEMM C = A B (through
 //       OpenBLAS, one thread per call, as the engine runs it), split by column
 //       blocks over T threads: the peak the kernels are built from.
@@ -22,11 +28,11 @@
 //   batch/self/multi_head/B:1/n:1/E:1024/H:16/masked:0/requests:k  the same
 //       with queries only (self-attention: Q, K and V into one buffer): issue
 //       13's single-token service request, without the service around it.
-//   projection/M:m/E:e/gemm:packed|blas  one projection out = in W^T + b of
-//       m rows, W e x e, on one thread: over the weights packed at load
-//       (core/packed_gemm.h) or through Eigen and the BLAS as the engine
-//       calls it: the measurement behind the engine's choice between them
-//       (Projection::UsesPackedWeights in core/projection.h).
+//   projection/M:m/E:e/gemm:packed|packed_bf16|blas  one projection
+//       out = in W^T + b of m rows, W e x e, on one thread: over the weights
+//       packed at load (core/packed_gemm.h) in fp32 or bf16, or through Eigen
+//       and the BLAS: the measurement behind the engine's choice between
+//       them (Projection::UsesPackedWeights in core/projection.h).
 //
 // masked:1 gives every example a valid length drawn uniformly from [n/4, n]
 // (fixed seed). GFLOPS counts useful work per wall-clock second:
@@ -86,10 +92,12 @@ std::vector<float> RandomData(int64_t count, std::mt19937& rng) {
 }
 
 // A multi_head model of width E with H heads, weights like PyTorch's init scale.
-Model MultiHeadModel(int64_t width, int64_t heads, std::mt19937& rng) {
+Model MultiHeadModel(int64_t width, int64_t heads, std::mt19937& rng,
+                     Precision precision = Precision::kFp32) {
   Model model;
   model.name = "bench_multi_head";
   model.kind = Kind::kMultiHead;
+  model.precision = precision;
   model.num_heads = heads;
   model.query_size = model.key_size = model.value_size = model.output_size = width;
   const float bound = 1.0f / std::sqrt(static_cast<float>(width));
@@ -205,21 +213,23 @@ double AllowedFraction(const Shape& s, const std::vector<int32_t>& lens) {
   return AttentionFlops(s, lens) / AttentionFlops(s, {});
 }
 
-void MultiHead(benchmark::State& state, Shape s, bool masked) {
+void MultiHead(benchmark::State& state, Shape s, bool masked, Precision precision) {
   std::mt19937 rng(kSeed);
-  const Model model = MultiHeadModel(s.width, s.heads, rng);
+  const Model model = MultiHeadModel(s.width, s.heads, rng, precision);
   const std::vector<int32_t> lens = masked ? ValidLengths(s.batch, s.length) : std::vector<int32_t>{};
   const double projections = 8.0 * s.batch * s.length * static_cast<double>(s.width) * s.width;
   RunEngine(state, model, s.batch, s.length, s.width, lens, AttentionFlops(s, lens) + projections,
             AllowedFraction(s, lens));
 }
 
-void DotProduct(benchmark::State& state, Shape s, bool masked) {
+void DotProduct(benchmark::State& state, Shape s, bool masked, Precision precision) {
   const std::vector<int32_t> lens = masked ? ValidLengths(s.batch, s.length) : std::vector<int32_t>{};
   // Slice b*H + h has example b's valid length.
   std::vector<int32_t> slice_lens;
   for (int32_t l : lens) slice_lens.insert(slice_lens.end(), s.heads, l);
-  RunEngine(state, DotProductModel(), s.batch * s.heads, s.length, s.width / s.heads, slice_lens,
+  Model model = DotProductModel();
+  model.precision = precision;
+  RunEngine(state, model, s.batch * s.heads, s.length, s.width / s.heads, slice_lens,
             AttentionFlops(s, lens), AllowedFraction(s, lens));
 }
 
@@ -243,15 +253,18 @@ void Gemm(benchmark::State& state, int threads) {
 }
 
 // One projection of `rows` rows through E x E weights and bias on the calling
-// thread, packed or through the BLAS; inputs fixed, so the weights are as
-// warm as a server's that projects every batch with them.
-void ProjectionProduct(benchmark::State& state, int64_t rows, int64_t width, bool packed) {
+// thread, packed (in `precision`) or through the BLAS (row-major weights
+// rebuilt from the packs); inputs fixed, so the weights are as warm as a
+// server's that projects every batch with them.
+void ProjectionProduct(benchmark::State& state, int64_t rows, int64_t width, bool packed,
+                       Precision precision) {
   std::mt19937 rng(kSeed);
-  const Model model = MultiHeadModel(width, 1, rng);
+  Model model = MultiHeadModel(width, 1, rng, precision);
+  if (!packed) UnpackProjections(model);
   const std::vector<float> in = RandomData(rows * width, rng);
   RowMatrix out(rows, width);
   SharedEngine();  // its constructor keeps OpenBLAS to one thread per call
-  const PackedKernel kernel = PackedKernelFor(ActiveIsa());
+  const PackedKernel kernel = PackedKernelFor(ActiveIsa(), precision);
   const Eigen::Map<const RowMatrix> in_rows(in.data(), rows, width);
   const Stopwatch stopwatch;
   for (auto _ : state) {
@@ -440,10 +453,16 @@ void Register(const std::string& name, Function function, Args... args) {
 
 void RegisterAll() {
   for (const Shape& s : kShapes) {
-    for (bool masked : {false, true}) Register(ShapeName("multi_head", s, masked), MultiHead, s, masked);
+    for (bool masked : {false, true}) {
+      Register(ShapeName("multi_head", s, masked), MultiHead, s, masked, Precision::kFp32);
+      Register(ShapeName("multi_head_bf16", s, masked), MultiHead, s, masked, Precision::kBf16);
+    }
   }
   for (const Shape& s : kShapes) {
-    for (bool masked : {false, true}) Register(ShapeName("dot_product", s, masked), DotProduct, s, masked);
+    for (bool masked : {false, true}) {
+      Register(ShapeName("dot_product", s, masked), DotProduct, s, masked, Precision::kFp32);
+      Register(ShapeName("dot_product_bf16", s, masked), DotProduct, s, masked, Precision::kBf16);
+    }
   }
   const std::string gemm = "gemm/M:" + std::to_string(kGemmSize) + "/N:" + std::to_string(kGemmSize) +
                            "/K:" + std::to_string(kGemmSize) + "/threads:";
@@ -491,11 +510,11 @@ void RegisterAll() {
 
   for (int64_t width : {256, 512, 1024}) {
     for (int64_t rows : {1, 8, 32, 64, 128, 256, 512, 1024, 2048}) {
-      for (bool packed : {true, false}) {
-        Register("projection/M:" + std::to_string(rows) + "/E:" + std::to_string(width) +
-                     "/gemm:" + (packed ? "packed" : "blas"),
-                 ProjectionProduct, rows, width, packed);
-      }
+      const std::string name = "projection/M:" + std::to_string(rows) + "/E:" +
+                               std::to_string(width) + "/gemm:";
+      Register(name + "packed", ProjectionProduct, rows, width, true, Precision::kFp32);
+      Register(name + "packed_bf16", ProjectionProduct, rows, width, true, Precision::kBf16);
+      Register(name + "blas", ProjectionProduct, rows, width, false, Precision::kFp32);
     }
   }
 

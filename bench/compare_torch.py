@@ -8,8 +8,13 @@ uniform in [n/4, n]). GFLOPS uses attention-bench's formula,
 sum_b n * L_b * 4E + 8 B n E^2, over wall-clock time; GFLOPS_per_core over
 the CPU time of all threads.
 
+--dtype bfloat16 runs the module and its inputs in torch.bfloat16 (names
+torch_multi_head_bf16/...), PyTorch's side of attention-bench's
+multi_head_bf16/....
+
 Needs Debian's python3-torch (and libopenblas0-pthread):
   /usr/bin/python3 bench/compare_torch.py [--min-time 1.0] [--repetitions 5]
+      [--dtype float32|bfloat16]
 """
 import argparse
 import os
@@ -64,14 +69,17 @@ def main():
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds per benchmark")
     parser.add_argument("--repetitions", type=int, default=5, help="runs per benchmark; the best is kept")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'benchmark':<48} {'ms':>9} {'GFLOPS':>8} {'GFLOPS_per_core':>16}")
     for batch, length, width, heads in SHAPES:
-        mha = torch.nn.MultiheadAttention(width, heads, bias=True, batch_first=True).eval()
-        x = torch.rand(batch, length, width) * 2 - 1
+        dtype = getattr(torch, args.dtype)
+        mha = torch.nn.MultiheadAttention(width, heads, bias=True, batch_first=True)
+        mha = mha.eval().to(dtype)
+        x = (torch.rand(batch, length, width) * 2 - 1).to(dtype)
         for masked in (0, 1):
             lens = valid_lengths(batch, length) if masked else [length] * batch
             mask = None
@@ -84,7 +92,8 @@ def main():
                     mha(x, x, x, key_padding_mask=mask, need_weights=False)
 
             wall, cpu = time_call(call, args.min_time, args.repetitions)
-            name = f"torch_multi_head/B:{batch}/n:{length}/E:{width}/H:{heads}/masked:{masked}"
+            kind = "torch_multi_head" + ("_bf16" if args.dtype == "bfloat16" else "")
+            name = f"{kind}/B:{batch}/n:{length}/E:{width}/H:{heads}/masked:{masked}"
             print(f"{name:<48} {wall * 1e3:9.3f} {flops / wall * 1e-9:8.2f} "
                   f"{flops / cpu * 1e-9:16.2f}", flush=True)
 

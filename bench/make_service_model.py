@@ -12,7 +12,11 @@ else from numpy with the same initialisation scale; the bytes are written by
 tools/make_example_models.py's safetensors writer either way, so no
 safetensors package is needed.
 
+With --precision bf16 the file's metadata asks for BF16 compute
+(docs/api.md 5.5) and its name ends in `_bf16`.
+
 Usage: /usr/bin/python3 bench/make_service_model.py OUT_DIR [--embed-dim 1024 --heads 16]
+       [--precision fp32|bf16]
 """
 
 import argparse
@@ -50,6 +54,7 @@ def main():
     parser.add_argument("out", type=pathlib.Path, help="directory to write the file to")
     parser.add_argument("--embed-dim", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
     if args.embed_dim < 1 or args.heads < 1 or args.embed_dim % args.heads != 0:
         parser.error(f"--heads must divide --embed-dim; got E={args.embed_dim}, H={args.heads}")
@@ -59,8 +64,11 @@ def main():
         tensors = torch_packed(np.random.default_rng(SEED), args.embed_dim)
         source = "numpy"
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"mh_torch_e{args.embed_dim}_h{args.heads}.safetensors"
+    suffix = "_bf16" if args.precision == "bf16" else ""
+    path = args.out / f"mh_torch_e{args.embed_dim}_h{args.heads}{suffix}.safetensors"
     metadata = {"kind": "multi_head", "num_heads": str(args.heads)}
+    if args.precision == "bf16":
+        metadata["precision"] = "bf16"
     path.write_bytes(safetensors_bytes(tensors, metadata, "F32"))
     print(f"{path}: multi_head E={args.embed_dim} H={args.heads}, weights from {source}, "
           f"{path.stat().st_size} bytes")

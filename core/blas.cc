@@ -35,6 +35,7 @@ Isa WantedIsa() {
 
 const char* CoreTypeFor(Isa isa) {
   switch (isa) {
+    case Isa::kAvx512Bf16:
     case Isa::kAvx512:
       return "SKYLAKEX";
     case Isa::kAvx2:
@@ -93,6 +94,7 @@ std::string BlasCoreName() {
 
 bool BlasCoreMatches(Isa isa, std::string_view core) {
   switch (isa) {
+    case Isa::kAvx512Bf16:
     case Isa::kAvx512:
       return core == "SkylakeX" || core == "Cooperlake" || core == "SapphireRapids";
     case Isa::kAvx2:

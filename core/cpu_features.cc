@@ -14,7 +14,7 @@
 namespace attention {
 namespace {
 
-constexpr Isa kAllIsas[] = {Isa::kAvx512, Isa::kAvx2, Isa::kPortable};
+constexpr Isa kAllIsas[] = {Isa::kAvx512Bf16, Isa::kAvx512, Isa::kAvx2, Isa::kPortable};
 
 // XCR0: which register states the OS saves on a context switch. A CPU may
 // have AVX-512 that the OS (or hypervisor) does not enable.
@@ -22,6 +22,13 @@ uint64_t EnabledRegisterStates() {
   uint32_t eax, edx;
   __asm__("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
   return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+
+// CPUID leaf 7 sub-leaf 1, EAX bit 5 (not named by GCC 12's cpuid.h).
+bool HasAvx512Bf16() {
+  constexpr unsigned kAvx512Bf16Bit = 1u << 5;
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & kAvx512Bf16Bit) != 0;
 }
 
 Isa DetectFromCpuid() {
@@ -38,7 +45,7 @@ Isa DetectFromCpuid() {
   // BW and VL has it.
   const bool avx512 = (ebx & bit_AVX512F) && (ebx & bit_AVX512BW) && (ebx & bit_AVX512VL) &&
                       (ebx & bit_AVX512DQ) && (states & kZmm) == kZmm;
-  if (avx512 && fma) return Isa::kAvx512;
+  if (avx512 && fma) return HasAvx512Bf16() ? Isa::kAvx512Bf16 : Isa::kAvx512;
   if ((ebx & bit_AVX2) && fma) return Isa::kAvx2;
   return Isa::kPortable;
 }
@@ -67,6 +74,8 @@ std::string_view IsaName(Isa isa) {
       return "avx2";
     case Isa::kAvx512:
       return "avx512";
+    case Isa::kAvx512Bf16:
+      return "avx512_bf16";
   }
   return "unknown";
 }
@@ -76,7 +85,8 @@ absl::StatusOr<Isa> ParseIsa(std::string_view name) {
     if (name == IsaName(isa)) return isa;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("isa: expected one of avx512, avx2, portable, got \"", std::string(name), "\""));
+      absl::StrCat("isa: expected one of avx512_bf16, avx512, avx2, portable, got \"",
+                   std::string(name), "\""));
 }
 
 Isa DetectedIsa() {

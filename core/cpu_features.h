@@ -6,6 +6,8 @@
 // comparisons (SelectIsa, or ATTENTION_ISA through SelectIsaFromEnvironment);
 // asking for a path the CPU lacks is an error.
 //
+//   avx512_bf16  avx512 plus AVX512_BF16 (vdpbf16ps): bf16 models' products
+//                in BF16 (docs/api.md, "Precision"); everything else as avx512
 //   avx512    AVX-512 F, BW, VL and DQ (the OS saving ZMM state)
 //   avx2      AVX2 and FMA (the OS saving YMM state)
 //   portable  any x86-64 (SSE2), one lane at a time
@@ -20,9 +22,9 @@
 namespace attention {
 
 // Ordered: a path runs on every CPU that runs a later one.
-enum class Isa { kPortable, kAvx2, kAvx512 };
+enum class Isa { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
 
-// "portable", "avx2", "avx512".
+// "portable", "avx2", "avx512", "avx512_bf16".
 std::string_view IsaName(Isa isa);
 
 // The inverse of IsaName; INVALID_ARGUMENT naming the accepted values.

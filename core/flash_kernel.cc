@@ -252,7 +252,7 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
     }
   }
   std::fill(bounds + rows, bounds + lanes, 0.0f);
-  const FlashTilePath path = FlashTilePathFor(ActiveIsa());
+  const FlashTilePath path = FlashTilePathFor(ActiveIsa(), p.precision);
   path.load_queries(p.queries + row * p.query_stride, p.query_stride, rows, p.head_size, p.scale,
                     scratch.queries_t.data());
   tile.queries_t = scratch.queries_t.data();

@@ -27,6 +27,7 @@
 
 #include <cstdint>
 
+#include "core/packed_weights.h"
 #include "core/tile_sizes.h"
 
 namespace attention {
@@ -90,6 +91,10 @@ struct FlashProblem {
   // a row recomputed in double takes -scale/2 |q - k|^2 from q and k instead,
   // since those float biases may have overflowed.
   bool distance = false;
+  // bf16: QK^T and P V in BF16 where the path has them (flash_tile.h); the
+  // attention weights a caller asks for, and the rows recomputed exactly,
+  // stay FP32.
+  Precision precision = Precision::kFp32;
   WorkStop* stop = nullptr;  // null: never stops
   // Set when value rows at or past the largest bound are not computed yet.
   PendingValues* pending_values = nullptr;

@@ -4,9 +4,11 @@
 // picks among them.
 #include "core/flash_tile.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "core/isa_dispatch.h"
 #undef HWY_TARGET_INCLUDE
@@ -353,6 +355,231 @@ void StoreOutputImpl(const FlashTile& t, float* output, int64_t output_stride) {
   }
 }
 
+#if HWY_TARGET == HWY_AVX3
+// The avx512_bf16 path's tile kernel for bf16 models (docs/api.md 5.5): QK^T
+// and P V with vdpbf16ps, which multiplies a pair of BF16 values by a pair
+// and adds both products to an FP32 lane. Highway 1.0.3 has no target with
+// AVX512_BF16, so these functions are the AVX-512 build's, with
+// AVX512_BF16 added by a target attribute, and are only chosen where CPUID
+// reports it (core/isa_dispatch.h). Everything but the two products is the
+// fp32 kernel's: the softmax, its masking, the accumulator in FP32.
+//
+// Pairs run along each product's sum: for QK^T, pairs of head dimensions
+// (the queries' lanes hold (q[2i], q[2i + 1]) words, a key's pair is
+// broadcast); for P V, pairs of keys ((P[2j], P[2j + 1]) per lane, a value
+// pair (v[2j][c], v[2j + 1][c]) broadcast). The second of an odd count's
+// last pair is zero.
+#define ATTENTION_BF16 __attribute__((target("avx512bf16")))
+
+// Words of (even, odd) rounded to BF16 (nearest even), even in the low half.
+ATTENTION_BF16 HWY_INLINE __m512i PairWords(__m512 even, __m512 odd) {
+  const __m512i low = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(even)));
+  const __m512i high = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(odd)));
+  return _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
+}
+
+ATTENTION_BF16 HWY_INLINE __mmask16 FirstLanes(int64_t n) {
+  return static_cast<__mmask16>((1u << (n < 0 ? 0 : n > 16 ? 16 : n)) - 1u);
+}
+
+// The tile's keys [key, key + keys) and values in pairs, and P in pairs.
+struct Bf16Tile {
+  std::vector<uint32_t> keys;    // keys x key_pairs: a key's (k[2i], k[2i + 1])
+  std::vector<uint32_t> values;  // (keys + 1) / 2 x value_size
+  std::vector<uint32_t> probabilities;  // kFlashKeyTile / 2 x kFlashQueryTile
+  int64_t key_pairs = 0;
+};
+
+ATTENTION_BF16 void PairKeysAndValues(const FlashTile& t, int64_t key, int64_t keys,
+                                      Bf16Tile& b) {
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* k = t.keys + (key + j) * t.key_stride;
+    uint32_t* out = b.keys.data() + j * b.key_pairs;
+    for (int64_t c = 0; c < t.head_size; c += 32) {
+      const int64_t left = t.head_size - c;
+      const __m512 low = _mm512_maskz_loadu_ps(FirstLanes(left), k + c);
+      const __m512 high = _mm512_maskz_loadu_ps(FirstLanes(left - 16), k + c + 16);
+      const __m512i words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+      _mm512_mask_storeu_epi32(out + c / 2, FirstLanes((left + 1) / 2), words);
+    }
+  }
+  for (int64_t j = 0; j < keys; j += 2) {
+    const float* even = t.values + (key + j) * t.value_stride;
+    const float* odd = even + t.value_stride;
+    uint32_t* out = b.values.data() + j / 2 * t.value_size;
+    for (int64_t c = 0; c < t.value_size; c += 16) {
+      const __mmask16 live = FirstLanes(t.value_size - c);
+      const __m512 e = _mm512_maskz_loadu_ps(live, even + c);
+      const __m512 o = _mm512_maskz_loadu_ps(j + 1 < keys ? live : 0, odd + c);
+      _mm512_mask_storeu_epi32(out + c, live, PairWords(e, o));
+    }
+  }
+}
+
+// Scores of keys [j, j + R) of the tile for the 32 lanes at `lane`, as
+// ScoreKeys does in FP32.
+template <int R>
+ATTENTION_BF16 HWY_INLINE void ScoreKeysBf16(const FlashTile& t, const Bf16Tile& b, int64_t key,
+                                            int64_t j, int64_t lane, float* scores) {
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  const uint32_t* q = reinterpret_cast<const uint32_t*>(t.queries_t) + lane;
+  const uint32_t* k = b.keys.data() + j * b.key_pairs;
+  for (int64_t i = 0; i < b.key_pairs; ++i) {
+    const __m512bh q0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + i * kFlashQueryTile));
+    const __m512bh q1 =
+        reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + i * kFlashQueryTile + 16));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh kr = reinterpret_cast<__m512bh>(
+          _mm512_set1_epi32(static_cast<int>(k[r * b.key_pairs + i])));
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], kr, q0);
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], kr, q1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 bias = t.key_bias != nullptr ? _mm512_set1_ps(t.key_bias[key + j + r])
+                                              : _mm512_setzero_ps();
+    float* row = scores + r * kFlashQueryTile + lane;
+    _mm512_storeu_ps(row, _mm512_add_ps(acc0[r], bias));
+    _mm512_storeu_ps(row + 16, _mm512_add_ps(acc1[r], bias));
+  }
+}
+
+template <int R = kBlock - 1>
+ATTENTION_BF16 HWY_INLINE void ScoreTailBf16(const FlashTile& t, const Bf16Tile& b, int64_t key,
+                                            int64_t j, int64_t count, int64_t lane,
+                                            float* scores) {
+  if constexpr (R > 0) {
+    if (count == R) return ScoreKeysBf16<R>(t, b, key, j, lane, scores);
+    ScoreTailBf16<R - 1>(t, b, key, j, count, lane, scores);
+  }
+}
+
+// P of the 32 lanes at `lane` (SoftmaxVector's, in t.scores) in pairs of keys.
+ATTENTION_BF16 HWY_INLINE void PairProbabilities(const FlashTile& t, int64_t keys, int64_t lane,
+                                                Bf16Tile& b) {
+  for (int64_t j = 0; j < keys; j += 2) {
+    const float* even = t.scores + j * kFlashQueryTile + lane;
+    uint32_t* out = b.probabilities.data() + j / 2 * kFlashQueryTile + lane;
+    for (int half = 0; half < 2; ++half) {
+      const __m512 e = _mm512_loadu_ps(even + 16 * half);
+      const __m512 o = j + 1 < keys ? _mm512_loadu_ps(even + kFlashQueryTile + 16 * half)
+                                    : _mm512_setzero_ps();
+      _mm512_storeu_si512(out + 16 * half, PairWords(e, o));
+    }
+  }
+}
+
+// AccumulateColumns with P V over pairs of keys.
+template <int C>
+ATTENTION_BF16 HWY_INLINE void AccumulateColumnsBf16(const FlashTile& t, const Bf16Tile& b,
+                                                    int64_t key, int64_t keys, int64_t lane,
+                                                    int64_t col) {
+  __m512 acc0[C], acc1[C];
+  float* acc = t.accumulator_t + col * kFlashQueryTile + lane;
+  if (key == 0) {
+    for (int c = 0; c < C; ++c) acc0[c] = acc1[c] = _mm512_setzero_ps();
+  } else {
+    const __m512 rescale0 = _mm512_loadu_ps(t.rescale + lane);
+    const __m512 rescale1 = _mm512_loadu_ps(t.rescale + lane + 16);
+    for (int c = 0; c < C; ++c) {
+      acc0[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * kFlashQueryTile), rescale0);
+      acc1[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * kFlashQueryTile + 16), rescale1);
+    }
+  }
+  const uint32_t* v = b.values.data() + col;
+  const uint32_t* p = b.probabilities.data() + lane;
+  for (int64_t i = 0; i < (keys + 1) / 2; ++i) {
+    const __m512bh p0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(p + i * kFlashQueryTile));
+    const __m512bh p1 =
+        reinterpret_cast<__m512bh>(_mm512_loadu_si512(p + i * kFlashQueryTile + 16));
+    for (int c = 0; c < C; ++c) {
+      const __m512bh vc = reinterpret_cast<__m512bh>(
+          _mm512_set1_epi32(static_cast<int>(v[i * t.value_size + c])));
+      acc0[c] = _mm512_dpbf16_ps(acc0[c], vc, p0);
+      acc1[c] = _mm512_dpbf16_ps(acc1[c], vc, p1);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    _mm512_storeu_ps(acc + c * kFlashQueryTile, acc0[c]);
+    _mm512_storeu_ps(acc + c * kFlashQueryTile + 16, acc1[c]);
+  }
+}
+
+template <int C = kBlock - 1>
+ATTENTION_BF16 HWY_INLINE void AccumulateTailBf16(const FlashTile& t, const Bf16Tile& b,
+                                                 int64_t key, int64_t keys, int64_t lane,
+                                                 int64_t col, int64_t count) {
+  if constexpr (C > 0) {
+    if (count == C) return AccumulateColumnsBf16<C>(t, b, key, keys, lane, col);
+    AccumulateTailBf16<C - 1>(t, b, key, keys, lane, col, count);
+  }
+}
+
+// FlashTileImpl with the two products in BF16; queries_t holds
+// LoadQueriesBf16Impl's pairs.
+ATTENTION_BF16 void FlashTileBf16Impl(const FlashTile& t) {
+  static_assert(HWY_LANES(float) == 16);
+  constexpr int64_t kGroup = 32;  // lanes per micro-kernel: two vectors
+  const int64_t lanes = (t.rows + kGroup - 1) / kGroup * kGroup;
+  if (t.key_begin == 0) {
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      t.row_max[lane] = std::numeric_limits<float>::lowest();
+      t.row_sum[lane] = 0.0f;
+    }
+  }
+  thread_local Bf16Tile b;
+  b.key_pairs = (t.head_size + 1) / 2;
+  b.keys.resize(static_cast<size_t>(kFlashKeyTile * b.key_pairs));
+  b.values.resize(static_cast<size_t>(kFlashKeyTile / 2 * t.value_size));
+  b.probabilities.resize(static_cast<size_t>(kFlashKeyTile / 2 * kFlashQueryTile));
+  for (int64_t key = t.key_begin; key < t.key_end; key += kFlashKeyTile) {
+    const int64_t keys = t.key_end - key < kFlashKeyTile ? t.key_end - key : kFlashKeyTile;
+    const bool masked = key + keys > t.min_bound;
+    PairKeysAndValues(t, key, keys, b);
+    for (int64_t lane = 0; lane < lanes; lane += kGroup) {
+      int64_t j = 0;
+      for (; j + kBlock <= keys; j += kBlock) {
+        ScoreKeysBf16<kBlock>(t, b, key, j, lane, t.scores + j * kFlashQueryTile);
+      }
+      ScoreTailBf16(t, b, key, j, keys - j, lane, t.scores + j * kFlashQueryTile);
+      SoftmaxVector(t, key, keys, lane, masked);
+      SoftmaxVector(t, key, keys, lane + 16, masked);
+      PairProbabilities(t, keys, lane, b);
+      int64_t col = 0;
+      for (; col + kBlock <= t.value_size; col += kBlock) {
+        AccumulateColumnsBf16<kBlock>(t, b, key, keys, lane, col);
+      }
+      AccumulateTailBf16(t, b, key, keys, lane, col, t.value_size - col);
+    }
+  }
+}
+
+// LoadQueriesImpl's scale * Q^T, then in pairs of head dimensions: row i of
+// queries_t holds, per lane, the word (q[2i], q[2i + 1]) rounded to BF16.
+ATTENTION_BF16 void LoadQueriesBf16Impl(const float* queries, int64_t query_stride, int64_t rows,
+                                        int64_t head_size, float scale, float* queries_t) {
+  thread_local std::vector<float> transposed;
+  transposed.resize(static_cast<size_t>((head_size + 1) * kFlashQueryTile));
+  LoadQueriesImpl(queries, query_stride, rows, head_size, scale, transposed.data());
+  const int64_t lanes = (rows + kFlashPaddedLanes - 1) / kFlashPaddedLanes * kFlashPaddedLanes;
+  if (head_size % 2 != 0) {
+    std::fill_n(transposed.data() + head_size * kFlashQueryTile, lanes, 0.0f);
+  }
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(queries_t);
+  for (int64_t i = 0; 2 * i < head_size; ++i) {
+    const float* even = transposed.data() + 2 * i * kFlashQueryTile;
+    for (int64_t lane = 0; lane < lanes; lane += 16) {
+      _mm512_storeu_si512(pairs + i * kFlashQueryTile + lane,
+                          PairWords(_mm512_loadu_ps(even + lane),
+                                    _mm512_loadu_ps(even + kFlashQueryTile + lane)));
+    }
+  }
+}
+
+#undef ATTENTION_BF16
+#endif  // HWY_TARGET == HWY_AVX3
+
 }  // namespace HWY_NAMESPACE
 }  // namespace attention
 HWY_AFTER_NAMESPACE();
@@ -360,10 +587,18 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace attention {
 
-FlashTilePath FlashTilePathFor(Isa isa) {
+FlashTilePath FlashTilePathFor(Isa isa, Precision precision) {
   static constexpr auto kLoadQueries = ISA_TABLE(LoadQueriesImpl);
   static constexpr auto kKernel = ISA_TABLE(FlashTileImpl);
   static constexpr auto kStoreOutput = ISA_TABLE(StoreOutputImpl);
+  // The avx512_bf16 entries: the AVX-512 build's BF16 functions.
+  static constexpr auto kLoadQueriesBf16 =
+      ISA_TABLE_WITH_BF16(LoadQueriesImpl, HWY_CHOOSE_AVX3(LoadQueriesBf16Impl));
+  static constexpr auto kKernelBf16 =
+      ISA_TABLE_WITH_BF16(FlashTileImpl, HWY_CHOOSE_AVX3(FlashTileBf16Impl));
+  if (precision == Precision::kBf16) {
+    return {kLoadQueriesBf16.For(isa), kKernelBf16.For(isa), kStoreOutput.For(isa)};
+  }
   return {kLoadQueries.For(isa), kKernel.For(isa), kStoreOutput.For(isa)};
 }
 

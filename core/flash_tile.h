@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "core/cpu_features.h"
+#include "core/packed_weights.h"
 #include "core/tile_sizes.h"
 
 namespace attention {
@@ -73,7 +74,11 @@ struct FlashTilePath {
   void (*store_output)(const FlashTile& tile, float* output, int64_t output_stride);
 };
 
-// The functions built for `isa`.
-FlashTilePath FlashTilePathFor(Isa isa);
+// The functions built for `isa`, for a model computing in `precision`: for
+// bf16 on the avx512_bf16 path, QK^T and P V in BF16 (queries, keys, P and
+// values rounded to BF16 where they enter the products, FP32 accumulation;
+// queries_t then holds pairs of head dimensions as 32-bit words, in no more
+// floats than the fp32 layout), the fp32 functions on every other path.
+FlashTilePath FlashTilePathFor(Isa isa, Precision precision = Precision::kFp32);
 
 }  // namespace attention

@@ -17,7 +17,11 @@
 // which the core uses header-only and the runtime image does not install. So
 // the table below holds the same per-target builds HWY_EXPORT would (Highway's
 // HWY_CHOOSE_* entries, null where a target was not compiled), indexed by our
-// Isa. Nothing is chosen before main either: an ifunc resolver
+// Isa. Highway 1.0.3 has no target with AVX512_BF16, so the avx512_bf16 entry
+// is the AVX-512 build (ISA_TABLE), or, for a kernel with a BF16 form
+// (ISA_TABLE_WITH_BF16), a function of its own translation unit built with a
+// target attribute (core/packed_gemm_bf16.cc). Nothing is chosen before main
+// either: an ifunc resolver
 // (target_clones) runs before ThreadSanitizer's runtime and crashed every
 // TSan-built binary (f2c56be).
 #pragma once
@@ -36,13 +40,13 @@
 namespace attention {
 
 static_assert(static_cast<int>(Isa::kPortable) == 0 && static_cast<int>(Isa::kAvx2) == 1 &&
-              static_cast<int>(Isa::kAvx512) == 2);
+              static_cast<int>(Isa::kAvx512) == 2 && static_cast<int>(Isa::kAvx512Bf16) == 3);
 
 // One function's builds, one per path, indexed by Isa; null where the
 // compiler built no such target.
 template <typename Function>
 struct IsaTable {
-  std::array<Function, 3> builds;
+  std::array<Function, 4> builds;
 
   // The build for `isa`, or the best lower one built (the portable one
   // always is).
@@ -58,7 +62,12 @@ struct IsaTable {
 
 // The IsaTable of FUNCTION, a function defined in every target's namespace
 // of a foreach_target source; used in its HWY_ONCE part.
-#define ISA_TABLE(FUNCTION)                                                    \
-  ::attention::IsaTable<decltype(&HWY_STATIC_DISPATCH(FUNCTION))> {            \
-    { &HWY_STATIC_DISPATCH(FUNCTION), HWY_CHOOSE_AVX2(FUNCTION), HWY_CHOOSE_AVX3(FUNCTION) } \
+#define ISA_TABLE(FUNCTION) ISA_TABLE_WITH_BF16(FUNCTION, HWY_CHOOSE_AVX3(FUNCTION))
+
+// The same with BF16_FUNCTION, a function of the same type, on the
+// avx512_bf16 path.
+#define ISA_TABLE_WITH_BF16(FUNCTION, BF16_FUNCTION)                                         \
+  ::attention::IsaTable<decltype(&HWY_STATIC_DISPATCH(FUNCTION))> {                          \
+    { &HWY_STATIC_DISPATCH(FUNCTION), HWY_CHOOSE_AVX2(FUNCTION), HWY_CHOOSE_AVX3(FUNCTION),  \
+      BF16_FUNCTION }                                                                        \
   }

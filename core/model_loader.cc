@@ -12,10 +12,15 @@
 //   (no tensors allowed, any sizes), so an operator can publish another name.
 // - torch.nn.MultiheadAttention(bias=False) has neither in_proj_bias nor
 //   out_proj.bias; both absent loads with zero biases, one alone is an error.
-// - Metadata keys other than "kind" and "num_heads" are ignored (writers add
-//   e.g. "format"); "num_heads" on a kind without heads is an error.
+// - Metadata keys other than "kind", "num_heads" and "precision" are ignored
+//   (writers add e.g. "format"); "num_heads" on a kind without heads is an
+//   error. "precision" is accepted on every kind (only multi_head and the
+//   dot_product alias have products it changes; the others stay fp32); an
+//   unknown value is an error naming the key.
 // - Non-finite weights are an error: they would turn every answer into NaN.
 #include "core/model_loader.h"
+
+#include <malloc.h>
 
 #include <algorithm>
 #include <cmath>
@@ -43,6 +48,7 @@ namespace {
 
 constexpr absl::string_view kKindKey = "kind";
 constexpr absl::string_view kNumHeadsKey = "num_heads";
+constexpr absl::string_view kPrecisionKey = "precision";
 
 // Tensor names of the two multi-head layouts.
 constexpr absl::string_view kD2lWeights[] = {"W_q.weight", "W_k.weight", "W_v.weight", "W_o.weight"};
@@ -319,8 +325,22 @@ absl::Status LoadMultiHead(Weights& weights, Model& model) {
       "the torch.nn.MultiheadAttention ones (in_proj_weight or q/k/v_proj_weight, out_proj.weight)");
 }
 
+// The "precision" key: fp32 when absent (or when `force_fp32`), else its
+// value, which must be one PrecisionFromName knows.
+absl::StatusOr<Precision> PrecisionOf(const SafetensorsFile& file, bool force_fp32) {
+  const auto entry = file.metadata.find(std::string(kPrecisionKey));
+  if (entry == file.metadata.end()) return Precision::kFp32;
+  const std::optional<Precision> precision = PrecisionFromName(entry->second);
+  if (!precision) {
+    return Invalid(absl::StrCat("__metadata__ \"", kPrecisionKey, "\" is \"",
+                                absl::CHexEscape(entry->second), "\", expected fp32 or bf16"));
+  }
+  return force_fp32 ? Precision::kFp32 : *precision;
+}
+
 // Everything but the file name; ParseModel adds it.
-absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const uint8_t> bytes) {
+absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const uint8_t> bytes,
+                                      bool force_fp32) {
   absl::StatusOr<SafetensorsFile> file = ParseSafetensors(bytes);
   if (!file.ok()) return file.status();
 
@@ -337,6 +357,10 @@ absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const u
   Model model;
   model.name = name;
   model.kind = *kind;
+  absl::StatusOr<Precision> precision = PrecisionOf(*file, force_fp32);
+  if (!precision.ok()) return precision.status();
+  // Only these kinds have products the precision changes (docs/api.md 5.5).
+  if (*kind == Kind::kMultiHead || *kind == Kind::kDotProduct) model.precision = *precision;
 
   const auto heads_entry = file->metadata.find(std::string(kNumHeadsKey));
   if (*kind == Kind::kMultiHead) {
@@ -378,15 +402,37 @@ absl::Status WithFile(absl::string_view file, const absl::Status& status) {
   return absl::Status(status.code(), absl::StrCat(file, ": ", status.message()));
 }
 
+// Reads and parses the `size` bytes of `path`. A model that does not fit in
+// memory is a bad file for the caller to skip, not the end of the process.
+absl::StatusOr<Model> ReadModel(const std::filesystem::path& path, uintmax_t size,
+                                bool force_fp32) {
+  const std::string file = path.string();
+  try {
+    std::vector<uint8_t> bytes(size);
+    std::ifstream stream(path, std::ios::binary);
+    if (!stream.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size))) {
+      return absl::UnavailableError(absl::StrCat(file, ": could not read its ", size, " bytes"));
+    }
+    absl::StatusOr<Model> model = ParseModelBytes(path.stem().string(), bytes, force_fp32);
+    if (!model.ok()) return WithFile(file, model.status());
+    return model;
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(file, ": out of memory while loading its ", size, " bytes"));
+  }
+}
+
 }  // namespace
 
-absl::StatusOr<Model> ParseModel(const std::string& name, std::span<const uint8_t> bytes) {
-  absl::StatusOr<Model> model = ParseModelBytes(name, bytes);
+absl::StatusOr<Model> ParseModel(const std::string& name, std::span<const uint8_t> bytes,
+                                 bool force_fp32) {
+  absl::StatusOr<Model> model = ParseModelBytes(name, bytes, force_fp32);
   if (!model.ok()) return WithFile(absl::StrCat(name, ".safetensors"), model.status());
   return model;
 }
 
-absl::StatusOr<Model> LoadModel(const std::filesystem::path& path, uint64_t max_file_bytes) {
+absl::StatusOr<Model> LoadModel(const std::filesystem::path& path, uint64_t max_file_bytes,
+                                bool force_fp32) {
   const std::string file = path.string();
   std::error_code error;
   const uintmax_t size = std::filesystem::file_size(path, error);
@@ -395,21 +441,14 @@ absl::StatusOr<Model> LoadModel(const std::filesystem::path& path, uint64_t max_
     return absl::ResourceExhaustedError(absl::StrCat(
         file, ": ", size, " bytes, more than the model file cap of ", max_file_bytes, " bytes"));
   }
-  // A model that does not fit in memory is a bad file for the caller to skip,
-  // not the end of the process.
-  try {
-    std::vector<uint8_t> bytes(size);
-    std::ifstream stream(path, std::ios::binary);
-    if (!stream.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size))) {
-      return absl::UnavailableError(absl::StrCat(file, ": could not read its ", size, " bytes"));
-    }
-    absl::StatusOr<Model> model = ParseModelBytes(path.stem().string(), bytes);
-    if (!model.ok()) return WithFile(file, model.status());
-    return model;
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(file, ": out of memory while loading its ", size, " bytes"));
-  }
+  absl::StatusOr<Model> model = ReadModel(path, size, force_fp32);
+  // The load freed about twice the file's size (its bytes, its tensors, the
+  // row-major weights before packing) in blocks the allocator keeps rather
+  // than return: eight E = 1024 models held 1.22x their weights' bytes of
+  // resident memory with them kept, 0.98x with them returned (BENCHMARKS.md,
+  // "Memory per model").
+  malloc_trim(0);
+  return model;
 }
 
 }  // namespace attention

@@ -1,10 +1,13 @@
 // packed_gemm.cc: the packed-panel GEMM (packed_gemm.h), compiled by Highway
-// once per vector path (core/isa_dispatch.h).
+// once per vector path (core/isa_dispatch.h), over fp32 panels and over bf16
+// ones widened to FP32 (the avx512_bf16 path's own bf16 kernel:
+// packed_gemm_bf16.cc).
 #include "core/packed_gemm.h"
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "core/isa_dispatch.h"
 #undef HWY_TARGET_INCLUDE
@@ -36,29 +39,15 @@ constexpr int kRows = 1;
 #endif
 static_assert(kVectors * HWY_LANES(float) == kPanelWidth);
 
-// Rows [row, row + R) times panel `panel`, plus its bias, stored.
+// Accumulators of rows [row, row + R) plus panel `panel`'s bias, stored.
 template <int R>
-HWY_INLINE void PanelTile(const PackedProduct& p, int64_t row, int64_t panel) {
+HWY_INLINE void StoreTile(const PackedProduct& p, int64_t row, int64_t panel,
+                          const V (&acc)[R][kVectors]) {
   const D d;
   constexpr size_t kLanes = HWY_LANES(float);
-  const PackedWeights& w = *p.weights;
-  V acc[R][kVectors];
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = hn::Zero(d);
-  }
-  const float* x = p.in + row * p.in_stride;
-  const float* weights = w.panel(panel);
-  for (int64_t k = 0; k < w.in_cols(); ++k) {
-    V wk[kVectors];
-    for (int v = 0; v < kVectors; ++v) wk[v] = hn::Load(d, weights + k * kPanelWidth + v * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const V xr = hn::Set(d, x[r * p.in_stride + k]);
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = hn::MulAdd(xr, wk[v], acc[r][v]);
-    }
-  }
-  const float* bias = w.bias(panel);
+  const float* bias = p.weights->bias(panel);
   const int64_t column = panel * kPanelWidth;
-  const int64_t columns = std::min(kPanelWidth, w.out_cols() - column);
+  const int64_t columns = std::min(kPanelWidth, p.weights->out_cols() - column);
   for (int r = 0; r < R; ++r) {
     float* out = p.out + (row + r) * p.out_stride + column;
     if (columns == kPanelWidth) {
@@ -77,13 +66,94 @@ HWY_INLINE void PanelTile(const PackedProduct& p, int64_t row, int64_t panel) {
   }
 }
 
-// PanelTile for the last `rows` (< kRows) rows of a block.
+// acc[r] += x[r][k] * wk for the R rows of x, in_stride apart.
 template <int R>
-HWY_INLINE void PanelTileOf(const PackedProduct& p, int64_t row, int64_t rows, int64_t panel) {
-  if constexpr (R > 1) {
-    if (rows < R) return PanelTileOf<R - 1>(p, row, rows, panel);
+HWY_INLINE void AddColumn(const float* x, int64_t in_stride, int64_t k, const V (&wk)[kVectors],
+                          V (&acc)[R][kVectors]) {
+  const D d;
+  for (int r = 0; r < R; ++r) {
+    const V xr = hn::Set(d, x[r * in_stride + k]);
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = hn::MulAdd(xr, wk[v], acc[r][v]);
   }
-  PanelTile<R>(p, row, panel);
+}
+
+// Rows [row, row + R) times `weights`, panel `panel`'s in_cols x
+// kPanelWidth floats, plus its bias, stored.
+template <int R>
+HWY_INLINE void PanelTile(const PackedProduct& p, int64_t row, int64_t panel,
+                          const float* HWY_RESTRICT weights) {
+  const D d;
+  constexpr size_t kLanes = HWY_LANES(float);
+  V acc[R][kVectors];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = hn::Zero(d);
+  }
+  const float* x = p.in + row * p.in_stride;
+  for (int64_t k = 0; k < p.weights->in_cols(); ++k) {
+    V wk[kVectors];
+    for (int v = 0; v < kVectors; ++v) wk[v] = hn::Load(d, weights + k * kPanelWidth + v * kLanes);
+    AddColumn<R>(x, p.in_stride, k, wk, acc);
+  }
+  StoreTile<R>(p, row, panel, acc);
+}
+
+// The tile of the last `rows` (< kRows) rows of a block.
+template <int R>
+HWY_INLINE void PanelTileOf(const PackedProduct& p, int64_t row, int64_t rows, int64_t panel,
+                            const float* HWY_RESTRICT weights) {
+  if constexpr (R > 1) {
+    if (rows < R) return PanelTileOf<R - 1>(p, row, rows, panel, weights);
+  }
+  PanelTile<R>(p, row, panel, weights);
+}
+
+// Rows [row_begin, row_end) times one panel's floats.
+HWY_INLINE void PanelRows(const PackedProduct& p, int64_t row_begin, int64_t row_end,
+                          int64_t panel, const float* HWY_RESTRICT weights) {
+  for (int64_t row = row_begin; row < row_end; row += kRows) {
+    PanelTileOf<kRows>(p, row, std::min<int64_t>(kRows, row_end - row), panel, weights);
+  }
+}
+
+// Rows [row, row + R) times bf16 panel `panel`, widened to FP32 as it is
+// read (WidenPanel's two steps per pair word, in registers), plus its bias,
+// stored.
+template <int R>
+HWY_INLINE void WideningPanelTile(const PackedProduct& p, int64_t row, int64_t panel) {
+  const D d;
+  const hn::RebindToUnsigned<D> du;
+  constexpr size_t kLanes = HWY_LANES(float);
+  V acc[R][kVectors];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = hn::Zero(d);
+  }
+  const float* x = p.in + row * p.in_stride;
+  const uint32_t* pairs = p.weights->bf16_panel(panel);
+  const auto high_half = hn::Set(du, 0xffff0000u);
+  const int64_t in_cols = p.weights->in_cols();
+  for (int64_t i = 0; 2 * i < in_cols; ++i) {
+    V wk[kVectors];
+    for (int v = 0; v < kVectors; ++v) {
+      wk[v] = hn::BitCast(d, hn::ShiftLeft<16>(hn::Load(du, pairs + i * kPanelWidth + v * kLanes)));
+    }
+    AddColumn<R>(x, p.in_stride, 2 * i, wk, acc);
+    if (2 * i + 1 == in_cols) break;
+    for (int v = 0; v < kVectors; ++v) {
+      const auto pair = hn::Load(du, pairs + i * kPanelWidth + v * kLanes);
+      wk[v] = hn::BitCast(d, hn::And(pair, high_half));
+    }
+    AddColumn<R>(x, p.in_stride, 2 * i + 1, wk, acc);
+  }
+  StoreTile<R>(p, row, panel, acc);
+}
+
+template <int R>
+HWY_INLINE void WideningPanelTileOf(const PackedProduct& p, int64_t row, int64_t rows,
+                                    int64_t panel) {
+  if constexpr (R > 1) {
+    if (rows < R) return WideningPanelTileOf<R - 1>(p, row, rows, panel);
+  }
+  WideningPanelTile<R>(p, row, panel);
 }
 
 // Panel outer, rows inner: a panel (in_cols x 128 bytes, 128 KiB at
@@ -91,9 +161,69 @@ HWY_INLINE void PanelTileOf(const PackedProduct& p, int64_t row, int64_t rows, i
 void PackedProductImpl(const PackedProduct& p, int64_t row_begin, int64_t row_end,
                        int64_t panel_begin, int64_t panel_end) {
   for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
-    for (int64_t row = row_begin; row < row_end; row += kRows) {
-      PanelTileOf<kRows>(p, row, std::min<int64_t>(kRows, row_end - row), panel);
+    PanelRows(p, row_begin, row_end, panel, p.weights->panel(panel));
+  }
+}
+
+// A bf16 panel widened to the fp32 panel's layout: a pair word's low half
+// is W[n][2i] (shifted up, it is that float), its high half W[n][2i + 1]
+// (masked, it is that float).
+HWY_INLINE void WidenPanel(const PackedWeights& w, int64_t panel, float* HWY_RESTRICT out) {
+  const D d;
+  const hn::RebindToUnsigned<D> du;
+  constexpr size_t kLanes = HWY_LANES(float);
+  const uint32_t* pairs = w.bf16_panel(panel);
+  const auto high_half = hn::Set(du, 0xffff0000u);
+  for (int64_t i = 0; 2 * i < w.in_cols(); ++i) {
+    for (size_t v = 0; v < static_cast<size_t>(kVectors); ++v) {
+      const auto pair = hn::Load(du, pairs + i * kPanelWidth + v * kLanes);
+      hn::Store(hn::BitCast(d, hn::ShiftLeft<16>(pair)), d, out + 2 * i * kPanelWidth + v * kLanes);
+      if (2 * i + 1 < w.in_cols()) {
+        hn::Store(hn::BitCast(d, hn::And(pair, high_half)), d,
+                  out + (2 * i + 1) * kPanelWidth + v * kLanes);
+      }
     }
+  }
+}
+
+// Blocks of fewer rows than this widen in registers: on avx512 below the
+// rows where widening a panel costs less, never on avx2 (16 registers: they
+// spill), always on the portable path (its one-lane widening of a panel
+// cost more than widening in the k loop).
+#if HWY_TARGET == HWY_AVX2
+constexpr int64_t kWidenInRegistersBelow = 0;
+#elif HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr int64_t kWidenInRegistersBelow = 32;
+#else
+constexpr int64_t kWidenInRegistersBelow = INT64_MAX;
+#endif
+
+// The path of bf16 weights where the CPU lacks AVX512_BF16 (or --isa chose
+// a lower path). The inputs stay FP32, so the answer is the fp32 model's on
+// the held weights. Each panel is widened to FP32 once per block, into a
+// buffer that stays in L2 like an fp32 panel, and the fp32 kernel reads it:
+// that costs about 3/rows of the block's time on avx512 (Zen 4), so blocks
+// of few rows widen in registers instead, a constant 10% there (twice as
+// slow on avx2, whose registers spill) (BENCHMARKS.md, "BF16").
+void WidenedBf16ProductImpl(const PackedProduct& p, int64_t row_begin, int64_t row_end,
+                            int64_t panel_begin, int64_t panel_end) {
+  if (row_end - row_begin < kWidenInRegistersBelow) {
+    for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
+      for (int64_t row = row_begin; row < row_end; row += kRows) {
+        WideningPanelTileOf<kRows>(p, row, std::min<int64_t>(kRows, row_end - row), panel);
+      }
+    }
+    return;
+  }
+  constexpr size_t kAlignment = 64;  // the panels' own (aligned loads)
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(p.weights->in_cols() * kPanelWidth) +
+                kAlignment / sizeof(float));
+  float* widened = reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(buffer.data()) + kAlignment - 1) & ~(kAlignment - 1));
+  for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
+    WidenPanel(*p.weights, panel, widened);
+    PanelRows(p, row_begin, row_end, panel, widened);
   }
 }
 
@@ -104,9 +234,11 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace attention {
 
-PackedKernel PackedKernelFor(Isa isa) {
+PackedKernel PackedKernelFor(Isa isa, Precision precision) {
   static constexpr auto kPackedProduct = ISA_TABLE(PackedProductImpl);
-  return kPackedProduct.For(isa);
+  static constexpr auto kBf16Product =
+      ISA_TABLE_WITH_BF16(WidenedBf16ProductImpl, &internal::Bf16DotProduct);
+  return precision == Precision::kBf16 ? kBf16Product.For(isa) : kPackedProduct.For(isa);
 }
 
 }  // namespace attention

@@ -13,10 +13,13 @@
 // copy).
 //
 // One Highway source (packed_gemm.cc) builds the kernel per path, like
-// flash_tile.cc; PackedKernelFor picks one (core/isa_dispatch.h). The engine
-// uses it on the avx512 and avx2 paths at every row count, where it measured
-// as fast as the BLAS or faster, and the BLAS on the portable path
-// (Projection::UsesPackedWeights, core/projection.h).
+// flash_tile.cc, for fp32 panels and for bf16 ones widened to FP32; the
+// avx512_bf16 path's bf16 kernel multiplies in BF16 with vdpbf16ps
+// (packed_gemm_bf16.cc). PackedKernelFor picks one (core/isa_dispatch.h).
+// The engine runs every packed projection on it, on every path: a model
+// holds its projection weights only packed (core/model.h). On the avx512
+// and avx2 paths it measured as fast as the BLAS or faster (BENCHMARKS.md,
+// "Projections").
 #pragma once
 
 #include <cstdint>
@@ -40,7 +43,16 @@ struct PackedProduct {
 using PackedKernel = void (*)(const PackedProduct& product, int64_t row_begin, int64_t row_end,
                               int64_t panel_begin, int64_t panel_end);
 
-// The kernel built for `isa`.
-PackedKernel PackedKernelFor(Isa isa);
+// The kernel built for `isa` over weights packed in `precision`.
+PackedKernel PackedKernelFor(Isa isa, Precision precision = Precision::kFp32);
 
+namespace internal {
+
+// The avx512_bf16 path's kernel over bf16 panels: each block's input rows
+// rounded to BF16 (nearest even) once, products in BF16 pairs with FP32
+// accumulation (vdpbf16ps). Only for a CPU with AVX512_BF16.
+void Bf16DotProduct(const PackedProduct& product, int64_t row_begin, int64_t row_end,
+                    int64_t panel_begin, int64_t panel_end);
+
+}  // namespace internal
 }  // namespace attention

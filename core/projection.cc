@@ -27,8 +27,9 @@ constexpr int64_t kPackedGemmPanelBlock = 4;
 void ProjectBlock(const Projection& p, int64_t begin, int64_t end, int64_t panel_begin,
                   int64_t panel_end) {
   if (panel_end > 0) {
-    PackedKernelFor(ActiveIsa())({p.in, p.in_cols(), p.out, p.out_row_stride(), p.packed}, begin,
-                                 end, panel_begin, panel_end);
+    const PackedKernel kernel = PackedKernelFor(ActiveIsa(), p.packed->precision());
+    kernel({p.in, p.in_cols(), p.out, p.out_row_stride(), p.packed}, begin, end, panel_begin,
+           panel_end);
     return;
   }
   const int64_t rows = end - begin;

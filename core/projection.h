@@ -22,30 +22,34 @@ using ConstMatrixMap = Eigen::Map<const RowMatrix>;
 using MatrixMap = Eigen::Map<RowMatrix>;
 
 // out (rows x out_cols) = in (rows x in_cols) * weight^T + bias, or
-// in * weight when `transposed` is false (bilinear's q^T W_k).
+// in * weight when `transposed` is false (bilinear's q^T W_k); or, when
+// `packed` holds them, the same weight and bias packed.
 struct Projection {
   const float* in;
   float* out;
   int64_t rows;
-  const RowMatrix* weight;
-  const Vector* bias;  // null: none
+  const RowMatrix* weight;  // unread (and may be empty) when packed
+  const Vector* bias;       // null: none
   bool transposed = true;
   // The same weight and bias packed (core/packed_weights.h); null or empty: none.
   const PackedWeights* packed = nullptr;
   int64_t out_stride = 0;  // floats between output rows; 0: out_cols()
 
-  int64_t in_cols() const { return transposed ? weight->cols() : weight->rows(); }
-  int64_t out_cols() const { return transposed ? weight->rows() : weight->cols(); }
+  int64_t in_cols() const {
+    if (UsesPackedWeights()) return packed->in_cols();
+    return transposed ? weight->cols() : weight->rows();
+  }
+  int64_t out_cols() const {
+    if (UsesPackedWeights()) return packed->out_cols();
+    return transposed ? weight->rows() : weight->cols();
+  }
   int64_t out_row_stride() const { return out_stride != 0 ? out_stride : out_cols(); }
   // Projections with packed weights (multi_head models, PackProjections) run
-  // on them on the avx512 and avx2 paths, whatever their rows: there the
-  // packed kernel was never slower than the BLAS at any row count, so there
-  // is no crossover to switch at. The others, and all on the portable path,
-  // whose packed kernel is scalar, run on the BLAS (BENCHMARKS.md,
-  // "Projections").
-  bool UsesPackedWeights() const {
-    return packed != nullptr && !packed->empty() && ActiveIsa() != Isa::kPortable;
-  }
+  // on them on every path, whatever their rows: the model holds them in no
+  // other form. On the avx512 and avx2 paths the packed kernel was never
+  // slower than the BLAS at any row count; the portable path's is scalar
+  // (BENCHMARKS.md, "Projections"). The others run on the BLAS.
+  bool UsesPackedWeights() const { return packed != nullptr && !packed->empty(); }
   // The same product over rows [first, first + count) only.
   Projection Rows(int64_t first, int64_t count) const {
     Projection part = *this;

@@ -70,6 +70,7 @@ FlashProblem ExampleProblem(const Model& model, const ValidatedRequest& v, int64
   }
   p.bounds = BoundsOf(v, b);
   p.distance = model.kind == Kind::kDistance;
+  if (model.kind == Kind::kDotProduct) p.precision = model.precision;
   p.stop = stop;
   return p;
 }

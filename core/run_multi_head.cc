@@ -194,6 +194,7 @@ void AttendHeads(ThreadPool& pool, const Model& model, const MultiHeadGroup& g,
         FlashProblem& p = problems.emplace_back(
             HeadProblem(g, requests[r], b, h, query_row, key_row, head_size));
         p.pending_values = pending;
+        p.precision = model.precision;
         p.stop = stops[r];
         AddTasks(p, WeightsOf(results[r], b * heads + h, d), tasks);
       }

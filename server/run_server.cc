@@ -97,6 +97,7 @@ std::string Describe(const Model& model) {
   if (model.num_heads != 0) {
     absl::StrAppend(&sizes, " heads=", model.num_heads, " E=", model.output_size);
   }
+  absl::StrAppend(&sizes, ", precision ", std::string(PrecisionName(model.precision)));
   return sizes;
 }
 
@@ -273,13 +274,15 @@ absl::Status LoadModels(const ServerConfig& config, RunningServer& s) {
                                               config.batching.queue_capacity);
   s.metrics->SetBuildInfo(IsaName(ActiveIsa()), IsaName(DetectedIsa()), BlasCoreName());
   for (const auto& [name, entry] : *s.registry.snapshot()) {
-    s.metrics->SetModelServed(name, 1, entry.versions.front().model->kind, true);
+    const Model& model = *entry.versions.front().model;
+    s.metrics->SetModelServed(name, 1, model.kind, model.precision, true);
   }
   s.manager = std::make_unique<RepositoryManager>(
       &s.registry, s.metrics.get(),
       RepositoryOptions{.directory = config.model_repository,
                         .policy = *policy,
-                        .max_file_bytes = static_cast<uint64_t>(config.max_model_file_bytes)});
+                        .max_file_bytes = static_cast<uint64_t>(config.max_model_file_bytes),
+                        .force_fp32 = config.force_fp32});
   if (config.model_repository.empty()) return absl::OkStatus();
   absl::StatusOr<RepositoryListing> listing = ScanRepository(config.model_repository);
   if (!listing.ok()) return listing.status();

@@ -54,6 +54,7 @@ v1::ModelInfo ToModelInfo(const Model& model) {
   info.set_key_size(model.key_size);
   info.set_value_size(model.value_size);
   info.set_output_size(model.output_size);
+  info.set_precision(std::string(PrecisionName(model.precision)));
   return info;
 }
 

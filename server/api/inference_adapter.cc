@@ -434,6 +434,7 @@ inference::ModelMetadataResponse ToModelMetadata(const Model& model,
   for (const TensorSpec& spec : InputSpecs(model)) fill(spec, metadata.add_inputs());
   for (const TensorSpec& spec : OutputSpecs(model)) fill(spec, metadata.add_outputs());
   (*metadata.mutable_properties())["kind"] = std::string(KindName(model.kind));
+  (*metadata.mutable_properties())["precision"] = std::string(PrecisionName(model.precision));
   return metadata;
 }
 
@@ -458,6 +459,8 @@ inference::ModelConfig ToModelConfig(const Model& model) {
     output->set_data_type(spec.config_type);
     output->mutable_dims()->Assign(spec.shape.begin(), spec.shape.end());
   }
+  (*config.mutable_parameters())["precision"].set_string_value(
+      std::string(PrecisionName(model.precision)));
   return config;
 }
 

@@ -58,8 +58,12 @@ struct ServerConfig {
   int64_t max_queued_bytes = DispatchOptions{}.max_queued_bytes;
   // Engine worker threads; 0 = one per hardware thread.
   int threads = 0;
-  // Kernel path (avx512, avx2, portable); empty = the best this CPU runs.
+  // Kernel path (avx512_bf16, avx512, avx2, portable); empty = the best this
+  // CPU runs.
   std::string isa;
+  // Every model computes in fp32, whatever its "precision" says: for
+  // comparisons and rollback.
+  bool force_fp32 = false;
 
   // After SIGTERM/SIGINT, time during which health says NOT_SERVING and new
   // calls get UNAVAILABLE before the server waits for accepted calls and

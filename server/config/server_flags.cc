@@ -116,8 +116,13 @@ void AddEngineFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--threads", &c->threads, "Engine worker threads (0: one per hardware thread)")
       ->check(CLI::Range(0, 4096));
   Flag(app, "--isa", &c->isa,
-       "Kernel path: avx512, avx2 or portable, to force a lower one than the CPU's best "
-       "(empty: the best the CPU runs); a path the CPU lacks stops the server");
+       "Kernel path: avx512_bf16, avx512, avx2 or portable, to force a lower one than the "
+       "CPU's best (empty: the best the CPU runs); a path the CPU lacks stops the server");
+  app.add_flag("--force-fp32", c->force_fp32,
+               "Load every model as fp32, whatever its \"precision\" metadata says (for "
+               "comparisons and rollback)")
+      ->envname(EnvName("--force-fp32"))
+      ->capture_default_str();
 }
 
 // SIGTERM and SIGINT.

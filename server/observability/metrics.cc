@@ -105,7 +105,8 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
                    .Add({});
   model_info_ = &prometheus::BuildGauge()
                      .Name("attention_model_info")
-                     .Help("1 for each model version served now, labelled with its kind")
+                     .Help("1 for each model version served now, labelled with its kind and "
+                           "precision")
                      .Register(*registry_);
   load_failures_ = &prometheus::BuildCounter()
                         .Name("attention_model_load_failures_total")
@@ -138,10 +139,11 @@ ModelMetrics* ServerMetrics::ForModel(std::string_view model) {
 }
 
 void ServerMetrics::SetModelServed(std::string_view model, int64_t version, Kind kind,
-                                   bool served) {
+                                   Precision precision, bool served) {
   const prometheus::Labels labels{{"model", std::string(model)},
                                   {"version", std::to_string(version)},
-                                  {"kind", std::string(KindName(kind))}};
+                                  {"kind", std::string(KindName(kind))},
+                                  {"precision", std::string(PrecisionName(precision))}};
   prometheus::Gauge& gauge = model_info_->Add(labels);
   if (served) {
     gauge.Set(1);

@@ -99,7 +99,8 @@ class ServerMetrics {
   // nullptr for a name never given to the constructor or AddModel().
   ModelMetrics* ForModel(std::string_view model);
   // attention_model_info{model,version,kind}: 1 while served, removed after.
-  void SetModelServed(std::string_view model, int64_t version, Kind kind, bool served);
+  void SetModelServed(std::string_view model, int64_t version, Kind kind, Precision precision,
+                      bool served);
   // attention_model_load_failures_total{model}.
   void CountLoadFailure(std::string_view model);
   // Counts one answered request; `model` as in ForModel, or "" for none.

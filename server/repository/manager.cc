@@ -18,6 +18,7 @@ std::string Describe(const Model& model) {
       absl::StrAppend(&text, " heads=", model.num_heads, " E=", model.output_size);
     }
   }
+  absl::StrAppend(&text, ", precision ", std::string(PrecisionName(model.precision)));
   return text;
 }
 
@@ -136,7 +137,8 @@ void RepositoryManager::LoadVersion(const ModelFile& file, Report* report) {
                                                   .reason = {},
                                                   .model = nullptr});
   }
-  absl::StatusOr<Model> loaded = attention::LoadModel(file.path, options_.max_file_bytes);
+  absl::StatusOr<Model> loaded =
+      attention::LoadModel(file.path, options_.max_file_bytes, options_.force_fp32);
   if (!loaded.ok()) {
     report->failures.push_back(loaded.status());
     if (metrics_ != nullptr) metrics_->CountLoadFailure(file.name);
@@ -163,10 +165,11 @@ void RepositoryManager::LoadVersion(const ModelFile& file, Report* report) {
   if (metrics_ != nullptr) {
     metrics_->AddModel(file.name);
     // Same labels: the series stays (no scrape sees it missing mid-swap).
-    if (serving != nullptr && serving->kind != model->kind) {
-      metrics_->SetModelServed(file.name, file.version, serving->kind, false);
+    if (serving != nullptr &&
+        (serving->kind != model->kind || serving->precision != model->precision)) {
+      metrics_->SetModelServed(file.name, file.version, serving->kind, serving->precision, false);
     }
-    metrics_->SetModelServed(file.name, file.version, model->kind, true);
+    metrics_->SetModelServed(file.name, file.version, model->kind, model->precision, true);
   }
   report->changes.push_back(absl::StrCat(serving == nullptr ? "loaded " : "reloaded ", file.name,
                                          " version ", file.version, " (", Describe(*model),
@@ -185,7 +188,10 @@ void RepositoryManager::Unload(const std::string& name, int64_t version, Report*
     const ModelVersion* current = it == index->end() ? nullptr : it->second.Find(version);
     if (current == nullptr) return;
     if (current->state == VersionState::kReady) {
-      if (metrics_ != nullptr) metrics_->SetModelServed(name, version, current->model->kind, false);
+      if (metrics_ != nullptr) {
+        metrics_->SetModelServed(name, version, current->model->kind, current->model->precision,
+                                 false);
+      }
       report->changes.push_back(absl::StrCat("unloaded ", name, " version ", version));
     }
   }

@@ -48,6 +48,8 @@ struct RepositoryOptions {
   VersionPolicy policy = VersionPolicy::kLatest;
   // Files larger than this fail to load, unread; 0: no cap.
   uint64_t max_file_bytes = 0;
+  // Loads bf16 models as fp32 (--force-fp32).
+  bool force_fp32 = false;
 };
 
 class RepositoryManager {

@@ -53,7 +53,7 @@ class EnvironmentGuard {
 };
 
 TEST(CpuFeaturesTest, NamesRoundTrip) {
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     const absl::StatusOr<Isa> parsed = ParseIsa(IsaName(isa));
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     EXPECT_EQ(*parsed, isa);
@@ -64,7 +64,7 @@ TEST(CpuFeaturesTest, UnknownNameIsRefusedNamingTheAcceptedOnes) {
   const absl::StatusOr<Isa> parsed = ParseIsa("avx512f");
   ASSERT_FALSE(parsed.ok());
   EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(parsed.status().message(), HasSubstr("avx512, avx2, portable"));
+  EXPECT_THAT(parsed.status().message(), HasSubstr("avx512_bf16, avx512, avx2, portable"));
   EXPECT_THAT(parsed.status().message(), HasSubstr("\"avx512f\""));
 }
 
@@ -77,13 +77,14 @@ TEST(CpuFeaturesTest, DetectionAgreesWithTheKernelsCpuFlags) {
   if (expected == Isa::kAvx2 && has("avx512f") && has("avx512bw") && has("avx512vl") &&
       has("avx512dq")) {
     expected = Isa::kAvx512;
+    if (has("avx512_bf16")) expected = Isa::kAvx512Bf16;
   }
   EXPECT_EQ(IsaName(DetectedIsa()), IsaName(expected));
 }
 
 TEST(CpuFeaturesTest, EverySupportedPathCanBeSelectedAndNoOther) {
   EnvironmentGuard guard;
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     const absl::Status status = SelectIsa(isa);
     if (isa <= DetectedIsa()) {
       ASSERT_TRUE(status.ok()) << status;
@@ -105,7 +106,7 @@ TEST(CpuFeaturesTest, EnvironmentSelectsAPathOrSaysWhatIsWrong) {
   const absl::Status bad = SelectIsaFromEnvironment();
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.message(), HasSubstr("ATTENTION_ISA"));
-  EXPECT_THAT(bad.message(), HasSubstr("avx512, avx2, portable"));
+  EXPECT_THAT(bad.message(), HasSubstr("avx512_bf16, avx512, avx2, portable"));
   EXPECT_EQ(ActiveIsa(), Isa::kPortable) << "a refused value must not change the path";
 }
 

@@ -3,6 +3,8 @@
 // sum), over shapes, every mask form, biases, strides and split row ranges.
 #include "core/flash_kernel.h"
 
+#include "core/cpu_features.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -236,33 +238,86 @@ TEST(KeyBoundsTest, IsMinOfValidLenKeysAndCausalLimit) {
 
 // Every (n_q, n_k) pair of sizes, with head and value sizes, mask form, causal
 // flag, biases, padding and the row split drawn per pair from a fixed seed.
+// A case of n_q queries and n_k keys under `mask`, its sizes drawn from
+// `sizes`, its valid length, causal flag, biases and padding from `rng`.
+Case DrawCase(std::mt19937& rng, const std::vector<int64_t>& sizes, int64_t n_q, int64_t n_k,
+              Mask mask) {
+  std::uniform_int_distribution<size_t> pick_size(0, sizes.size() - 1);
+  std::uniform_int_distribution<int> coin(0, 1);
+  Case c;
+  c.num_queries = n_q;
+  c.num_keys = n_k;
+  c.head_size = sizes[pick_size(rng)];
+  c.value_size = sizes[pick_size(rng)];
+  c.mask = mask;
+  const int32_t lens[] = {0, 1, static_cast<int32_t>(n_k / 2), static_cast<int32_t>(n_k),
+                          static_cast<int32_t>(n_k) + 5};
+  c.valid_len = lens[std::uniform_int_distribution<int>(0, 4)(rng)];
+  c.causal = coin(rng) == 1;
+  c.query_bias = coin(rng) == 1;
+  c.key_bias = coin(rng) == 1;
+  c.pad = coin(rng) == 1 ? 3 : 0;
+  c.scale = 1.0f / std::sqrt(static_cast<float>(c.head_size));
+  return c;
+}
+
 TEST(FlashKernelTest, MatchesReferenceAcrossShapesAndMasks) {
   const std::vector<int64_t> sizes = {1, 2, 3, 7, 17, 64, 65, 129};
   std::mt19937 rng(20240611);
-  std::uniform_int_distribution<size_t> pick_size(0, sizes.size() - 1);
-  std::uniform_int_distribution<int> coin(0, 1);
   for (int64_t n_q : sizes) {
     for (int64_t n_k : sizes) {
       for (Mask mask : {Mask::kNone, Mask::kPerExample, Mask::kPerQuery}) {
-        Case c;
-        c.num_queries = n_q;
-        c.num_keys = n_k;
-        c.head_size = sizes[pick_size(rng)];
-        c.value_size = sizes[pick_size(rng)];
-        c.mask = mask;
-        const int32_t lens[] = {0, 1, static_cast<int32_t>(n_k / 2), static_cast<int32_t>(n_k),
-                                static_cast<int32_t>(n_k) + 5};
-        c.valid_len = lens[std::uniform_int_distribution<int>(0, 4)(rng)];
-        c.causal = coin(rng) == 1;
-        c.query_bias = coin(rng) == 1;
-        c.key_bias = coin(rng) == 1;
-        c.pad = coin(rng) == 1 ? 3 : 0;
-        c.scale = 1.0f / std::sqrt(static_cast<float>(c.head_size));
-        const Inputs in = RandomInputs(c, rng);
+        const Inputs in = RandomInputs(DrawCase(rng, sizes, n_q, n_k, mask), rng);
         CheckCase(in, std::uniform_int_distribution<int64_t>(0, n_q)(rng));
         if (HasFatalFailure()) return;
       }
     }
+  }
+}
+
+// A bf16 problem: QK^T and P V in BF16 on the avx512_bf16 path, so its
+// output is the reference's to BF16's rounding of queries, keys, P and
+// values (relative 2^-9 each; 2e-2 covers scores up to about 4 in
+// magnitude); on every other path it is the fp32 kernel's output exactly.
+TEST(FlashKernelTest, Bf16ProblemsMatchTheReferenceToBf16Rounding) {
+  const std::vector<int64_t> sizes = {1, 2, 7, 17, 64, 65, 129};
+  std::mt19937 rng(26);
+  bool some_output_differs = false;
+  for (int64_t n_q : sizes) {
+    for (int64_t n_k : sizes) {
+      for (Mask mask : {Mask::kNone, Mask::kPerExample, Mask::kPerQuery}) {
+        const Case c = DrawCase(rng, sizes, n_q, n_k, mask);
+        const Inputs in = RandomInputs(c, rng);
+        SCOPED_TRACE(c.Describe());
+        const Reference ref = NaiveAttention(in);
+        std::vector<float> fp32(c.num_queries * in.OutputStride(), kUntouched);
+        std::vector<float> bf16 = fp32;
+        ASSERT_TRUE(FlashAttention(in.Problem(fp32.data()), 0, n_q));
+        FlashProblem problem = in.Problem(bf16.data());
+        problem.precision = Precision::kBf16;
+        ASSERT_TRUE(FlashAttention(problem, 0, n_q));
+        if (ActiveIsa() != Isa::kAvx512Bf16) {
+          ASSERT_EQ(bf16, fp32);
+          continue;
+        }
+        for (int64_t i = 0; i < n_q; ++i) {
+          for (int64_t t = 0; t < in.OutputStride(); ++t) {
+            const float out = bf16[i * in.OutputStride() + t];
+            if (t >= c.value_size) {
+              ASSERT_EQ(out, kUntouched) << "(" << i << ", " << t << ")";
+              continue;
+            }
+            const double expected = ref.output[i * c.value_size + t];
+            ASSERT_NEAR(out, expected, 2e-2 + 2e-2 * std::abs(expected))
+                << "(" << i << ", " << t << ")";
+            some_output_differs |= out != fp32[i * in.OutputStride() + t];
+          }
+        }
+      }
+    }
+  }
+  if (ActiveIsa() == Isa::kAvx512Bf16) {
+    EXPECT_TRUE(some_output_differs) << "the bf16 problems ran in FP32";
   }
 }
 

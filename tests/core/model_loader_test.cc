@@ -51,9 +51,14 @@ TensorBytes Weight(std::string name, std::vector<int64_t> shape, float first = 0
   return F32Tensor(std::move(name), std::move(shape), Sequence(count, first));
 }
 
+// The parsed model with its multi_head weights rebuilt row-major (a loaded
+// model holds them only packed), so the tests below read them as the file
+// gave them.
 absl::StatusOr<Model> Parse(const std::string& name, const std::vector<TensorBytes>& tensors,
                             const Metadata& metadata) {
-  return ParseModel(name, BuildFile(tensors, metadata));
+  absl::StatusOr<Model> model = ParseModel(name, BuildFile(tensors, metadata));
+  if (model.ok()) UnpackProjections(*model);
+  return model;
 }
 
 // Asserts INVALID_ARGUMENT whose message is "<name>.safetensors: " + a message
@@ -129,8 +134,8 @@ TEST(ModelLoaderTest, ConformanceModelsFitTheirCases) {
       EXPECT_EQ(model->num_heads, weights[1].get<int64_t>());
       EXPECT_EQ(model->value_size, values[2].get<int64_t>());
       EXPECT_EQ(model->output_size, output[2].get<int64_t>());
-      EXPECT_EQ(model->w_o.rows(), model->output_size);
-      EXPECT_EQ(model->b_q.size(), model->output_size);
+      EXPECT_EQ(model->packed_o.out_cols(), model->output_size);
+      EXPECT_EQ(model->packed_q.out_cols(), model->output_size);
     } else {
       EXPECT_THAT(case_name, StartsWith(std::string(KindName(model->kind))));
       EXPECT_EQ(model->num_heads, 0);
@@ -315,6 +320,85 @@ TEST(ModelLoaderTest, IgnoresOtherMetadata) {
   absl::StatusOr<Model> model =
       Parse("bil", {Weight("W_k.weight", {2, 2})}, {{"kind", "bilinear"}, {"format", "pt"}});
   EXPECT_TRUE(model.ok()) << model.status();
+}
+
+TEST(ModelLoaderTest, HoldsMultiHeadWeightsOnlyPacked) {
+  const absl::StatusOr<Model> model =
+      ParseModel("torch", BuildFile({Weight("in_proj_weight", {12, 4}),
+                                     Weight("out_proj.weight", {4, 4}, 200)},
+                                    {{"kind", "multi_head"}, {"num_heads", "2"}}));
+  ASSERT_TRUE(model.ok()) << model.status();
+  for (const RowMatrix* weight : {&model->w_q, &model->w_k, &model->w_v, &model->w_o}) {
+    EXPECT_EQ(weight->size(), 0);
+  }
+  for (const Vector* bias : {&model->b_q, &model->b_k, &model->b_v, &model->b_o}) {
+    EXPECT_EQ(bias->size(), 0);
+  }
+  for (const PackedWeights* packed :
+       {&model->packed_q, &model->packed_k, &model->packed_v, &model->packed_o}) {
+    EXPECT_EQ(packed->out_cols(), 4);
+    EXPECT_EQ(packed->in_cols(), 4);
+    EXPECT_EQ(packed->precision(), Precision::kFp32);
+  }
+}
+
+// 1 + 2^-9 is halfway between two BF16 values: a bf16 model holds it
+// rounded to 1 (even); 1 + 3 * 2^-9 rounds up to 1 + 2^-7.
+TEST(ModelLoaderTest, ReadsPrecisionAndRoundsBf16WeightsOnce) {
+  const std::vector<float> values = {1.0f + 1.0f / 512, 1.0f + 3.0f / 512, -2.0f, 0.5f};
+  const std::vector<TensorBytes> torch = {F32Tensor("in_proj_weight", {6, 2}, Sequence(12)),
+                                          F32Tensor("out_proj.weight", {2, 2}, values)};
+  for (const auto& [given, expected] :
+       std::vector<std::pair<std::string, Precision>>{{"", Precision::kFp32},
+                                                      {"fp32", Precision::kFp32},
+                                                      {"bf16", Precision::kBf16}}) {
+    SCOPED_TRACE("precision \"" + given + "\"");
+    Metadata metadata = {{"kind", "multi_head"}, {"num_heads", "1"}};
+    if (!given.empty()) metadata["precision"] = given;
+    absl::StatusOr<Model> model = Parse("p", torch, metadata);
+    ASSERT_TRUE(model.ok()) << model.status();
+    EXPECT_EQ(model->precision, expected);
+    EXPECT_EQ(model->packed_o.precision(), expected);
+    ExpectMatrix(model->w_o, 2, 2,
+                 expected == Precision::kBf16
+                     ? std::vector<float>{1.0f, 1.0f + 1.0f / 128, -2.0f, 0.5f}
+                     : values);
+  }
+}
+
+TEST(ModelLoaderTest, PrecisionAppliesToKindsWithProductsItChanges) {
+  const Metadata bf16_dot = {{"kind", "dot_product"}, {"precision", "bf16"}};
+  EXPECT_EQ(Parse("d", {}, bf16_dot)->precision, Precision::kBf16);
+  const Metadata bf16_bilinear = {{"kind", "bilinear"}, {"precision", "bf16"}};
+  EXPECT_EQ(Parse("b", {Weight("W_k.weight", {2, 2})}, bf16_bilinear)->precision,
+            Precision::kFp32);
+}
+
+TEST(ModelLoaderTest, ForcedFp32LoadsABf16ModelAsFp32) {
+  const std::vector<uint8_t> file =
+      BuildFile({Weight("in_proj_weight", {6, 2}), Weight("out_proj.weight", {2, 2})},
+                {{"kind", "multi_head"}, {"num_heads", "1"}, {"precision", "bf16"}});
+  const absl::StatusOr<Model> forced = ParseModel("p", file, /*force_fp32=*/true);
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  EXPECT_EQ(forced->precision, Precision::kFp32);
+  EXPECT_EQ(forced->packed_q.precision(), Precision::kFp32);
+  EXPECT_EQ(ParseModel("p", file)->precision, Precision::kBf16);
+}
+
+TEST(ModelLoaderTest, RejectsUnknownPrecisionNamingTheKey) {
+  const std::vector<TensorBytes> torch = {Weight("in_proj_weight", {6, 2}),
+                                          Weight("out_proj.weight", {2, 2})};
+  for (const char* value : {"BF16", "fp16", ""}) {
+    const Metadata metadata = {{"kind", "multi_head"}, {"num_heads", "1"}, {"precision", value}};
+    ExpectInvalid(Parse("mh", torch, metadata), "mh",
+                  "__metadata__ \"precision\" is \"" + std::string(value) +
+                      "\", expected fp32 or bf16");
+    // Even where it would be overridden.
+    ExpectInvalid(ParseModel("b", BuildFile({Weight("W_k.weight", {2, 2})},
+                                            {{"kind", "bilinear"}, {"precision", value}}),
+                             /*force_fp32=*/true),
+                  "b", "\"precision\"");
+  }
 }
 
 TEST(ModelLoaderTest, RejectsMissingOrUnknownKinds) {

@@ -1,6 +1,8 @@
 // packed_gemm_test.cc: the packed projection GEMM (core/packed_gemm.h)
-// against a double-precision reference, on the path ATTENTION_ISA selects
-// (ctest runs it once per path: core_packed_gemm_test/<isa>).
+// against a double-precision reference, over fp32 and bf16 weights, on the
+// path ATTENTION_ISA selects (ctest runs it once per path:
+// core_packed_gemm_test/<isa>; on a host with AVX512_BF16, the avx512 run is
+// the bf16 fallback that widens the weights to FP32).
 #include "core/packed_gemm.h"
 
 #include <gtest/gtest.h>
@@ -9,6 +11,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include "core/model.h"
 
 namespace attention {
 namespace {
@@ -45,7 +49,7 @@ std::vector<double> Reference(const std::vector<float>& in, int64_t in_stride,
 // and `panel_block` panels, as the engine's tasks do.
 void RunBlocks(const PackedProduct& product, int64_t rows, int64_t row_block,
                int64_t panel_block) {
-  const PackedKernel kernel = PackedKernelFor(ActiveIsa());
+  const PackedKernel kernel = PackedKernelFor(ActiveIsa(), product.weights->precision());
   const int64_t panels = product.weights->panels();
   for (int64_t row = 0; row < rows; row += row_block) {
     for (int64_t panel = 0; panel < panels; panel += panel_block) {
@@ -64,7 +68,46 @@ const Shape kShapes[] = {{1, 1, 1},    {1, 33, 1},   {1, 3072 - 5, 17}, {7, 45, 
                          {9, 97, 65},  {17, 64, 1},  {25, 31, 129},     {64, 96, 256},
                          {3, 200, 300}, {11, 1, 513}};
 
-TEST(PackedGemmTest, MatchesDoubleReferenceWithAndWithoutBias) {
+// `values` as the BF16 product reads them: rounded to the nearest BF16.
+std::vector<float> RoundedToBf16(std::vector<float> values) {
+  for (float& x : values) x = Bf16ToFloat(RoundToBf16(x));
+  return values;
+}
+
+TEST(PackedGemmTest, RoundsToNearestEvenBf16) {
+  EXPECT_EQ(RoundToBf16(1.0f), 0x3f80);
+  EXPECT_EQ(Bf16ToFloat(RoundToBf16(1.0f + 1.0f / 256)), 1.0f);  // a tie, to even
+  EXPECT_EQ(Bf16ToFloat(RoundToBf16(1.0f + 3.0f / 256)), 1.0f + 4.0f / 256);  // a tie, to even
+  EXPECT_EQ(Bf16ToFloat(RoundToBf16(-3.0f)), -3.0f);
+  EXPECT_EQ(Bf16ToFloat(RoundToBf16(1.0f + 1.5f / 256)), 1.0f + 2.0f / 256);
+}
+
+TEST(PackedGemmTest, UnpackGivesBackTheWeightsAsHeld) {
+  std::mt19937 rng(3);
+  const Shape s{1, 45, 13};
+  const std::vector<float> weight = Random(s.out_cols * s.in_cols, rng);
+  const std::vector<float> bias = Random(s.out_cols, rng);
+  for (Precision precision : {Precision::kFp32, Precision::kBf16}) {
+    const PackedWeights packed =
+        PackedWeights::Pack(weight.data(), s.out_cols, s.in_cols, bias.data(), precision);
+    std::vector<float> unpacked(weight.size()), unpacked_bias(bias.size());
+    packed.Unpack(unpacked.data(), unpacked_bias.data());
+    EXPECT_EQ(unpacked, precision == Precision::kFp32 ? weight : RoundedToBf16(weight));
+    EXPECT_EQ(unpacked_bias, bias);
+  }
+  EXPECT_LT(PackedWeights::Pack(weight.data(), 64, 13, nullptr, Precision::kBf16).bytes(),
+            PackedWeights::Pack(weight.data(), 64, 13, nullptr).bytes() * 6 / 10);
+}
+
+class PackedGemmPrecisionTest : public ::testing::TestWithParam<Precision> {};
+
+// bf16 weights are held rounded; the inputs are rounded too on the
+// avx512_bf16 path, where they enter vdpbf16ps, and read as they are on the
+// others. Products accumulate in FP32 either way, so the tolerance is fp32's
+// against a reference over the same rounded operands.
+TEST_P(PackedGemmPrecisionTest, MatchesDoubleReferenceWithAndWithoutBias) {
+  const Precision precision = GetParam();
+  const bool rounds_inputs = precision == Precision::kBf16 && ActiveIsa() == Isa::kAvx512Bf16;
   std::mt19937 rng(7);
   for (const Shape& s : kShapes) {
     for (bool with_bias : {false, true}) {
@@ -77,13 +120,16 @@ TEST(PackedGemmTest, MatchesDoubleReferenceWithAndWithoutBias) {
       const std::vector<float> weight = Random(s.out_cols * s.in_cols, rng);
       const std::vector<float> bias = Random(s.out_cols, rng);
       const float* b = with_bias ? bias.data() : nullptr;
-      const PackedWeights packed = PackedWeights::Pack(weight.data(), s.out_cols, s.in_cols, b);
+      const PackedWeights packed =
+          PackedWeights::Pack(weight.data(), s.out_cols, s.in_cols, b, precision);
       ASSERT_EQ(packed.out_cols(), s.out_cols);
       ASSERT_EQ(packed.in_cols(), s.in_cols);
       constexpr float kUntouched = 12345.0f;
       std::vector<float> out(s.rows * out_stride, kUntouched);
       RunBlocks({in.data(), in_stride, out.data(), out_stride, &packed}, s.rows, 5, 2);
-      const std::vector<double> expected = Reference(in, in_stride, weight, b, s);
+      const std::vector<double> expected =
+          Reference(rounds_inputs ? RoundedToBf16(in) : in, in_stride,
+                    precision == Precision::kBf16 ? RoundedToBf16(weight) : weight, b, s);
       for (int64_t r = 0; r < s.rows; ++r) {
         for (int64_t n = 0; n < s.out_cols; ++n) {
           ASSERT_NEAR(out[r * out_stride + n], expected[r * s.out_cols + n], Tolerance(s.in_cols))
@@ -96,6 +142,12 @@ TEST(PackedGemmTest, MatchesDoubleReferenceWithAndWithoutBias) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Precisions, PackedGemmPrecisionTest,
+                         ::testing::Values(Precision::kFp32, Precision::kBf16),
+                         [](const auto& info) {
+                           return std::string(PrecisionName(info.param));
+                         });
 
 }  // namespace
 }  // namespace attention

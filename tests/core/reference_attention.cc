@@ -43,7 +43,11 @@ void Attend(const std::vector<std::vector<double>>& scores, const std::vector<st
 
 }  // namespace
 
-AttentionResult ReferenceAttention(const Model& model, const AttentionRequest& request) {
+AttentionResult ReferenceAttention(const Model& packed_model, const AttentionRequest& request) {
+  // A loaded multi_head model holds its weights only packed: the reference
+  // reads them row-major, rebuilt.
+  Model model = packed_model;
+  UnpackProjections(model);
   const TensorView& q = request.queries;
   const TensorView& k = request.keys ? *request.keys : q;
   const TensorView& v = request.values ? *request.values : k;

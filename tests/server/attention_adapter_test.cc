@@ -105,6 +105,9 @@ TEST(ProtoAdapterTest, ModelInfoReportsKindAndSizes) {
   EXPECT_EQ(info.value_size(), 8);
   EXPECT_EQ(info.output_size(), 16);
   EXPECT_EQ(ToModelInfo(DotProductModel()).query_size(), 0) << "built-ins take any size";
+  EXPECT_EQ(info.precision(), "fp32");
+  model.precision = Precision::kBf16;
+  EXPECT_EQ(ToModelInfo(model).precision(), "bf16");
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/support/metrics.h"
 #include "tests/support/requests.h"
+#include "tests/support/safetensors_builder.h"
 #include "tests/support/server_process.h"
 
 namespace attention::testing {
@@ -56,7 +57,37 @@ TEST_F(ServerRepositoryTest, BadFileIsLoggedWithItsReasonAndSkipped) {
   const std::string log = (*server)->Log();
   EXPECT_THAT(log, HasSubstr("model skipped"));
   EXPECT_THAT(log, HasSubstr("broken"));
-  EXPECT_THAT(log, HasSubstr("model good (bilinear, d_q=6 d_k=4)"));
+  EXPECT_THAT(log, HasSubstr("model good (bilinear, d_q=6 d_k=4, precision fp32)"));
+}
+
+// A bf16 file is served as bf16 (ListModels, the start-up log), and as fp32
+// under ATTENTION_FORCE_FP32, the variable of --force-fp32.
+TEST_F(ServerRepositoryTest, Bf16ModelIsReportedAndForcedFp32OnRequest) {
+  const std::vector<uint8_t> bytes = testing::BuildFile(
+      {testing::F32Tensor("in_proj_weight", {6, 2}, std::vector<float>(12, 0.5f)),
+       testing::F32Tensor("out_proj.weight", {2, 2}, {1, 0, 0, 1})},
+      {{"kind", "multi_head"}, {"num_heads", "1"}, {"precision", "bf16"}});
+  std::ofstream(dir_.path() / "half.safetensors", std::ios::binary)
+      << std::string(bytes.begin(), bytes.end());
+  for (const bool forced : {false, true}) {
+    SCOPED_TRACE(forced ? "ATTENTION_FORCE_FP32=1" : "not forced");
+    const std::string expected = forced ? "fp32" : "bf16";
+    std::map<std::string, std::string> env;
+    if (forced) env["ATTENTION_FORCE_FP32"] = "1";
+    auto server = ServerProcess::Start({"--model-repository", dir_.path().string()}, env);
+    ASSERT_TRUE(server.ok()) << server.status();
+    auto stub = (*server)->Stub();
+    grpc::ClientContext context;
+    v1::ListModelsResponse response;
+    ASSERT_TRUE(stub->ListModels(&context, v1::ListModelsRequest(), &response).ok());
+    std::map<std::string, std::string> precisions;
+    for (const auto& model : response.models()) precisions[model.name()] = model.precision();
+    EXPECT_EQ(precisions["half"], expected);
+    EXPECT_EQ(precisions["good"], "fp32");
+    stub.reset();
+    EXPECT_EQ((*server)->Stop(), 0);
+    EXPECT_THAT((*server)->Log(), HasSubstr("E=2, precision " + expected + "), version 1"));
+  }
 }
 
 TEST_F(ServerRepositoryTest, StrictMakesABadFileFatal) {
@@ -150,18 +181,19 @@ TEST(ServerConfigTest, UnknownKernelPathStopsTheServer) {
                                       "--metrics-address", ""},
                                      {}, &output),
             1);
-  EXPECT_THAT(output, HasSubstr("expected one of avx512, avx2, portable, got \"sse9\""));
+  EXPECT_THAT(output,
+              HasSubstr("expected one of avx512_bf16, avx512, avx2, portable, got \"sse9\""));
 }
 
 TEST(ServerConfigTest, KernelPathTheCpuLacksStopsTheServer) {
-  if (DetectedIsa() == Isa::kAvx512) {
+  if (DetectedIsa() == Isa::kAvx512Bf16) {
     GTEST_SKIP() << "this host runs every path, so none can be refused";
   }
   std::string output;
   EXPECT_EQ(ServerProcess::RunToExit({"--address", "127.0.0.1:0", "--metrics-address", ""},
-                                     {{"ATTENTION_ISA", "avx512"}}, &output),
+                                     {{"ATTENTION_ISA", "avx512_bf16"}}, &output),
             1);
-  EXPECT_THAT(output, HasSubstr("avx512"));
+  EXPECT_THAT(output, HasSubstr("avx512_bf16"));
 }
 
 TEST(ServerConfigTest, OutOfRangeFlagIsRefused) {

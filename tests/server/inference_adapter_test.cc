@@ -262,6 +262,10 @@ TEST(InferenceAdapterTest, MetadataMarksSizesTheRequestChooses) {
   ASSERT_EQ(metadata.outputs_size(), 2);
   EXPECT_THAT(metadata.outputs(0).shape(), ElementsAre(-1, -1, 16));
   EXPECT_THAT(metadata.outputs(1).shape(), ElementsAre(-1, 4, -1, -1));
+  EXPECT_EQ(metadata.properties().at("precision"), "fp32");
+  mha.precision = Precision::kBf16;
+  EXPECT_EQ(ToModelMetadata(mha).properties().at("precision"), "bf16");
+  EXPECT_EQ(ToModelConfig(mha).parameters().at("precision").string_value(), "bf16");
 
   const inference::ModelConfig config = ToModelConfig(DotProductModel());
   EXPECT_EQ(config.name(), "dot_product");
@@ -274,6 +278,7 @@ TEST(InferenceAdapterTest, MetadataMarksSizesTheRequestChooses) {
   EXPECT_EQ(config.input(3).data_type(), inference::TYPE_INT32);
   ASSERT_EQ(config.output_size(), 2);
   EXPECT_THAT(config.output(1).dims(), ElementsAre(-1, -1, -1));
+  EXPECT_EQ(config.parameters().at("precision").string_value(), "fp32");
 }
 
 // Requests from the network are untrusted: any bytes that parse as a

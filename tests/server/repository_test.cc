@@ -171,9 +171,10 @@ class ManagerTest : public ::testing::Test {
  protected:
   void SetUp() override { ASSERT_TRUE(registry_.AddBuiltIn(DotProductModel()).ok()); }
 
-  std::unique_ptr<RepositoryManager> Manager(VersionPolicy policy) {
+  std::unique_ptr<RepositoryManager> Manager(VersionPolicy policy, bool force_fp32 = false) {
     return std::make_unique<RepositoryManager>(
-        &registry_, nullptr, RepositoryOptions{.directory = dir_.path(), .policy = policy});
+        &registry_, nullptr,
+        RepositoryOptions{.directory = dir_.path(), .policy = policy, .force_fp32 = force_fp32});
   }
   RepositoryManager::Report Sync(RepositoryManager& manager) {
     absl::StatusOr<RepositoryListing> listing = ScanRepository(dir_.path());
@@ -278,6 +279,25 @@ TEST_F(ManagerTest, AFileNamedAfterABuiltInIsRefusedOnce) {
   EXPECT_THAT(report.failures[0].message(), HasSubstr("taken by a built-in model"));
   EXPECT_TRUE(Sync(*manager).failures.empty());
   EXPECT_EQ(registry_.snapshot()->at("dot_product").versions.size(), 1u);
+}
+
+// --force-fp32: a bf16 file loads as fp32, and its reload report says so.
+TEST_F(ManagerTest, ForcedFp32LoadsBf16FilesAsFp32) {
+  const std::vector<uint8_t> bytes = testing::BuildFile(
+      {testing::F32Tensor("in_proj_weight", {6, 2}, std::vector<float>(12, 0.5f)),
+       testing::F32Tensor("out_proj.weight", {2, 2}, {1, 0, 0, 1})},
+      {{"kind", "multi_head"}, {"num_heads", "1"}, {"precision", "bf16"}});
+  Write("m.safetensors", std::string(bytes.begin(), bytes.end()));
+  for (bool forced : {false, true}) {
+    auto manager = Manager(VersionPolicy::kLatest, forced);
+    const RepositoryManager::Report report = Sync(*manager);
+    ASSERT_EQ(report.changes.size(), 1u);
+    EXPECT_THAT(report.changes[0], HasSubstr(forced ? "precision fp32" : "precision bf16"));
+    absl::StatusOr<ServedModel> served = registry_.Resolve("m", std::nullopt);
+    ASSERT_TRUE(served.ok()) << served.status();
+    EXPECT_EQ(served->model->precision, forced ? Precision::kFp32 : Precision::kBf16);
+    ASSERT_TRUE(manager->UnloadModel("m").ok());
+  }
 }
 
 TEST_F(ManagerTest, AnExplicitUnloadHoldsUntilAnExplicitLoad) {
