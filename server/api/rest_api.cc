@@ -44,9 +44,14 @@ enum class Endpoint {
 // its deadline.
 class HttpCallOrigin final : public CallOrigin {
  public:
-  // `request` is the exchange's, alive as long as this.
+  // `request` is the exchange's, alive as long as this. Takes its
+  // traceparent header (trace_context.h).
   HttpCallOrigin(const HttpRequest* request, absl::Time deadline)
-      : request_(request), deadline_(deadline) {}
+      : request_(request), deadline_(deadline) {
+    if (const std::string* traceparent = request->Header("traceparent")) {
+      SetTraceparent(*traceparent);
+    }
+  }
 
   absl::Time deadline() const override { return deadline_; }
   bool cancelled() const override { return false; }
@@ -451,6 +456,7 @@ Dispatcher::Done RestApi::Finisher(InferCall* call) const {
     HttpResponse response =
         status.ok() ? InferResponse(call->proto, call->decoded, *result, call->served_version)
                     : ErrorResponse(status);
+    response.headers.emplace_back("traceparent", call->origin.trace().Traceparent());
     const bool open = call->open;
     call->exchange->Respond(std::move(response), [dispatcher, open] {
       if (open) dispatcher->CloseCall();
