@@ -463,8 +463,8 @@ void WarmUpVersion(const ServerConfig& config, RunningServer& s, const Model& mo
 // swapped in; readiness stays false until the first part is done.
 void WarmUpModels(const ServerConfig& config, RunningServer& s) {
   if (!config.warmup) return;
-  spdlog::info("warm-up before serving on {}: health NOT_SERVING until it is done",
-               s.grpc_address);
+  spdlog::info("warm-up before serving on {}{}: health NOT_SERVING until it is done",
+               s.grpc_address, s.http ? absl::StrCat(" and http://", s.http_address) : "");
   const absl::Time start = absl::Now();
   int versions = 0;
   {

@@ -2,7 +2,7 @@
 (docs/api.md 6.10).
 
 Against a real attention-server (127.0.0.1, port 0, --log-format json
---log-level debug), through both gRPC APIs:
+--log-level debug), through both gRPC APIs and REST:
 - a valid traceparent's trace id is the trace_id of the request's JSON log
   line, done or failed, with model, version, api, code, request_id,
   queue_ms and compute_ms as fields, and comes back in the response's
@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import unittest
+import urllib.request
 
 import grpc
 from grpc_tools import protoc
@@ -60,7 +61,8 @@ class Server:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0",
-                 "--metrics-address", "", "--port-file", ports, "--threads", "1",
+                 "--metrics-address", "", "--http-address", "127.0.0.1:0",
+                 "--port-file", ports, "--threads", "1",
                  "--log-format", "json", "--log-level", "debug"],
                 stdout=subprocess.DEVNULL, stderr=log)
         give_up = time.monotonic() + 60
@@ -69,7 +71,8 @@ class Server:
                 raise RuntimeError(f"attention-server did not start:\n{self.log()}")
             time.sleep(0.05)
         with open(ports) as f:
-            self.address = dict(line.split() for line in f.read().splitlines())["grpc"]
+            addresses = dict(line.split() for line in f.read().splitlines())
+        self.address, self.http_address = addresses["grpc"], addresses["http"]
         self.channel = grpc.insecure_channel(self.address)
 
     def log(self):
@@ -182,6 +185,20 @@ class TraceTest(unittest.TestCase):
                          (TRACE_ID, "inference", "OK"))
         self.assertEqual(W3C.match(dict(answer.initial_metadata())["traceparent"]).group(1),
                          TRACE_ID)
+
+    def test_rest_keeps_the_trace(self):
+        body = {"id": "rest-1", "inputs": [
+            {"name": "queries", "datatype": "FP32", "shape": [1, 2, 4], "data": [0.5] * 8},
+            {"name": "keys", "datatype": "FP32", "shape": [1, 3, 4], "data": [0.25] * 12}]}
+        request = urllib.request.Request(
+            f"http://{self.server.http_address}/v2/models/dot_product/infer",
+            data=json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json", "traceparent": VALID})
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            echoed = answer.headers["traceparent"]
+        line = self.server.request_line("rest-1")
+        self.assertEqual((line["trace_id"], line["api"], line["code"]), (TRACE_ID, "http", "OK"))
+        self.assertEqual(W3C.match(echoed or "").group(1), TRACE_ID)
 
     def check_new_trace(self, traceparent):
         line, echoed = self.attend(traceparent)

@@ -4,8 +4,9 @@ Against real attention-server processes on 127.0.0.1 (port 0):
 - with --test-gate-warmup, the warm-up of the test gate's model waits for a
   byte of the gate FIFO, so the test sees the server while it warms up:
   grpc.health.v1 answers NOT_SERVING (the server and each service) and
-  ServerReady false, no port file yet; after the byte, SERVING and ready,
-  and the log says how long each model and the whole warm-up took;
+  ServerReady false, REST GET /v2/health/ready 503 (live 200), no port
+  file yet; after the byte, SERVING and ready (REST 200), and the log says
+  how long each model and the whole warm-up took;
 - --warmup false and ATTENTION_WARMUP=false: the server serves without
   that byte and logs no warm-up;
 - a version the repository poller loads later is warmed up before it is
@@ -22,6 +23,8 @@ import subprocess
 import tempfile
 import time
 import unittest
+import urllib.error
+import urllib.request
 
 import grpc
 
@@ -57,7 +60,8 @@ class Server:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0",
-                 "--metrics-address", "", "--port-file", self.ports, "--threads", "1", *flags],
+                 "--metrics-address", "", "--http-address", "127.0.0.1:0", "--port-file",
+                 self.ports, "--threads", "1", *flags],
                 stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})))
         self.channel = None
 
@@ -86,6 +90,13 @@ class Server:
     def server_ready(self):
         ready = self.channel.unary_unary("/inference.GRPCInferenceService/ServerReady")
         return bool(varint_field_1(ready(b"", timeout=10)))
+
+    def rest_status(self, http_address, path):
+        try:
+            with urllib.request.urlopen(f"http://{http_address}{path}", timeout=10) as answer:
+                return answer.status
+        except urllib.error.HTTPError as error:
+            return error.code
 
     def stop(self):
         if self.channel is not None:
@@ -117,13 +128,15 @@ class WarmupTest(unittest.TestCase):
 
     def test_not_ready_until_warmed_up(self):
         server = self.start([])
-        address = server.wait_for(
-            lambda: re.search(r"warm-up before serving on (\S+):", server.log()),
-            "the warm-up to start").group(1)
+        address, http_address = server.wait_for(
+            lambda: re.search(r"warm-up before serving on (\S+) and http://(\S+):", server.log()),
+            "the warm-up to start").groups()
         server.connect(address)
         for service in SERVICES:
             self.assertEqual(server.health(service), NOT_SERVING, f"health of '{service}'")
         self.assertFalse(server.server_ready())
+        self.assertEqual(server.rest_status(http_address, "/v2/health/ready"), 503)
+        self.assertEqual(server.rest_status(http_address, "/v2/health/live"), 200)
         self.assertFalse(os.path.exists(server.ports), "port file written before serving")
 
         self.release_gate()
@@ -131,6 +144,7 @@ class WarmupTest(unittest.TestCase):
         for service in SERVICES:
             self.assertEqual(server.health(service), SERVING, f"health of '{service}'")
         self.assertTrue(server.server_ready())
+        self.assertEqual(server.rest_status(http_address, "/v2/health/ready"), 200)
         server.wait_for(lambda: os.path.exists(server.ports), "the port file")
         log = server.log()
         self.assertRegex(log, r"warm-up: model gate version 1: \d+ requests of \d+ queries")
