@@ -24,25 +24,13 @@ import sys
 import jsonschema
 import yaml
 
+from k8s_test import Checks  # the same ok/FAIL tally
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 KSERVE = os.path.join(REPO, "deploy/kserve")
 CRDS = os.path.join(HERE, "kserve_crds")
 FORMAT = "attention-safetensors"
-
-
-class Checks:
-    def __init__(self):
-        self.passed = 0
-        self.failed = 0
-
-    def expect(self, ok, what):
-        if ok:
-            self.passed += 1
-            print(f"ok   {what}")
-        else:
-            self.failed += 1
-            print(f"FAIL {what}")
 
 
 def strict(schema):
