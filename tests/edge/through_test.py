@@ -109,8 +109,8 @@ def edge_start_server(directory, flags):
     address = f"127.0.0.1:{free_port()}"
     log = open(os.path.join(directory, "log"), "wb")
     process = subprocess.Popen(
-        ["bash", RUN_SH, "--listen", address, "--", "--http-address", "127.0.0.1:0",
-         "--metrics-address", "", "--log-level", "debug", *flags], stdout=log, stderr=subprocess.STDOUT)
+        ["bash", RUN_SH, "--listen", address, "--", "--metrics-address", "", "--log-level",
+         "debug", *flags], stdout=log, stderr=subprocess.STDOUT)
     wait_for(lambda: listening(address), "run.sh", process)
     return process, log, address
 
