@@ -47,6 +47,7 @@
 #include "server/repository/poller.h"
 #include "server/repository/registry.h"
 #include "server/repository/scan.h"
+#include "server/repository/warmup.h"
 #include "server/security/auth.h"
 #include "server/security/tls_credentials.h"
 #include "spdlog/spdlog.h"
@@ -314,6 +315,12 @@ void CheckTokensEarly(RunningServer& s) {
       }));
 }
 
+void SetHealth(grpc::Server& server, bool serving) {
+  grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
+  health->SetServingStatus(serving);
+  for (const char* name : kHealthServiceNames) health->SetServingStatus(name, serving);
+}
+
 // Both APIs on --address, with health checking and reflection.
 absl::Status StartGrpc(const ServerConfig& config, RunningServer& s) {
   CheckTokensEarly(s);
@@ -348,6 +355,8 @@ absl::Status StartGrpc(const ServerConfig& config, RunningServer& s) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on --address ", config.address, " (in use or invalid)"));
   }
+  // gRPC starts its health service SERVING; not before the warm-up is done.
+  SetHealth(*s.grpc, false);
   s.grpc_address = WithPort(config.address, port);
   return absl::OkStatus();
 }
@@ -390,12 +399,6 @@ absl::Status StartMetrics(const ServerConfig& config, RunningServer& s) {
   return absl::OkStatus();
 }
 
-void SetHealth(grpc::Server& server, bool serving) {
-  grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
-  health->SetServingStatus(serving);
-  for (const char* name : kHealthServiceNames) health->SetServingStatus(name, serving);
-}
-
 // The start-up summary: addresses, security, kernel path, limits, models.
 void LogServing(const ServerConfig& config, const RunningServer& s) {
   const bool tokens = !s.dispatch_options.auth_tokens.empty();
@@ -432,6 +435,55 @@ void LogServing(const ServerConfig& config, const RunningServer& s) {
       spdlog::info("  model {} ({}), version {}", name, Describe(*version.model), version.version);
     }
   }
+}
+
+// One model version's warm-up batch (warmup.h), logged; a failure is
+// logged and the version serves anyway.
+void WarmUpVersion(const ServerConfig& config, RunningServer& s, const Model& model,
+                   int64_t version) {
+  try {
+    if (config.test_gate_warmup && s.test_gate && model.name == kTestGateModelName) {
+      s.test_gate->Pass();
+    }
+  } catch (const std::exception& e) {
+    spdlog::warn("warm-up: model {} version {} skipped: {}", model.name, version, e.what());
+    return;
+  }
+  absl::StatusOr<WarmUpReport> report =
+      WarmUp(*s.engine, model,
+             WarmUpOptions{.limits = config.limits,
+                           .batch_size = config.batching.max_batch_size,
+                           .work_budget = config.warmup_work_budget});
+  if (!report.ok()) {
+    spdlog::warn("warm-up: model {} version {} not warmed up: {}", model.name, version,
+                 report.status().ToString());
+    return;
+  }
+  spdlog::info("warm-up: model {} version {}: {} requests of {} queries and keys in {:.1f} ms",
+               model.name, version, report->batch_size, report->dims.num_queries,
+               absl::ToDoubleMilliseconds(report->took));
+}
+
+// Every version served at start-up, then each one loaded later before it is
+// swapped in; readiness stays false until the first part is done.
+void WarmUpModels(const ServerConfig& config, RunningServer& s) {
+  if (!config.warmup) return;
+  spdlog::info("warm-up before serving on {}{}: health NOT_SERVING until it is done",
+               s.grpc_address, s.http ? absl::StrCat(" and http://", s.http_address) : "");
+  const absl::Time start = absl::Now();
+  int versions = 0;
+  {
+    const std::shared_ptr<const ModelRegistry::Index> served = s.registry.snapshot();
+    for (const auto& [name, entry] : *served) {
+      for (const ModelVersion& version : entry.versions) {
+        if (version.state != VersionState::kReady) continue;
+        WarmUpVersion(config, s, *version.model, version.version);
+        ++versions;
+      }
+    }
+  }
+  spdlog::info("warm-up: {} model versions in {:.1f} ms (--warmup-work-budget {})", versions,
+               absl::ToDoubleMilliseconds(absl::Now() - start), config.warmup_work_budget);
 }
 
 void StartPolling(const ServerConfig& config, RunningServer& s) {
@@ -471,10 +523,18 @@ absl::Status Start(const ServerConfig& config, RunningServer& s) {
   s.inference_operations = std::make_unique<InferenceOperations>(
       s.dispatcher.get(), &s.registry,
       config.model_control == "explicit" ? s.manager.get() : nullptr, s.metrics.get());
+  if (config.warmup) {
+    s.dispatcher->SetWarmedUp(false);
+    s.manager->SetWarmUp([&config, &s](const Model& model, int64_t version) {
+      WarmUpVersion(config, s, model, version);
+    });
+  }
   if (absl::Status started = StartGrpc(config, s); !started.ok()) return started;
   absl::Status serving = StartRest(config, s);
   if (serving.ok()) serving = StartMetrics(config, s);
   if (serving.ok()) {
+    WarmUpModels(config, s);
+    s.dispatcher->SetWarmedUp(true);
     SetHealth(*s.grpc, true);
     LogServing(config, s);
     StartPolling(config, s);

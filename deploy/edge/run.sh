@@ -12,7 +12,9 @@
 # TLS there; with --tls-client-ca it requires client certificates that CA
 # signed (mutual TLS; the server behind sees no certificate, so its
 # --tls-client-allow is not available). SERVER_FLAGS go to attention-server
-# (not --address, --port-file, --tls-*: the edge owns them).
+# (not --address, --http-address, --port-file, --tls-*: the edge owns them).
+# The edge's one port carries gRPC (content-type application/grpc*) to the
+# server's gRPC port and every other request to its REST port.
 # attention-server is $ATTENTION_SERVER_BIN or found on PATH; haproxy is
 # $ATTENTION_EDGE_HAPROXY_BIN or found on PATH.
 # --pid-file writes "server PID" and "edge PID" lines. SIGTERM/SIGINT: the
@@ -47,7 +49,7 @@ if [[ -n "$tls_client_ca" ]] && [[ -z "$tls_cert" ]]; then
 fi
 for flag in "${server_flags[@]}"; do
   case "$flag" in
-    --address*|--port-file*|--tls-*)
+    --address*|--http-address*|--port-file*|--tls-*)
       echo "run.sh: $flag belongs to the edge, not to the server behind it" >&2; exit 2 ;;
   esac
 done
@@ -73,7 +75,8 @@ if [[ -n "$tls_cert" ]]; then
   [[ -z "$tls_client_ca" ]] || bind_options+=" ca-file $tls_client_ca verify required"
 fi
 
-"$server_bin" "${server_flags[@]}" --address 127.0.0.1:0 --port-file "$work/ports" &
+"$server_bin" "${server_flags[@]}" --address 127.0.0.1:0 --http-address 127.0.0.1:0 \
+  --port-file "$work/ports" &
 server_pid=$!
 # Models load before the port file appears; allow for a large repository.
 for ((i = 0; i < 6000; i++)); do
@@ -88,8 +91,11 @@ for ((i = 0; i < 6000; i++)); do
 done
 backend=$(awk '$1 == "grpc" {print $2}' "$work/ports")
 [[ -n "$backend" ]] || { echo "run.sh: attention-server did not start serving" >&2; exit 1; }
+http_backend=$(awk '$1 == "http" {print $2}' "$work/ports")
+[[ -n "$http_backend" ]] || { echo "run.sh: attention-server did not start REST" >&2; exit 1; }
 
 ATTENTION_EDGE_LISTEN=$listen ATTENTION_EDGE_BACKEND=$backend \
+ATTENTION_EDGE_HTTP_BACKEND=$http_backend \
 ATTENTION_EDGE_BIND_OPTIONS=$bind_options \
   "$haproxy_bin" -db -f "$here/haproxy.cfg" &
 edge_pid=$!

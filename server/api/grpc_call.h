@@ -25,8 +25,17 @@ namespace attention::server {
 // A gRPC call as the dispatcher and the APIs' operations see it.
 class GrpcCallOrigin final : public CallOrigin {
  public:
-  // `context` is owned by gRPC and alive until the call's OnDone.
-  explicit GrpcCallOrigin(const grpc::CallbackServerContext* context) : context_(context) {}
+  // `context` is owned by gRPC and alive until the call's OnDone. Takes the
+  // call's traceparent, and echoes the server's in the response's initial
+  // metadata (sent with the first answer, always after this).
+  explicit GrpcCallOrigin(grpc::CallbackServerContext* context) : context_(context) {
+    const auto& metadata = context->client_metadata();
+    const auto traceparent = metadata.find(kTraceparentKey);
+    if (traceparent != metadata.end()) {
+      SetTraceparent(std::string_view(traceparent->second.data(), traceparent->second.size()));
+    }
+    context->AddInitialMetadata(kTraceparentKey, trace().Traceparent());
+  }
 
   absl::Time deadline() const override {
     const std::chrono::system_clock::time_point t = context_->deadline();
@@ -40,7 +49,9 @@ class GrpcCallOrigin final : public CallOrigin {
   }
 
  private:
-  const grpc::CallbackServerContext* const context_;
+  static constexpr char kTraceparentKey[] = "traceparent";
+
+  grpc::CallbackServerContext* const context_;
 };
 
 // A unary call whose request the dispatcher computes: it parses the request

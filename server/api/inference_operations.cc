@@ -97,7 +97,7 @@ absl::Status InferenceOperations::ServerLive(const CallOrigin&, const inference:
 absl::Status InferenceOperations::ServerReady(const CallOrigin&,
                                               const inference::ServerReadyRequest&,
                                               inference::ServerReadyResponse* response) const {
-  response->set_ready(dispatcher_->accepting());
+  response->set_ready(dispatcher_->ready());
   return absl::OkStatus();
 }
 
@@ -107,7 +107,7 @@ absl::Status InferenceOperations::ModelReady(const CallOrigin& origin,
   if (absl::Status auth = origin.Authenticate(dispatcher_->access()); !auth.ok()) {
     return auth;
   }
-  response->set_ready(dispatcher_->accepting() &&
+  response->set_ready(dispatcher_->ready() &&
                       FindModel(request.name(), request.version()).ok());
   return absl::OkStatus();
 }

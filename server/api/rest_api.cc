@@ -43,9 +43,14 @@ enum class Endpoint {
 // connection has cancelled its call.
 class HttpCallOrigin final : public CallOrigin {
  public:
-  // `exchange` alive as long as this.
+  // `exchange` alive as long as this. Takes its traceparent header
+  // (trace_context.h).
   HttpCallOrigin(const HttpExchange* exchange, absl::Time deadline)
-      : exchange_(exchange), deadline_(deadline) {}
+      : exchange_(exchange), deadline_(deadline) {
+    if (const std::string* traceparent = exchange->request().Header("traceparent")) {
+      SetTraceparent(*traceparent);
+    }
+  }
 
   absl::Time deadline() const override { return deadline_; }
   bool cancelled() const override { return exchange_->client_gone(); }
@@ -450,6 +455,7 @@ Dispatcher::Done RestApi::Finisher(InferCall* call) const {
     HttpResponse response =
         status.ok() ? InferResponse(call->proto, call->decoded, *result, call->served_version)
                     : ErrorResponse(status);
+    response.headers.emplace_back("traceparent", call->origin.trace().Traceparent());
     const bool open = call->open;
     call->exchange->Respond(std::move(response), [dispatcher, open] {
       if (open) dispatcher->CloseCall();

@@ -64,6 +64,11 @@ struct ServerConfig {
   // Every model computes in fp32, whatever its "precision" says: for
   // comparisons and rollback.
   bool force_fp32 = false;
+  // Before serving, each model version computes one batch (warmup.h), and
+  // health stays NOT_SERVING until every start-up model has.
+  bool warmup = true;
+  // Most work units of one warm-up batch; about 60 ms of one AVX-512 core.
+  int64_t warmup_work_budget = int64_t{1} << 31;
 
   // After SIGTERM/SIGINT, time during which health says NOT_SERVING and new
   // calls get UNAVAILABLE before the server waits for accepted calls and
@@ -105,6 +110,10 @@ struct ServerConfig {
   // For tests only (test_gate.h): a FIFO whose bytes release the batches of
   // the extra built-in model `gate`; empty: no such model.
   std::string test_gate_fifo;
+  // For tests only: the start-up warm-up of the model `gate` waits for a
+  // byte from test_gate_fifo too, so a test sees the server before it is
+  // ready.
+  bool test_gate_warmup = false;
 };
 
 }  // namespace attention::server

@@ -125,6 +125,17 @@ void AddEngineFlags(CLI::App& app, ServerConfig* c) {
       ->capture_default_str();
 }
 
+// What each model version computes before it serves.
+void AddWarmupFlags(CLI::App& app, ServerConfig* c) {
+  Flag(app, "--warmup", &c->warmup,
+       "Before serving, compute one batch per model version (true/false); health is "
+       "NOT_SERVING until the start-up models have");
+  Flag(app, "--warmup-work-budget", &c->warmup_work_budget,
+       "Most work units of one model's warm-up batch (requests as large as the limits allow, "
+       "--max-batch-size of them)")
+      ->check(CLI::Range(int64_t{1}, INT64_MAX));
+}
+
 // SIGTERM and SIGINT.
 void AddShutdownFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--drain-delay-seconds", &c->drain_delay_seconds,
@@ -182,6 +193,9 @@ void AddTestingFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--test-gate-fifo", &c->test_gate_fifo,
        "For tests: FIFO whose bytes release the batches of the model 'gate'")
       ->group("");
+  Flag(app, "--test-gate-warmup", &c->test_gate_warmup,
+       "For tests: the start-up warm-up of the model 'gate' waits for a byte of --test-gate-fifo")
+      ->group("");
 }
 
 }  // namespace
@@ -193,6 +207,7 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   AddBatchingFlags(app, c);
   AddLimitFlags(app, c);
   AddEngineFlags(app, c);
+  AddWarmupFlags(app, c);
   AddShutdownFlags(app, c);
   AddConnectionFlags(app, c);
   AddLoggingFlags(app, c);

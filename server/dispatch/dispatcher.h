@@ -115,6 +115,10 @@ class Dispatcher {
   const AccessPolicy& access() const { return access_; }
   // False once StopAccepting() ran.
   bool accepting() const { return accepting_.load(); }
+  // What readiness checks answer (ServerReady, REST /v2/health/ready):
+  // accepting, and past the start-up warm-up, which RunServer marks.
+  bool ready() const { return warmed_up_.load() && accepting(); }
+  void SetWarmedUp(bool warmed_up) { warmed_up_.store(warmed_up); }
 
   // Every call and every request from now on is refused with UNAVAILABLE.
   void StopAccepting();
@@ -166,6 +170,7 @@ class Dispatcher {
   const DispatchOptions options_;
   AccessPolicy access_;
   std::atomic<bool> accepting_{true};  // written under calls_mu_
+  std::atomic<bool> warmed_up_{true};
   // Bytes of the requests admitted and not yet answered (max_queued_bytes).
   std::atomic<int64_t> held_bytes_{0};
   absl::Mutex calls_mu_;

@@ -7,7 +7,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "nlohmann/json.hpp"
 #include "server/dispatch/dispatcher.h"
+#include "server/observability/logging.h"
 #include "server/observability/request_names.h"
 #include "server/dispatch/task.h"
 #include "spdlog/spdlog.h"
@@ -16,6 +18,29 @@ namespace attention::server {
 namespace {
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
+
+nlohmann::json Millis(const std::optional<absl::Duration>& d) {
+  return d ? nlohmann::json(absl::ToDoubleMilliseconds(*d)) : nlohmann::json();
+}
+
+// The request's log line fields in the JSON format (docs/api.md 6.10);
+// null where the request never got that far. `task` is a Dispatcher::Task,
+// a name private to the dispatcher.
+nlohmann::json RequestLogFields(const auto& task, std::string_view model,
+                                const absl::Status& status, absl::Duration total) {
+  const TraceContext& trace = task.origin->trace();
+  return {{"api", task.api},
+          {"model", model.empty() ? std::string(Printable(task.model_name)) : std::string(model)},
+          {"version", task.served.model ? nlohmann::json(task.served.version) : nlohmann::json()},
+          {"code", absl::StatusCodeToString(status.code())},
+          {"request_id", std::string(Printable(task.request_id))},
+          {"trace_id", trace.trace_id},
+          {"span_id", trace.span_id},
+          {"peer", task.origin->peer()},
+          {"queue_ms", Millis(task.queued)},
+          {"compute_ms", Millis(task.computed)},
+          {"total_ms", absl::ToDoubleMilliseconds(total)}};
+}
 
 }  // namespace
 
@@ -104,18 +129,24 @@ void Dispatcher::Record(const Task& task, const absl::Status& status) {
   }
   int64_t suppressed = 0;
   if (!status.ok() && refusal_log_.Admit(&suppressed)) {
+    const nlohmann::json fields = RequestLogFields(task, model, status, total);
+    const ScopedLogFields scope(fields);
     spdlog::warn(
-        "request failed: api={} model='{}' request_id='{}' peer={} code={} after {} us: {}{}",
-        task.api, Printable(task.model_name), Printable(task.request_id), task.origin->peer(),
+        "request failed: api={} model='{}' request_id='{}' trace_id={} peer={} code={} after {} "
+        "us: {}{}",
+        task.api, Printable(task.model_name), Printable(task.request_id),
+        task.origin->trace().trace_id, task.origin->peer(),
         absl::StatusCodeToString(status.code()), Micros(total), std::string(status.message()),
         RefusalLogLimiter::SuppressedNote(suppressed, "failed requests"));
   } else if (status.ok() && spdlog::should_log(spdlog::level::debug)) {
+    const nlohmann::json fields = RequestLogFields(task, model, status, total);
+    const ScopedLogFields scope(fields);
     spdlog::debug(
-        "request done: api={} model='{}' request_id='{}' peer={} batch_wait={} us "
+        "request done: api={} model='{}' request_id='{}' trace_id={} peer={} batch_wait={} us "
         "compute={} us total={} us",
-        task.api, model, Printable(task.request_id), task.origin->peer(),
-        task.queued ? Micros(*task.queued) : 0, task.computed ? Micros(*task.computed) : 0,
-        Micros(total));
+        task.api, model, Printable(task.request_id), task.origin->trace().trace_id,
+        task.origin->peer(), task.queued ? Micros(*task.queued) : 0,
+        task.computed ? Micros(*task.computed) : 0, Micros(total));
   }
 }
 

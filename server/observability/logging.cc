@@ -14,17 +14,23 @@
 namespace attention::server {
 namespace {
 
+// Set by ScopedLogFields; spdlog formats on the logging thread.
+thread_local const nlohmann::json* current_fields = nullptr;
+
 // One JSON object per line; the message is escaped, whatever it holds.
 class JsonFormatter final : public spdlog::formatter {
  public:
   void format(const spdlog::details::log_msg& msg, spdlog::memory_buf_t& dest) override {
     const auto level = spdlog::level::to_string_view(msg.level);
-    const nlohmann::json line = {
+    nlohmann::json line = {
         {"time", absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::FromChrono(msg.time),
                                   absl::UTCTimeZone())},
         {"level", std::string(level.data(), level.size())},
         {"message", std::string(msg.payload.data(), msg.payload.size())},
     };
+    if (current_fields != nullptr && current_fields->is_object()) {
+      for (const auto& [name, value] : current_fields->items()) line.emplace(name, value);
+    }
     const std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     dest.append(text.data(), text.data() + text.size());
     dest.push_back('\n');
@@ -35,6 +41,12 @@ class JsonFormatter final : public spdlog::formatter {
 };
 
 }  // namespace
+
+ScopedLogFields::ScopedLogFields(const nlohmann::json& fields) : previous_(current_fields) {
+  current_fields = &fields;
+}
+
+ScopedLogFields::~ScopedLogFields() { current_fields = previous_; }
 
 absl::Status ConfigureLogging(std::string_view level, std::string_view format) {
   const spdlog::level::level_enum parsed =

@@ -162,6 +162,7 @@ void RepositoryManager::LoadVersion(const ModelFile& file, Report* report) {
   // A version file is named by its number; the model by its directory.
   loaded->name = file.name;
   auto model = std::make_shared<const Model>(*std::move(loaded));
+  if (warm_up_) warm_up_(*model, file.version);
   if (metrics_ != nullptr) {
     metrics_->AddModel(file.name);
     // Same labels: the series stays (no scrape sees it missing mid-swap).
@@ -229,6 +230,11 @@ absl::Status RepositoryManager::LoadModel(std::string_view name) {
                : report.failures.front();
   }
   return absl::OkStatus();
+}
+
+void RepositoryManager::SetWarmUp(WarmUpHook warm_up) {
+  absl::MutexLock lock(&mu_);
+  warm_up_ = std::move(warm_up);
 }
 
 absl::Status RepositoryManager::UnloadModel(std::string_view name) {

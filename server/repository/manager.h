@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -79,6 +80,12 @@ class RepositoryManager {
   // a built-in.
   absl::Status UnloadModel(std::string_view name);
 
+  // Runs on every version loaded from now on, before it enters the registry
+  // (the warm-up, warmup.h), so no call ever reaches a version before it.
+  // Empty (the default): none.
+  using WarmUpHook = std::function<void(const Model& model, int64_t version)>;
+  void SetWarmUp(WarmUpHook warm_up);
+
   // Implementation details follow.
 
  private:
@@ -103,6 +110,7 @@ class RepositoryManager {
   std::map<ModelFileKey, FileSignature> attempted_ ABSL_GUARDED_BY(mu_);
   // Names unloaded explicitly, out of service until loaded explicitly.
   std::set<std::string, std::less<>> unloaded_ ABSL_GUARDED_BY(mu_);
+  WarmUpHook warm_up_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace attention::server

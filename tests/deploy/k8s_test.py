@@ -121,6 +121,10 @@ def check_promises(documents, checks):
     checks.expect(server_env.get("ATTENTION_ADDRESS", "").startswith("127.0.0.1:") and
                   edge_env.get("ATTENTION_EDGE_BACKEND") == server_env.get("ATTENTION_ADDRESS"),
                   "the server listens on loopback only, where the edge sends its calls")
+    checks.expect(server_env.get("ATTENTION_HTTP_ADDRESS", "").startswith("127.0.0.1:") and
+                  edge_env.get("ATTENTION_EDGE_HTTP_BACKEND") ==
+                  server_env.get("ATTENTION_HTTP_ADDRESS"),
+                  "REST listens on loopback only, where the edge sends non-gRPC requests")
     edge_stop = (edge or {}).get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
     edge_sleep = int(edge_stop[1]) if edge_stop[:1] == ["sleep"] else None
     checks.expect(edge_sleep is not None and sleep is not None and

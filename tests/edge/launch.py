@@ -116,8 +116,7 @@ class Launch:
             self.address = f"127.0.0.1:{free_port()}"
             pid_file = os.path.join(self.dir.name, "pids")
             process = self._popen(["bash", RUN_SH, "--listen", self.address, "--pid-file",
-                                   pid_file, *self.run_flags, "--", "--http-address",
-                                   "127.0.0.1:0", "--metrics-address",
+                                   pid_file, *self.run_flags, "--", "--metrics-address",
                                    self.metrics_address, *self.server_flags])
             wait_for(lambda: os.path.exists(pid_file), "run.sh", process)
             with open(pid_file) as f:

@@ -15,24 +15,32 @@ every call goes through HAProxy to the server on loopback:
     (ATTENTION_DRAIN_RUNS, default 5 here);
   - and here: a deadline and a cancellation reach the server (its metrics
     count them), the server's message cap answers RESOURCE_EXHAUSTED, and an
-    interactive stream (one request, its answer, the next) is not delayed.
+    interactive stream (one request, its answer, the next) is not delayed;
+  - REST on the same port (the edge routes by content type): health, infer
+    with the answer gRPC gives, a REST error with its HTTP status, a trace
+    echoed, while gRPC calls on that port still reach the gRPC API.
 
     ATTENTION_SERVER_BIN=build/server/attention-server \\
         /usr/bin/python3 tests/edge/through_test.py
 """
 
+import json
 import os
 import queue
 import signal
 import statistics
 import subprocess
 import sys
+import socket
 import tempfile
 import time
 import unittest
 from unittest import mock
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
 import numpy as np
 
 os.environ.setdefault("ATTENTION_DRAIN_RUNS", "5")
@@ -101,8 +109,8 @@ def edge_start_server(directory, flags):
     address = f"127.0.0.1:{free_port()}"
     log = open(os.path.join(directory, "log"), "wb")
     process = subprocess.Popen(
-        ["bash", RUN_SH, "--listen", address, "--", "--http-address", "127.0.0.1:0",
-         "--metrics-address", "", "--log-level", "debug", *flags], stdout=log, stderr=subprocess.STDOUT)
+        ["bash", RUN_SH, "--listen", address, "--", "--metrics-address", "", "--log-level",
+         "debug", *flags], stdout=log, stderr=subprocess.STDOUT)
     wait_for(lambda: listening(address), "run.sh", process)
     return process, log, address
 
@@ -199,6 +207,87 @@ class CallsReachTheServer(unittest.TestCase):
             self.stub.Attend(self.request(model="dot_product", n=10000), timeout=10)
         self.assertEqual(raised.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
         self.stub.Attend(self.request(model="dot_product"), timeout=10)
+
+
+def h2_request(address, method, path, body=None, headers=()):
+    """One request over HTTP/2 in plaintext (prior knowledge), as KServe's
+    queue-proxy sends to an h2c port; (status, headers, body)."""
+    connection = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    with socket.create_connection(tuple(address.rsplit(":", 1)), timeout=10) as s:
+        connection.initiate_connection()
+        stream = connection.get_next_available_stream_id()
+        connection.send_headers(stream, [(":method", method), (":path", path),
+                                         (":scheme", "http"), (":authority", address),
+                                         *headers], end_stream=body is None)
+        if body is not None:
+            connection.send_data(stream, body, end_stream=True)
+        s.sendall(connection.data_to_send())
+        status, answer_headers, data, ended = None, {}, b"", False
+        while not ended:
+            chunk = s.recv(65536)
+            if not chunk:
+                raise AssertionError(f"the edge closed the connection: {status} {data!r}")
+            for event in connection.receive_data(chunk):
+                if isinstance(event, h2.events.ResponseReceived):
+                    answer_headers = dict(event.headers)
+                    status = int(answer_headers[":status"])
+                elif isinstance(event, h2.events.DataReceived):
+                    data += event.data
+                    connection.acknowledge_received_data(event.flow_controlled_length, stream)
+                elif isinstance(event, h2.events.StreamEnded):
+                    ended = True
+            s.sendall(connection.data_to_send())
+        return status, answer_headers, data
+
+
+class RestThroughEdge(unittest.TestCase):
+    """One port, two protocols: the edge sends application/grpc* to the
+    server's gRPC port and everything else to its REST port."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = EdgeServer()
+        cls.channel = grpc.insecure_channel(cls.server.address)
+        cls.stub = client.attention_client.pb2_grpc.AttentionServiceStub(cls.channel)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.channel.close()
+        assert cls.server.stop() == 0
+
+    def test_rest_health_and_metadata(self):
+        status, _, body = h2_request(self.server.address, "GET", "/v2/health/ready")
+        self.assertEqual((status, json.loads(body)), (200, {"ready": True}))
+        status, _, body = h2_request(self.server.address, "GET", "/v2/models/dot_product")
+        self.assertEqual((status, json.loads(body)["name"]), (200, "dot_product"))
+
+    def test_rest_infer_answers_as_grpc_does(self):
+        queries = [0.5, -1.0, 2.0, 0.25, 1.5, -0.5, 0.0, 1.0]
+        keys = [float(i % 5) / 4 for i in range(12)]
+        trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        request = {"inputs": [
+            {"name": "queries", "datatype": "FP32", "shape": [1, 2, 4], "data": queries},
+            {"name": "keys", "datatype": "FP32", "shape": [1, 3, 4], "data": keys}]}
+        status, headers, body = h2_request(
+            self.server.address, "POST", "/v2/models/dot_product/infer",
+            json.dumps(request).encode(),
+            [("content-type", "application/json"), ("traceparent", trace)])
+        self.assertEqual(status, 200, body)
+        self.assertTrue(headers.get("traceparent", "").startswith(trace[:36]), headers)
+        output = json.loads(body)["outputs"][0]
+        pb2 = client.attention_client.pb2
+        alone = self.stub.Attend(pb2.AttendRequest(
+            model="dot_product", queries=pb2.Tensor(shape=[1, 2, 4], data=queries),
+            keys=pb2.Tensor(shape=[1, 3, 4], data=keys)), timeout=10)
+        self.assertEqual(output["shape"], list(alone.output.shape))
+        np.testing.assert_allclose(output["data"], alone.output.data, atol=1e-5)
+
+    def test_rest_errors_keep_their_http_status(self):
+        status, headers, body = h2_request(self.server.address, "GET", "/v2/models/no_such_model")
+        self.assertEqual(status, 404, body)
+        self.assertEqual(headers.get("content-type"), "application/json")
+        self.assertIn("no_such_model", json.loads(body)["error"])
 
 
 inference.Server = lambda: EdgeServer(

@@ -130,7 +130,7 @@ TEST(ServerConfigTest, HelpDocumentsEveryFlagWithItsDefaultAndVariable) {
         "--max-queue-delay-us", "--queue-capacity", "--max-message-bytes",
         "--max-request-elements", "--threads", "--shutdown-grace-seconds",
         "--max-connection-age-seconds", "--log-level", "--log-format", "--tls-cert", "--tls-key",
-        "--tls-client-ca", "--auth-token-file"}) {
+        "--tls-client-ca", "--auth-token-file", "--warmup", "--warmup-work-budget"}) {
     EXPECT_THAT(help, HasSubstr(flag));
   }
   EXPECT_THAT(help, HasSubstr("--address TEXT=0.0.0.0:50051"));
