@@ -5,12 +5,14 @@
 #include <charconv>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "google/protobuf/dynamic_message.h"
 #include "rapidjson/document.h"
 #include "rapidjson/error/en.h"
 #include "rapidjson/stringbuffer.h"
@@ -488,9 +490,17 @@ RestBody WriteRestInferResponse(const inference::ModelInferRequest& request,
 }
 
 std::string ProtoToJson(const protobuf::Message& message) {
+  // Reflection reads a copy that libprotobuf made itself. On a generated
+  // message, libprotobuf's reflection would read map fields laid out by this
+  // binary's build, which a TSan build changes (map_field.h adds members
+  // under __SANITIZE_THREAD__) while Debian's libprotobuf is not rebuilt:
+  // reading "properties" crashed there. A copy is cheap for these answers.
+  protobuf::DynamicMessageFactory factory;
+  std::unique_ptr<protobuf::Message> copy(factory.GetPrototype(message.GetDescriptor())->New());
+  copy->ParseFromString(message.SerializeAsString());
   rapidjson::StringBuffer buffer;
   JsonWriter writer(buffer);
-  WriteMessage(message, writer);
+  WriteMessage(*copy, writer);
   return std::string(buffer.GetString(), buffer.GetSize());
 }
 
