@@ -146,6 +146,18 @@ TEST_F(ClientBalanceTest, KeepsAnsweringWhenAServerIsKilledUnderLoad) {
   };
 
   wait_for_calls(kCallsBeforeKill);
+  // The survivors' counts are read at the kill, so each must have answered
+  // by then: under ASan a channel was once still connecting to one of them
+  // after the first 100 calls.
+  for (int i : {0, 2}) {
+    EXPECT_TRUE(WaitForMetrics(
+        servers_[i]->metrics_address(),
+        [](const std::string& text) {
+          return MetricValue(text, "attention_requests_total", {{"code", "OK"}}).has_value();
+        },
+        std::chrono::seconds(30)))
+        << "server " << i << " answered nothing while the others did";
+  }
   servers_[1]->Signal(SIGKILL);
   EXPECT_EQ(servers_[1]->Wait(), 128 + SIGKILL);
   const double survivors_at_kill = Answered(0) + Answered(2);
