@@ -150,7 +150,7 @@ TEST_F(ClientBalanceTest, KeepsAnsweringWhenAServerIsKilledUnderLoad) {
   // by then: under ASan a channel was once still connecting to one of them
   // after the first 100 calls.
   for (int i : {0, 2}) {
-    EXPECT_TRUE(WaitForMetrics(
+    EXPECT_TRUE(attention::testing::WaitForMetrics(
         servers_[i]->metrics_address(),
         [](const std::string& text) {
           return MetricValue(text, "attention_requests_total", {{"code", "OK"}}).has_value();
