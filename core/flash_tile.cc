@@ -369,7 +369,10 @@ void StoreOutputImpl(const FlashTile& t, float* output, int64_t output_stride) {
 // broadcast); for P V, pairs of keys ((P[2j], P[2j + 1]) per lane, a value
 // pair (v[2j][c], v[2j + 1][c]) broadcast). The second of an odd count's
 // last pair is zero.
-#define ATTENTION_BF16 __attribute__((target("avx512bf16")))
+// The attribute names the AVX-512 build's features too: clang takes a
+// function's own target attribute in place of Highway's pushed one, and would
+// not inline the fp32 kernel's helpers into one with fewer features.
+#define ATTENTION_BF16 __attribute__((target(HWY_TARGET_STR ",avx512bf16")))
 
 // Words of (even, odd) rounded to BF16 (nearest even), even in the low half.
 ATTENTION_BF16 HWY_INLINE __m512i PairWords(__m512 even, __m512 odd) {
