@@ -257,8 +257,11 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(len(list(self.client.attend_stream([dict(queries=np.ones((1, 1, 2)))]))), 1)
 
     def test_stream_deadline_fails_the_call(self):
+        # A request that takes far longer than its deadline: gRPC rounds
+        # deadlines to the millisecond, within which the server now answers
+        # a tiny request, so a 1 ns deadline alone did not always fail.
         with self.assertRaises(grpc.RpcError) as error:
-            list(self.client.attend_stream([dict(queries=np.ones((1, 1, 2)))], timeout=1e-9))
+            list(self.client.attend_stream([dict(queries=np.ones((1, 2048, 64)))], timeout=1e-3))
         self.assertEqual(error.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
