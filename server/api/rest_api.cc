@@ -316,92 +316,98 @@ void RestApi::Handle(std::shared_ptr<HttpExchange> exchange) {
   Describe(*exchange, *route);
 }
 
+namespace {
+
+HttpResponse DescribeServer(const InferenceOperations& ops, const CallOrigin& origin,
+                            Endpoint endpoint) {
+  switch (endpoint) {
+    case Endpoint::kLive:
+      return Answer(ops, &InferenceOperations::ServerLive, origin, inference::ServerLiveRequest(),
+                    Json);
+    case Endpoint::kReady:
+      return Answer(ops, &InferenceOperations::ServerReady, origin, inference::ServerReadyRequest(),
+                    [](const auto& r) { return Readiness(r.ready(), 503); });
+    default:
+      return Answer(ops, &InferenceOperations::ServerMetadata, origin,
+                    inference::ServerMetadataRequest(), Json);
+  }
+}
+
+// The request of a model's endpoint: its name and version from the path.
+template <typename Request>
+Request ForModel(const RestApi::Route& route) {
+  Request request;
+  request.set_name(route.model);
+  request.set_version(route.version);
+  return request;
+}
+
+HttpResponse DescribeModel(const InferenceOperations& ops, const CallOrigin& origin,
+                           const RestApi::Route& route) {
+  switch (route.endpoint) {
+    case Endpoint::kModelReady:
+      return Answer(ops, &InferenceOperations::ModelReady, origin,
+                    ForModel<inference::ModelReadyRequest>(route),
+                    [](const auto& r) { return Readiness(r.ready(), 400); });
+    case Endpoint::kModelConfig:
+      // Triton's HTTP API answers the config itself, unwrapped.
+      return Answer(ops, &InferenceOperations::ModelConfig, origin,
+                    ForModel<inference::ModelConfigRequest>(route),
+                    [](const auto& r) { return Json(r.config()); });
+    case Endpoint::kModelStatistics:
+      return Answer(ops, &InferenceOperations::ModelStatistics, origin,
+                    ForModel<inference::ModelStatisticsRequest>(route), Json);
+    default:
+      return Answer(ops, &InferenceOperations::ModelMetadata, origin,
+                    ForModel<inference::ModelMetadataRequest>(route), Json);
+  }
+}
+
+HttpResponse IndexRepository(const InferenceOperations& ops, const CallOrigin& origin,
+                             const std::string& body) {
+  absl::StatusOr<bool> ready = ReadBoolField(body, "ready", false);
+  if (!ready.ok()) return ErrorResponse(ready.status());
+  inference::RepositoryIndexRequest request;
+  request.set_ready(*ready);
+  // Triton's HTTP API answers the list itself.
+  return Answer(ops, &InferenceOperations::RepositoryIndex, origin, request,
+                [](const inference::RepositoryIndexResponse& r) {
+                  std::vector<std::string> models;
+                  for (const auto& model : r.models()) models.push_back(ProtoToJson(model));
+                  return JsonResponse(200, absl::StrCat("[", absl::StrJoin(models, ","), "]"));
+                });
+}
+
+HttpResponse ChangeRepository(const InferenceOperations& ops, const CallOrigin& origin,
+                              const RestApi::Route& route) {
+  auto empty = [](const auto&) { return JsonResponse(200, "{}"); };
+  if (route.endpoint == Endpoint::kRepositoryLoad) {
+    inference::RepositoryModelLoadRequest request;
+    request.set_model_name(route.model);
+    return Answer(ops, &InferenceOperations::RepositoryModelLoad, origin, request, empty);
+  }
+  inference::RepositoryModelUnloadRequest request;
+  request.set_model_name(route.model);
+  return Answer(ops, &InferenceOperations::RepositoryModelUnload, origin, request, empty);
+}
+
+}  // namespace
+
 void RestApi::Describe(HttpExchange& exchange, const Route& route) {
   const HttpCallOrigin origin(&exchange, absl::InfiniteFuture());
-  const InferenceOperations& ops = *operations_;
-  HttpResponse response;
   switch (route.endpoint) {
     case Endpoint::kLive:
-      response = Answer(ops, &InferenceOperations::ServerLive, origin,
-                        inference::ServerLiveRequest(), Json);
-      break;
     case Endpoint::kReady:
-      response =
-          Answer(ops, &InferenceOperations::ServerReady, origin, inference::ServerReadyRequest(),
-                 [](const auto& r) { return Readiness(r.ready(), 503); });
-      break;
     case Endpoint::kServerMetadata:
-      response = Answer(ops, &InferenceOperations::ServerMetadata, origin,
-                        inference::ServerMetadataRequest(), Json);
-      break;
-    case Endpoint::kModelMetadata: {
-      inference::ModelMetadataRequest request;
-      request.set_name(route.model);
-      request.set_version(route.version);
-      response = Answer(ops, &InferenceOperations::ModelMetadata, origin, request, Json);
-      break;
-    }
-    case Endpoint::kModelReady: {
-      inference::ModelReadyRequest request;
-      request.set_name(route.model);
-      request.set_version(route.version);
-      response = Answer(ops, &InferenceOperations::ModelReady, origin, request,
-                        [](const auto& r) { return Readiness(r.ready(), 400); });
-      break;
-    }
-    case Endpoint::kModelConfig: {
-      inference::ModelConfigRequest request;
-      request.set_name(route.model);
-      request.set_version(route.version);
-      // Triton's HTTP API answers the config itself, unwrapped.
-      response = Answer(ops, &InferenceOperations::ModelConfig, origin, request,
-                        [](const auto& r) { return Json(r.config()); });
-      break;
-    }
-    case Endpoint::kModelStatistics: {
-      inference::ModelStatisticsRequest request;
-      request.set_name(route.model);
-      request.set_version(route.version);
-      response = Answer(ops, &InferenceOperations::ModelStatistics, origin, request, Json);
-      break;
-    }
-    case Endpoint::kRepositoryIndex: {
-      absl::StatusOr<bool> ready = ReadBoolField(exchange.request().body, "ready", false);
-      if (!ready.ok()) {
-        response = ErrorResponse(ready.status());
-        break;
-      }
-      inference::RepositoryIndexRequest request;
-      request.set_ready(*ready);
-      // Triton's HTTP API answers the list itself.
-      response =
-          Answer(ops, &InferenceOperations::RepositoryIndex, origin, request,
-                 [](const inference::RepositoryIndexResponse& r) {
-                   std::vector<std::string> models;
-                   for (const auto& model : r.models()) models.push_back(ProtoToJson(model));
-                   return JsonResponse(200, absl::StrCat("[", absl::StrJoin(models, ","), "]"));
-                 });
-      break;
-    }
+      return exchange.Respond(DescribeServer(*operations_, origin, route.endpoint));
+    case Endpoint::kRepositoryIndex:
+      return exchange.Respond(IndexRepository(*operations_, origin, exchange.request().body));
     case Endpoint::kRepositoryLoad:
-    case Endpoint::kRepositoryUnload: {
-      const bool load = route.endpoint == Endpoint::kRepositoryLoad;
-      auto empty = [](const auto&) { return JsonResponse(200, "{}"); };
-      if (load) {
-        inference::RepositoryModelLoadRequest request;
-        request.set_model_name(route.model);
-        response = Answer(ops, &InferenceOperations::RepositoryModelLoad, origin, request, empty);
-      } else {
-        inference::RepositoryModelUnloadRequest request;
-        request.set_model_name(route.model);
-        response = Answer(ops, &InferenceOperations::RepositoryModelUnload, origin, request, empty);
-      }
-      break;
-    }
-    case Endpoint::kInfer:
-      break;
+    case Endpoint::kRepositoryUnload:
+      return exchange.Respond(ChangeRepository(*operations_, origin, route));
+    default:
+      return exchange.Respond(DescribeModel(*operations_, origin, route));
   }
-  exchange.Respond(std::move(response));
 }
 
 // One infer call: what its answer needs until it is sent.
