@@ -29,6 +29,7 @@ using attention::testing::ReadJson;
 using attention::testing::RequestFromJson;
 using attention::testing::ScrapeMetrics;
 using attention::testing::ServerProcess;
+using attention::testing::WaitForMetrics;
 
 constexpr int kServers = 3;
 
@@ -150,7 +151,7 @@ TEST_F(ClientBalanceTest, KeepsAnsweringWhenAServerIsKilledUnderLoad) {
   // by then: under ASan a channel was once still connecting to one of them
   // after the first 100 calls.
   for (int i : {0, 2}) {
-    EXPECT_TRUE(attention::testing::WaitForMetrics(
+    EXPECT_TRUE(WaitForMetrics(
         servers_[i]->metrics_address(),
         [](const std::string& text) {
           return MetricValue(text, "attention_requests_total", {{"code", "OK"}}).has_value();
