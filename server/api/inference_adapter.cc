@@ -55,25 +55,6 @@ absl::Status InputError(absl::string_view name, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("inputs '", name, "': ", what));
 }
 
-// product(shape), refused when a size is negative or the product exceeds what
-// any message could hold (so later byte counts cannot overflow).
-absl::StatusOr<int64_t> ElementCount(const InputTensor& input) {
-  constexpr int64_t kMaxElements = int64_t{1} << 40;
-  int64_t count = 1;
-  for (int64_t size : input.shape()) {
-    if (size < 0) {
-      return InputError(input.name(), absl::StrCat("shape ", ShapeString(input.shape()),
-                                                   ": expected sizes >= 0, got ", size));
-    }
-    if (size != 0 && count > kMaxElements / size) {
-      return InputError(input.name(), absl::StrCat("shape ", ShapeString(input.shape()),
-                                                   " has more than 2^40 elements"));
-    }
-    count *= size;
-  }
-  return count;
-}
-
 template <typename T>
 T ReadLittleEndian(const char* bytes) {
   T value;
@@ -335,6 +316,23 @@ std::vector<TensorSpec> OutputSpecs(const Model& model) {
 }
 
 }  // namespace
+
+absl::StatusOr<int64_t> ElementCount(const InputTensor& input) {
+  constexpr int64_t kMaxElements = int64_t{1} << 40;
+  int64_t count = 1;
+  for (int64_t size : input.shape()) {
+    if (size < 0) {
+      return InputError(input.name(), absl::StrCat("shape ", ShapeString(input.shape()),
+                                                   ": expected sizes >= 0, got ", size));
+    }
+    if (size != 0 && count > kMaxElements / size) {
+      return InputError(input.name(), absl::StrCat("shape ", ShapeString(input.shape()),
+                                                   " has more than 2^40 elements"));
+    }
+    count *= size;
+  }
+  return count;
+}
 
 absl::Status DecodeInferRequest(const inference::ModelInferRequest& proto,
                                 DecodedInferRequest* decoded) {

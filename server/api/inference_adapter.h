@@ -61,6 +61,11 @@ struct DecodedInferRequest {
   bool returns_weights = false;
 };
 
+// product(shape) of `input`: INVALID_ARGUMENT naming it when a size is
+// negative or the product exceeds what any message could hold (so later
+// byte counts cannot overflow).
+absl::StatusOr<int64_t> ElementCount(const inference::ModelInferRequest::InferInputTensor& input);
+
 // Fills `decoded` (which must be freshly constructed) from `proto`.
 absl::Status DecodeInferRequest(const inference::ModelInferRequest& proto,
                                 DecodedInferRequest* decoded);

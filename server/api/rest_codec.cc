@@ -17,6 +17,7 @@
 #include "rapidjson/error/en.h"
 #include "rapidjson/stringbuffer.h"
 #include "rapidjson/writer.h"
+#include "server/api/inference_adapter.h"
 
 namespace attention::server {
 namespace {
@@ -214,12 +215,12 @@ absl::Status ReadInputData(const std::string& where, const Value& input,
   if (absl::Status s = Flatten(where + ".data", data->value, *element, 0, &count, bytes); !s.ok()) {
     return s;
   }
-  int64_t expected = 1;
-  for (int64_t size : tensor->shape()) expected = size < 0 ? -1 : expected * size;
-  if (expected >= 0 && count != expected) {
+  absl::StatusOr<int64_t> expected = ElementCount(*tensor);
+  if (!expected.ok()) return expected.status();
+  if (count != *expected) {
     return Invalid(where + ".data",
                    absl::StrCat(count, " values; shape [", absl::StrJoin(tensor->shape(), ", "),
-                                "] needs ", expected));
+                                "] needs ", *expected));
   }
   return absl::OkStatus();
 }
