@@ -16,6 +16,7 @@
 #include "boost/asio.hpp"
 #include "boost/beast/core.hpp"
 #include "boost/beast/http.hpp"
+#include "server/api/rest_codec.h"
 
 namespace attention::server {
 
@@ -50,10 +51,6 @@ struct TransportState {
   std::vector<std::weak_ptr<Connection>> open ABSL_GUARDED_BY(mu);
 };
 
-std::chrono::steady_clock::duration Chrono(absl::Duration d) {
-  return std::chrono::microseconds(absl::ToInt64Microseconds(d));
-}
-
 std::string PeerName(const tcp::socket& socket) {
   beast::error_code ec;
   const tcp::endpoint peer = socket.remote_endpoint(ec);
@@ -61,11 +58,6 @@ std::string PeerName(const tcp::socket& socket) {
   const asio::ip::address address = peer.address();
   if (address.is_v6()) return absl::StrCat("ipv6:[", address.to_string(), "]:", peer.port());
   return absl::StrCat("ipv4:", address.to_string(), ":", peer.port());
-}
-
-std::string ErrorJson(std::string_view message) {
-  // Only the transport's own fixed messages come here: nothing to escape.
-  return "{\"error\":\"" + std::string(message) + "\"}";
 }
 
 // One client connection. Every handler runs on the connection's strand. A
@@ -100,7 +92,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
  private:
   // Closes the connection unless the phase ends first.
   void ArmTimer() {
-    timer_.expires_after(Chrono(state_->options.timeout));
+    timer_.expires_after(absl::ToChronoMicroseconds(state_->options.timeout));
     timer_.async_wait([weak = weak_from_this()](beast::error_code ec) {
       if (ec) return;  // re-armed or cancelled
       if (auto self = weak.lock()) self->Shutdown();
