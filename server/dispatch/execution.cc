@@ -80,7 +80,11 @@ void Dispatcher::RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> 
   }
   const absl::Duration computed = absl::Now() - start;
   for (auto& task : batch) task->computed = computed;
-  answers_.Post([this, batch = std::move(batch), status, results = std::move(results)]() mutable {
+  // Moved, not copied: a copy would share the status's reference-counted
+  // message with this thread, and Debian's Abseil (not built for TSan) drops
+  // the answer thread's reference where TSan cannot see it.
+  answers_.Post([this, batch = std::move(batch), status = std::move(status),
+                 results = std::move(results)]() mutable {
     AnswerBatch(std::move(batch), status, std::move(results));
   });
 }
