@@ -14,9 +14,10 @@
 // Messages are plain objects with the .proto field names (snake_case, as in
 // proto JSON): { model, queries: { shape, data }, valid_lens, ... }. A
 // tensor's data goes out from a Float32Array's memory as it is (an Array of
-// numbers is converted once), and answers' data are Float32Arrays; the wire
-// is exactly what any protobuf encoder writes (wire.js). A failed call
-// rejects with a grpc-js error whose .code is the gRPC status code.
+// numbers is converted once), and answers' data are Float32Arrays, large
+// ones views on the received bytes; the wire is exactly what any protobuf
+// encoder writes (wire.js). A failed call rejects with a grpc-js error whose
+// .code is the gRPC status code.
 'use strict';
 
 const path = require('path');
@@ -38,19 +39,79 @@ const RESPONSE_TENSORS = [['output', 1], ['attention_weights', 2]];
 // the answers the server keeps unwritten (32) keeps it busy.
 const STREAM_WINDOW = 64;
 
+// Requests this large are written into a client's spare buffer (SpareBuffer);
+// smaller ones come from Node's pool of small Buffers, which costs nothing.
+const SPARE_MIN_BYTES = 64 << 10;
+// A spare buffer larger than this is let go rather than kept.
+const SPARE_MAX_BYTES = 64 << 20;
+
+// The memory of a large request, kept by its client from one attend() call
+// for the next: a fresh 1 MiB Buffer costs 10-20 times a copy into one
+// already used (its pages, and the garbage collections that much new memory
+// sets off). It is free again when the call has ended: until then grpc-js may
+// resend the bytes. grpc-js still copies them into a framed Buffer of its
+// own, which no serializer can avoid (grpc-js 1.14's IdentityHandler).
+class SpareBuffer {
+  constructor() {
+    this.memory = null;
+  }
+
+  // A Buffer of `size` bytes, the spare one when it is free and large enough.
+  take(size) {
+    if (size < SPARE_MIN_BYTES) return Buffer.allocUnsafe(size);
+    const fits = this.memory !== null && this.memory.byteLength >= size;
+    const memory = fits ? this.memory : Buffer.allocUnsafeSlow(size).buffer;
+    if (fits) this.memory = null;
+    return Buffer.from(memory, 0, size);
+  }
+
+  // Takes back a Buffer from take(), once nothing reads it any more.
+  give(bytes) {
+    const memory = bytes.buffer;
+    if (bytes.length < SPARE_MIN_BYTES || memory.byteLength > SPARE_MAX_BYTES) return;
+    if (this.memory === null || memory.byteLength > this.memory.byteLength) this.memory = memory;
+  }
+}
+
+// An AttendRequest for the serializer to write into `spare`'s memory; the
+// bytes it was written to, once it is.
+class SparedRequest {
+  constructor(request, spare) {
+    this.request = request;
+    this.spare = spare;
+    this.bytes = null;
+  }
+}
+
 // An AttendRequest object as bytes: the small fields through protobufjs,
-// then the tensors from their memory (protobuf lets fields come in any order).
+// then the tensors from their memory (protobuf lets fields come in any
+// order), joined in one Buffer from take(size).
+function encodeRequest(serialize, request, take) {
+  const small = { ...request };
+  const parts = [];
+  for (const [name, number] of REQUEST_TENSORS) {
+    delete small[name];
+    if (request[name] !== undefined && request[name] !== null) {
+      parts.push(...wire.tensorParts(number, request[name], name));
+    }
+  }
+  parts.unshift(serialize(small));
+  const bytes = take(parts.reduce((total, part) => total + part.length, 0));
+  let offset = 0;
+  for (const part of parts) {
+    bytes.set(part, offset);
+    offset += part.length;
+  }
+  return bytes;
+}
+
+// The serializer of AttendRequest objects and SparedRequests. What it throws
+// fails the call with INTERNAL and this message (grpc-js).
 function requestSerializer(serialize) {
   return (request) => {
-    const small = { ...request };
-    const parts = [];
-    for (const [name, number] of REQUEST_TENSORS) {
-      delete small[name];
-      if (request[name] !== undefined && request[name] !== null) {
-        parts.push(...wire.tensorParts(number, request[name], name));
-      }
-    }
-    return Buffer.concat([serialize(small), ...parts]);
+    if (!(request instanceof SparedRequest)) return encodeRequest(serialize, request, Buffer.allocUnsafe);
+    request.bytes = encodeRequest(serialize, request.request, (size) => request.spare.take(size));
+    return request.bytes;
   };
 }
 
@@ -164,8 +225,14 @@ class AttentionClient {
       // at most 256 MiB of them held for retrying at once.
       'grpc.per_rpc_retry_buffer_size': 64 << 20,
       'grpc.retry_buffer_size': 256 << 20,
+      // grpc-js keeps HTTP/2's 64 KiB window unless told: the server then
+      // sends a 1 MiB answer in 16 parts, each waiting for this process to
+      // grant more. Answers up to 16 MiB now come in one go, for less CPU
+      // per call (BENCHMARKS.md, "Clients").
+      'grpc-node.flow_control_window': 16 << 20,
     });
     this.timeoutMs = timeoutMs;
+    this.spare = new SpareBuffer();
     this.metadata = new grpc.Metadata();
     if (token) this.metadata.set('authorization', `Bearer ${token}`);
   }
@@ -187,9 +254,14 @@ class AttentionClient {
   }
 
   // Resolves to the AttendResponse: { output: { shape, data }, attention_weights?, ... },
-  // each data a Float32Array of its own.
-  attend(request) {
-    return this.call('Attend', request);
+  // each data a Float32Array of its own (wire.tensorData).
+  async attend(request) {
+    const spared = new SparedRequest(request, this.spare);
+    try {
+      return await this.call('Attend', spared);
+    } finally {
+      if (spared.bytes !== null) this.spare.give(spared.bytes);
+    }
   }
 
   // Sends every request of `requests` (an array, or any iterable or async

@@ -10,9 +10,15 @@ export interface TensorInput {
   data: Float32Array | ArrayLike<number>;
 }
 
-/** A float32 tensor of an answer; `data` is memory of its own. */
+/** A float32 tensor of an answer. */
 export interface Tensor {
   shape: number[];
+  /**
+   * Values of its own, writable, never touched by the client again. From an
+   * answer of 4 KiB or more, a view on the received message's memory:
+   * `data.buffer` then holds the whole message (read it through `data`, or
+   * mind `data.byteOffset`); smaller answers are copied.
+   */
   data: Float32Array;
 }
 

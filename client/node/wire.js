@@ -4,7 +4,8 @@
 // Tensor.data is `repeated float` in proto3, so packed: on the wire one tag,
 // a varint byte length, then the float32 values, little-endian. That is the
 // byte form itself: a request carries a Float32Array's bytes as they are, and
-// an answer's values are one copy of a slice of the received bytes. The small
+// an answer's values are a view on the received bytes, or one copy of them
+// (tensorData). The small
 // fields of a message go through @grpc/proto-loader's (protobufjs) encoding
 // (attention_client.js).
 //
@@ -138,8 +139,7 @@ function splitMessage(buf, wanted, what) {
 }
 
 // The Tensor whose occurrences are buf[start:stop] for [start, stop] of
-// `ranges` (merged), as { shape: number[], data: Float32Array }: the data a
-// copy of the received bytes into memory of its own (aligned, writable).
+// `ranges` (merged), as { shape: number[], data: Float32Array } (tensorData).
 function decodeTensor(buf, ranges, what) {
   const shape = [];
   const runs = [];
@@ -157,28 +157,56 @@ function decodeTensor(buf, ranges, what) {
         if ((stop - start) % 4 !== 0) {
           throw new Error(`${what}.data: ${stop - start} bytes of packed float32, not a multiple of 4`);
         }
-        runs.push(buf.subarray(start, stop));
+        runs.push([start, stop]);
       }
     });
   }
-  const bytes = runs.reduce((total, run) => total + run.length, 0);
-  const data = new Float32Array(bytes / 4);
-  const target = new Uint8Array(data.buffer);
-  let offset = 0;
-  for (const run of runs) {
-    target.set(run, offset);
-    offset += run.length;
-  }
-  if (!LITTLE_ENDIAN_HOST) {
-    const view = new DataView(data.buffer);
-    data.forEach((_, i) => { data[i] = view.getFloat32(i * 4, true); });
-  }
+  const data = tensorData(buf, runs);
   if (shape.some((size) => size < 0)) throw new Error(`${what}: shape [${shape}] has a negative size`);
   const needed = shape.reduce((product, size) => product * size, 1);
   if (needed !== data.length) {
     throw new Error(`${what}: shape [${shape}] needs ${needed} float32 values; ${data.length} came`);
   }
   return { shape, data };
+}
+
+// Whether buf's memory holds nothing but this message, past at most the
+// 5-byte gRPC frame header grpc-js reads it into: true of every message of
+// 4 KiB or more (grpc-js 1.14 joins each one into a Buffer of its own, as
+// its gzip and deflate paths do), never of Node's pooled small Buffers.
+function ownsMemory(buf) {
+  return buf.buffer.byteLength - buf.length <= 5 && buf.byteOffset + buf.length === buf.buffer.byteLength;
+}
+
+// The float32 values of the runs buf[start:stop] of `runs`, joined. One run
+// of a message that owns its memory is a view on it, moved back 1-3 bytes
+// first when misaligned (Float32Array needs 4-byte alignment): a move within
+// memory already touched costs a fraction of a fresh Buffer's pages and
+// garbage collection, which made up most of a large call's CPU
+// (BENCHMARKS.md, "Clients"). The bytes it overwrites are the run's own tag
+// and length, or of its tensor field, already parsed: at least 3 such bytes
+// precede any run. Else the values are copied into memory of their own.
+function tensorData(buf, runs) {
+  if (LITTLE_ENDIAN_HOST && runs.length === 1 && ownsMemory(buf)) {
+    const [start, stop] = runs[0];
+    const from = buf.byteOffset + start;
+    const to = from - (from % 4);
+    if (to !== from) new Uint8Array(buf.buffer).copyWithin(to, from, from + stop - start);
+    return new Float32Array(buf.buffer, to, (stop - start) / 4);
+  }
+  const bytes = runs.reduce((total, [start, stop]) => total + stop - start, 0);
+  const data = new Float32Array(bytes / 4);
+  const target = new Uint8Array(data.buffer);
+  let offset = 0;
+  for (const [start, stop] of runs) {
+    target.set(buf.subarray(start, stop), offset);
+    offset += stop - start;
+  }
+  if (!LITTLE_ENDIAN_HOST) {
+    const view = new DataView(data.buffer);
+    data.forEach((_, i) => { data[i] = view.getFloat32(i * 4, true); });
+  }
+  return data;
 }
 
 module.exports = { LEN, VARINT, I32, varint, forEachField, tensorParts, splitMessage, decodeTensor };

@@ -104,8 +104,8 @@ test('real server', async (t) => {
   });
 
   await t.test('a long stream from an async generator', async () => {
-    // More answers (about 6 MB) than the server keeps unwritten and than
-    // HTTP/2's first windows hold: requests must go out while answers are read.
+    // More answers (about 6 MB) than the server keeps unwritten: requests
+    // must go out while answers are read.
     const distinct = [0, 1, 2].map((seed) => ({
       model: 'dot_product', queries: tensor(32, 32, seed), keys: tensor(256, 32, seed + 10),
       valid_lens: [200], return_attention_weights: true,

@@ -3,8 +3,9 @@
 # attention-server: installs its locked dependencies (npm ci), then checks that
 # example.js lists the models and answers a conformance case correctly, that
 # the module reports a server error with its gRPC code, and runs
-# node_stream_test.js (attendStream) against the same server, and
-# node_secure_test.js (token and TLS options) against TLS servers, and
+# node_stream_test.js (attendStream) and node_attend_test.js (large attend
+# calls: the reused request buffer, answers as views) against the same
+# server, node_secure_test.js (token and TLS options) against TLS servers, and
 # node_wire_test.js (the module's own protobuf encoding, no server).
 # Exits 77 (a skip, for ctest) only when node or npm is missing.
 #
@@ -98,6 +99,13 @@ if node "$SOURCE_DIR/tests/client/node_stream_test.js" "$SERVER_ADDRESS" >"$out"
 else
   cat "$out"
   fail "node_stream_test.js"
+fi
+
+if node "$SOURCE_DIR/tests/client/node_attend_test.js" "$SERVER_ADDRESS" >"$out" 2>&1; then
+  pass "node_attend_test.js"
+else
+  cat "$out"
+  fail "node_attend_test.js"
 fi
 
 if node "$SOURCE_DIR/tests/client/node_wire_test.js" >"$out" 2>&1; then

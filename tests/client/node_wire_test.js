@@ -4,7 +4,9 @@
 // from the same object, every AttendRequest field included; answers it
 // reads give the values protobufjs encoded, in every form a protobuf encoder
 // may use (packed or not, runs split, a message field repeated and merged,
-// unknown fields); a malformed answer throws an error naming the field.
+// unknown fields); a large answer's data are a view on the received bytes
+// whatever their alignment, a small or shared one's a copy; a malformed
+// answer throws an error naming the field.
 // Run by tests/client/node_test.sh:
 //
 //   node tests/client/node_wire_test.js
@@ -36,6 +38,16 @@ const field = (number, wireType, payload) => Buffer.concat([
     : wireType === wire.LEN ? Buffer.concat([Buffer.from(wire.varint(payload.length)), payload]) : payload,
 ]);
 const floats = (values) => Buffer.from(Float32Array.from(values).buffer);
+const tensor = (shape, values) => Buffer.concat([
+  field(1, wire.LEN, Buffer.from(shape.flatMap((size) => wire.varint(size)))), field(2, wire.LEN, floats(values))]);
+// A message as grpc-js hands it to a deserializer: in memory of its own,
+// behind the 5-byte gRPC frame header.
+const received = (message) => {
+  const framed = Buffer.allocUnsafeSlow(message.length + 5);
+  message.copy(framed, 5);
+  return framed.subarray(5);
+};
+const ramp = (count, step) => Array.from({ length: count }, (_, i) => i * step - 1000);
 
 test('requests decode to what protobufjs encodes, every field', () => {
   const request = {
@@ -98,4 +110,46 @@ test('malformed answers name the field', () => {
     output: { shape: [2, 3, 4], data: new Array(23).fill(1) } })).finish());
   assert.throws(() => responseDeserialize(short),
     /AttendResponse\.output: shape \[2,3,4\] needs 24 float32 values; 23 came/);
+});
+
+test('large answers are views on the received bytes, at every alignment', () => {
+  const output = ramp(4096, 0.5);
+  const weights = ramp(2048, 0.25);
+  const misalignments = new Set();
+  for (let pad = 0; pad < 4; pad += 1) {
+    // An unknown field first shifts the tensors; the weights come before the
+    // output, so the output's move must leave their bytes as they were.
+    const message = Buffer.concat([field(99, wire.LEN, Buffer.alloc(pad, 7)),
+      field(2, wire.LEN, tensor([1, 32, 64], weights)), field(1, wire.LEN, tensor([1, 64, 64], output)),
+      field(3, wire.LEN, Buffer.from('after'))]);
+    misalignments.add((5 + message.indexOf(floats(output))) % 4);
+    const bytes = received(message);
+    const response = responseDeserialize(bytes);
+    assert.equal(response.output.data.buffer, bytes.buffer);
+    assert.equal(response.attention_weights.data.buffer, bytes.buffer);
+    assert.deepEqual(response.output.shape, [1, 64, 64]);
+    assert.deepEqual(Array.from(response.output.data), output);
+    assert.deepEqual(response.attention_weights.shape, [1, 32, 64]);
+    assert.deepEqual(Array.from(response.attention_weights.data), weights);
+    assert.equal(response.request_id, 'after');
+  }
+  assert.deepEqual([...misalignments].sort(), [0, 1, 2, 3]);
+});
+
+test('answers in memory shared with other bytes, or in several runs, are copied', () => {
+  const output = ramp(4096, 0.5);
+  const message = field(1, wire.LEN, tensor([1, 64, 64], output));
+  const small = Buffer.from(field(1, wire.LEN, tensor([1, 2, 2], [1, 2, 3, 4])));
+  const inside = Buffer.concat([Buffer.alloc(3), message, Buffer.alloc(8)]);
+  const split = received(field(1, wire.LEN, Buffer.concat([field(1, wire.LEN, Buffer.from([1, 64, 64])),
+    field(2, wire.LEN, floats(output.slice(0, 1001))), field(2, wire.LEN, floats(output.slice(1001)))])));
+  const before = Buffer.from(inside);
+  const copies = [responseDeserialize(small), responseDeserialize(inside.subarray(3, 3 + message.length)),
+    responseDeserialize(split)];
+  assert.deepEqual(inside, before);
+  assert.deepEqual(Array.from(copies[0].output.data), [1, 2, 3, 4]);
+  for (const response of copies.slice(1)) assert.deepEqual(Array.from(response.output.data), output);
+  for (const [response, bytes] of [[copies[0], small], [copies[1], inside], [copies[2], split]]) {
+    assert.notEqual(response.output.data.buffer, bytes.buffer);
+  }
 });
