@@ -2,16 +2,19 @@
 // (the `node` path): self-attention on dot_product, queries of the given
 // shape as a Float32Array, one call at a time; prints {"seconds": median
 // wall time per call, "cpu": the process's CPU time per call}.
-// Needs client/node's dependencies (cd client/node && npm ci).
+// Needs client/node's dependencies (cd client/node && npm ci). CLIENT, when
+// given, is another copy of attention_client.js to time (bench/client_bench.py's
+// `node-old`).
 //
-//   node bench/client_bench.js TARGET B,n,d WARMUP CALLS
+//   node bench/client_bench.js TARGET B,n,d WARMUP CALLS [CLIENT]
 'use strict';
 
 const path = require('path');
-const { AttentionClient } = require(path.join(__dirname, '..', 'client', 'node', 'attention_client.js'));
 
 async function main() {
-  const [target, shapeText, warmup, calls] = process.argv.slice(2);
+  const [target, shapeText, warmup, calls,
+    module = path.join(__dirname, '..', 'client', 'node', 'attention_client.js')] = process.argv.slice(2);
+  const { AttentionClient } = require(path.resolve(module));
   const shape = shapeText.split(',').map(Number);
   const data = Float32Array.from({ length: shape[0] * shape[1] * shape[2] }, (_, i) => Math.sin(i));
   const client = new AttentionClient(target);

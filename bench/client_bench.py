@@ -15,6 +15,8 @@ Paths:
                generated from proto/inference/grpc_service.proto (what
                Triton's client sends), np.frombuffer on raw_output_contents
   node         the Node package (client/node): attend with a Float32Array
+  node-old     the same at a0a89a0 (`git show`), before its request buffer
+               was reused and answers were views on the received bytes
   torch        PyTorch in-process: bmm, softmax, bmm (no server)
 
 Each path runs in its own process, --calls calls after --warmup calls, and
@@ -48,8 +50,9 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATHS = ("cpp", "cpp-infer", "py", "py-qkv", "py-old", "py-infer", "node", "torch")
+PATHS = ("cpp", "cpp-infer", "py", "py-qkv", "py-old", "py-infer", "node", "node-old", "torch")
 OLD_CLIENT_COMMIT = "f50c5dd"
+OLD_NODE_COMMIT = "a0a89a0"
 
 
 def queries(shape):
@@ -132,6 +135,21 @@ def infer_call(target, q, scratch):
     return attend
 
 
+def old_node_client(scratch):
+    """client/node's attention_client.js of OLD_NODE_COMMIT in `scratch`, beside
+    today's node_modules and proto copy (npm ci made them)."""
+    node_dir = os.path.join(REPO, "client", "node")
+    old_dir = os.path.join(scratch, "node-old")
+    os.makedirs(old_dir)
+    for name in ("attention_client.js", "wire.js"):
+        with open(os.path.join(old_dir, name), "w") as f:
+            f.write(subprocess.run(["git", "-C", REPO, "show", f"{OLD_NODE_COMMIT}:client/node/{name}"],
+                                   check=True, capture_output=True, text=True).stdout)
+    for name in ("node_modules", "proto"):
+        os.symlink(os.path.join(node_dir, name), os.path.join(old_dir, name))
+    return os.path.join(old_dir, "attention_client.js")
+
+
 def worker(args):
     """One path in this process: prints its median seconds per call."""
     q = queries(args.shape)
@@ -161,9 +179,11 @@ def measure(path, args, target, shape):
                                            text=True).stdout)
         calls = report["requests"] * (1 + 1 / args.seconds)  # the warm-up ran at the same rate
         return report["latency_ms"]["p50"] / 1000, (children_cpu() - cpu_start) / calls
-    if path == "node":
+    if path in ("node", "node-old"):
         command = ["node", os.path.join(REPO, "bench", "client_bench.js"), target,
                    f"{b},{n},{d}", str(args.warmup), str(args.calls)]
+        if path == "node-old":
+            command.append(args.node_old)
     else:
         command = [sys.executable, __file__, "--worker", path, "--target", target,
                    "--shape", f"{b},{n},{d}", "--warmup", str(args.warmup),
@@ -231,8 +251,8 @@ def main():
         return worker(args)
     shapes = args.shape or [(8, 512, 64), (1, 1, 1024)]
     paths = args.paths.split(",")
-    if "node" in paths and shutil.which("node") is None:
-        paths.remove("node")
+    if shutil.which("node") is None:
+        paths = [path for path in paths if not path.startswith("node")]
     model = next(line.split(":", 1)[1].strip() for line in subprocess.run(
         ["lscpu"], capture_output=True, text=True).stdout.splitlines()
         if line.startswith("Model name"))
@@ -240,6 +260,8 @@ def main():
           f"{open('/proc/loadavg').read().split()[0]}")
     with tempfile.TemporaryDirectory() as scratch:
         server, target = start_server(args, scratch)
+        if "node-old" in paths:
+            args.node_old = old_node_client(scratch)
         try:
             for shape in shapes:
                 seconds = {path: [] for path in paths}
