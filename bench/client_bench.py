@@ -23,7 +23,8 @@ Each path runs in its own process, --calls calls after --warmup calls, and
 reports the median time per call and the CPU time its process spent per
 call (all its threads: what the client costs, whatever else runs on the
 machine); --rounds rounds, paths in a rotated order each round, and the
-medians over rounds are printed. The C++ client's own loop reports its p50
+medians over rounds are printed, with each path against cpp: the ratio of
+the medians and the median of the rounds' ratios. The C++ client's own loop reports its p50
 over --seconds; its CPU per call is its process's rusage over warm-up and
 window (the start of the process included) divided by the calls made.
 
@@ -212,17 +213,23 @@ def start_server(args, scratch):
 
 
 def print_table(shape, paths, seconds, rounds):
-    """Medians over rounds of wall time and CPU per call, and each against cpp's."""
+    """Medians over rounds of wall time and CPU per call, and each against
+    cpp's: the ratio of the medians, and the median of each round's ratio (a
+    round runs the paths back to back, so the machine's load, which moves
+    from round to round, moves both sides of it alike)."""
     wall = {path: statistics.median(s for s, _ in seconds[path]) for path in paths}
     cpu = {path: statistics.median(c for _, c in seconds[path]) for path in paths}
     print(f"\nshape {list(shape)}, median of {rounds} rounds")
-    print(f"{'path':<10} {'ms/call':>8} {'vs cpp':>7} {'CPU us/call':>12} {'CPU - cpp':>10}"
-          "  rounds (ms/call)")
+    print(f"{'path':<10} {'ms/call':>8} {'vs cpp':>7} {'per round':>9} {'CPU us/call':>12} "
+          f"{'CPU - cpp':>10}  rounds (ms/call)")
     for path in paths:
-        ratio = f"{wall[path] / wall['cpp']:.2f}x" if "cpp" in paths else ""
-        extra = f"{(cpu[path] - cpu['cpp']) * 1e6:.0f}" if "cpp" in paths else ""
+        ratio = round_ratio = extra = ""
+        if "cpp" in paths:
+            ratio = f"{wall[path] / wall['cpp']:.2f}x"
+            round_ratio = f"{statistics.median(s / c for (s, _), (c, _) in zip(seconds[path], seconds['cpp'])):.2f}x"
+            extra = f"{(cpu[path] - cpu['cpp']) * 1e6:.0f}"
         rounds_text = " ".join(f"{s * 1e3:.3f}" for s, _ in seconds[path])
-        print(f"{path:<10} {wall[path] * 1e3:>8.3f} {ratio:>7} {cpu[path] * 1e6:>12.0f} "
+        print(f"{path:<10} {wall[path] * 1e3:>8.3f} {ratio:>7} {round_ratio:>9} {cpu[path] * 1e6:>12.0f} "
               f"{extra:>10}  {rounds_text}")
 
 
