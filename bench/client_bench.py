@@ -24,8 +24,8 @@ reports the median time per call and the CPU time its process spent per
 call (all its threads: what the client costs, whatever else runs on the
 machine); --rounds rounds, paths in a rotated order each round, and the
 medians over rounds are printed, with each path against cpp: the ratio of
-the medians and the median of the rounds' ratios. The C++ client's own loop reports its p50
-over --seconds; its CPU per call is its process's rusage over warm-up and
+the medians and the median of the rounds' ratios. The C++ client's own loop
+reports its p50 over --seconds; its CPU per call is its process's rusage over warm-up and
 window (the start of the process included) divided by the calls made.
 
 Run with the Python of a virtual environment the package is installed in
