@@ -226,9 +226,9 @@ class AttentionClient {
       'grpc.per_rpc_retry_buffer_size': 64 << 20,
       'grpc.retry_buffer_size': 256 << 20,
       // grpc-js keeps HTTP/2's 64 KiB window unless told: the server then
-      // sends a 1 MiB answer in 16 parts, each waiting for this process to
-      // grant more. Answers up to 16 MiB now come in one go, for less CPU
-      // per call (BENCHMARKS.md, "Clients").
+      // sends a 1 MiB answer a window at a time, each waiting for this
+      // process to grant more. Answers up to 16 MiB now come in one go, for
+      // less CPU and time per call (BENCHMARKS.md, "Clients").
       'grpc-node.flow_control_window': 16 << 20,
     });
     this.timeoutMs = timeoutMs;

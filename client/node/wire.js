@@ -5,9 +5,8 @@
 // a varint byte length, then the float32 values, little-endian. That is the
 // byte form itself: a request carries a Float32Array's bytes as they are, and
 // an answer's values are a view on the received bytes, or one copy of them
-// (tensorData). The small
-// fields of a message go through @grpc/proto-loader's (protobufjs) encoding
-// (attention_client.js).
+// (tensorData). The small fields of a message go through
+// @grpc/proto-loader's (protobufjs) encoding (attention_client.js).
 //
 // Decoding follows the protobuf spec where a parser must be lenient: a
 // repeated scalar may come packed or not, and a message field that appears
