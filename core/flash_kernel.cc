@@ -18,6 +18,7 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <optional>
 #include <vector>
 
 #include "core/finite.h"
@@ -71,6 +72,9 @@ struct Scratch {
   AlignedFloats lanes;        // 4 x lanes: bounds, row max, row sum, rescale
   std::vector<float> exact_row;   // n_k: one row's scores / weights on the exact path
   std::vector<float> value_mean;  // value_size: output of a row with no allowed key
+  // A paged problem's keys and values in contiguous rows, for the paths
+  // that read them by index (Contiguous).
+  std::vector<float> keys, values;
 
   void Reserve(const FlashProblem& p) {
     queries_t.Grow(p.head_size * kFlashQueryTile);
@@ -92,6 +96,11 @@ struct Scratch {
     }
     if (static_cast<int64_t>(value_mean.capacity()) > kKeptKernelScratchFloats) {
       std::vector<float>().swap(value_mean);
+    }
+    for (std::vector<float>* rows : {&keys, &values}) {
+      if (static_cast<int64_t>(rows->capacity()) > kKeptKernelScratchFloats) {
+        std::vector<float>().swap(*rows);
+      }
     }
   }
 };
@@ -216,6 +225,43 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
   }
 }
 
+// Rows [0, n_k) of a paged problem's blocks, `width` floats from column
+// block_column of each, into `out` (n_k x width).
+void GatherBlocks(const FlashProblem& p, const float* const* blocks, int64_t stride,
+                  int64_t width, std::vector<float>& out) {
+  out.resize(p.num_keys * width);
+  for (int64_t j = 0; j < p.num_keys; ++j) {
+    const float* row = blocks[j / p.block_rows] + (j % p.block_rows) * stride + p.block_column;
+    std::copy_n(row, width, out.data() + j * width);
+  }
+}
+
+// A paged problem as a contiguous one, for the exact paths, which read keys
+// and values by index: rows whose allowed scores sit near -1e6 or overflow,
+// rows with no allowed key, and the weights path. Rare, so the copy is
+// made only then.
+FlashProblem Contiguous(const FlashProblem& p, Scratch& scratch) {
+  FlashProblem contiguous = p;
+  GatherBlocks(p, p.key_blocks, p.key_stride, p.head_size, scratch.keys);
+  GatherBlocks(p, p.value_blocks, p.value_stride, p.value_size, scratch.values);
+  contiguous.key_blocks = contiguous.value_blocks = nullptr;
+  contiguous.keys = scratch.keys.data();
+  contiguous.values = scratch.values.data();
+  contiguous.key_stride = p.head_size;
+  contiguous.value_stride = p.value_size;
+  return contiguous;
+}
+
+// Points the tile at the block that holds key tile.key_begin of a paged
+// problem, and ends its keys at that block's end.
+void PointAtBlock(const FlashProblem& p, FlashTile& tile) {
+  const int64_t block = tile.key_begin / p.block_rows;
+  tile.key_base = block * p.block_rows;
+  tile.keys = p.key_blocks[block] + p.block_column;
+  tile.values = p.value_blocks[block] + p.block_column;
+  tile.key_end = std::min(tile.key_end, tile.key_base + p.block_rows);
+}
+
 // FlashAttention for at most kFlashQueryTile rows starting at `row`: the
 // path's tile kernel (flash_tile.h) on the tile's queries, then each row
 // normalised, or handed to the value mean or the exact path.
@@ -272,6 +318,7 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   tile.key_begin = 0;
   do {
     tile.key_end = std::min(key_end, tile.key_begin + chunk);
+    if (p.paged()) PointAtBlock(p, tile);
     path.kernel(tile);
     tile.key_begin = tile.key_end;
   } while (tile.key_begin < key_end && !p.Stopped());
@@ -295,6 +342,13 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
     if (redo == 0) return true;
   }
   bool have_mean = false;
+  // The problem the rows below read by index: a paged one gathered, once.
+  std::optional<FlashProblem> gathered;
+  auto exact = [&]() -> const FlashProblem& {
+    if (!p.paged()) return p;
+    if (!gathered) gathered = Contiguous(p, scratch);
+    return *gathered;
+  };
   for (int64_t r = 0; r < rows; ++r) {
     float* out = p.output + (row + r) * p.output_stride;
     // The query bias cancels in the softmax over allowed keys; it matters
@@ -310,13 +364,13 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
         bounds[r] < p.num_keys && true_max < kMaskedScore + kMaskedWeightVanishes;
     if (bounds[r] > 0 && !overflow && !masked_keys_weigh) continue;
     if (bounds[r] == 0) {
-      if (!have_mean) ValueMean(p, scratch.value_mean.data());
+      if (!have_mean) ValueMean(exact(), scratch.value_mean.data());
       have_mean = true;
       std::copy_n(scratch.value_mean.data(), dv, out);
     } else if (overflow) {
-      ExactRowInDouble(p, row + r, nullptr);
+      ExactRowInDouble(exact(), row + r, nullptr);
     } else {
-      ExactRows(p, row + r, 1, scratch.ExactRow(p.num_keys), p.num_keys);
+      ExactRows(exact(), row + r, 1, scratch.ExactRow(p.num_keys), p.num_keys);
     }
   }
   return true;
@@ -350,6 +404,13 @@ bool FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t qu
 
 bool AttentionWithWeights(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
                           float* weights, int64_t weights_stride) {
+  if (problem.paged()) {
+    Scratch& scratch = ThreadScratch();
+    const bool completed = AttentionWithWeights(Contiguous(problem, scratch), query_begin,
+                                                query_end, weights, weights_stride);
+    scratch.Trim();
+    return completed;
+  }
   // As FlashAttention; weights (n_q x n_k) rows [query_begin, query_end) double
   // as the score buffer, so this path needs no scratch. With a WorkStop,
   // fewer rows at a time when rows are long, so polls stay about

@@ -46,7 +46,7 @@ HWY_INLINE void ScoreKeys(const FlashTile& t, int64_t key, int64_t lane, float* 
   const size_t n = hn::Lanes(d);
   V acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = hn::Zero(d);
-  const float* k = t.keys + key * t.key_stride;
+  const float* k = t.keys + (key - t.key_base) * t.key_stride;
   const float* q = t.queries_t + lane;
   for (int64_t c = 0; c < t.head_size; ++c) {
     const V q0 = hn::LoadU(d, q + c * kFlashQueryTile);
@@ -167,7 +167,7 @@ HWY_INLINE void AccumulateColumns(const FlashTile& t, int64_t key, int64_t keys,
       acc1[c] = hn::Mul(hn::LoadU(d, acc + c * kFlashQueryTile + n), rescale1);
     }
   }
-  const float* v = t.values + key * t.value_stride + col;
+  const float* v = t.values + (key - t.key_base) * t.value_stride + col;
   const float* p = t.scores + lane;
   for (int64_t j = 0; j < keys; ++j) {
     const V p0 = hn::LoadU(d, p + j * kFlashQueryTile);
@@ -396,7 +396,7 @@ struct Bf16Tile {
 ATTENTION_BF16 void PairKeysAndValues(const FlashTile& t, int64_t key, int64_t keys,
                                       Bf16Tile& b) {
   for (int64_t j = 0; j < keys; ++j) {
-    const float* k = t.keys + (key + j) * t.key_stride;
+    const float* k = t.keys + (key + j - t.key_base) * t.key_stride;
     uint32_t* out = b.keys.data() + j * b.key_pairs;
     for (int64_t c = 0; c < t.head_size; c += 32) {
       const int64_t left = t.head_size - c;
@@ -407,7 +407,7 @@ ATTENTION_BF16 void PairKeysAndValues(const FlashTile& t, int64_t key, int64_t k
     }
   }
   for (int64_t j = 0; j < keys; j += 2) {
-    const float* even = t.values + (key + j) * t.value_stride;
+    const float* even = t.values + (key + j - t.key_base) * t.value_stride;
     const float* odd = even + t.value_stride;
     uint32_t* out = b.values.data() + j / 2 * t.value_size;
     for (int64_t c = 0; c < t.value_size; c += 16) {

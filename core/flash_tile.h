@@ -36,9 +36,13 @@ inline constexpr int64_t kFlashPaddedLanes = 32;
 // kFlashPaddedLanes) are padding: their bound is 0.
 struct FlashTile {
   const float* queries_t = nullptr;  // (head_size x lanes): scale * q, transposed
-  const float* keys = nullptr;       // row-major, row stride key_stride
-  const float* key_bias = nullptr;   // [n_k] or null
-  const float* values = nullptr;     // row-major, row stride value_stride
+  // Keys and values from key `key_base` on (so that a caller with keys in
+  // blocks points at one block per call), row-major, row strides key_stride
+  // and value_stride; key j is row j - key_base.
+  const float* keys = nullptr;
+  const float* key_bias = nullptr;   // [n_k], indexed by key, or null
+  const float* values = nullptr;
+  int64_t key_base = 0;
   const float* bounds = nullptr;     // [lanes]: allowed keys of each lane, as float
   int64_t key_stride = 0, value_stride = 0;
   int64_t head_size = 0, value_size = 0;

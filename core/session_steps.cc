@@ -82,11 +82,6 @@ absl::Status BeginStep(StepRun& run) {
   return status;
 }
 
-// One example's keys and values gathered into contiguous rows.
-struct GatheredMemory {
-  std::vector<float> keys, values;
-};
-
 void GatherRows(const internal::BlockRows& memory, int64_t rows, int64_t width, float* out) {
   for (int64_t first = 0; first < rows; first += kKvBlockRows) {
     std::copy_n(memory.Row(first, width), std::min(kKvBlockRows, rows - first) * width,
@@ -94,23 +89,13 @@ void GatherRows(const internal::BlockRows& memory, int64_t rows, int64_t width, 
   }
 }
 
-GatheredMemory& Gather(const Session::State& state, int64_t b, int64_t rows,
-                       std::deque<GatheredMemory>& storage) {
-  GatheredMemory& memory = storage.emplace_back();
-  memory.keys.resize(rows * state.key_width);
-  GatherRows(state.keys[b], rows, state.key_width, memory.keys.data());
-  if (state.values_are_keys) return memory;
-  memory.values.resize(rows * state.value_width);
-  GatherRows(state.values[b], rows, state.value_width, memory.values.data());
-  return memory;
-}
-
-// Keys and values of example b from column `column` of the session's rows.
-void SetMemory(FlashProblem& p, const Session::State& state, int64_t b, int64_t column,
-               std::deque<GatheredMemory>& storage) {
-  const GatheredMemory& memory = Gather(state, b, p.num_keys, storage);
-  p.keys = memory.keys.data() + column;
-  p.values = (state.values_are_keys ? memory.keys : memory.values).data() + column;
+// Keys and values of example b, read in place from the session's blocks
+// from column `column` on.
+void SetMemory(FlashProblem& p, const Session::State& state, int64_t b, int64_t column) {
+  p.key_blocks = state.keys[b].blocks.data();
+  p.value_blocks = (state.values_are_keys ? state.keys : state.values)[b].blocks.data();
+  p.block_rows = kKvBlockRows;
+  p.block_column = column;
   p.key_stride = state.key_width;
   p.value_stride = state.value_width;
 }
@@ -220,8 +205,7 @@ FlashProblem BaseProblem(const Model& model, const StepRun& run) {
 
 // multi_head: one problem per (step, example, head), on the projections.
 void AddHeadTasks(const Model& model, const PagedScratch& s, StepRun& run,
-                  std::deque<FlashProblem>& problems, std::deque<GatheredMemory>& memory,
-                  std::vector<AttentionTask>& tasks) {
+                  std::deque<FlashProblem>& problems, std::vector<AttentionTask>& tasks) {
   const int64_t heads = model.num_heads, head_size = s.width / heads;
   const int64_t n = run.dims().num_queries;
   for (int64_t b = 0; b < run.dims().batch; ++b) {
@@ -234,7 +218,7 @@ void AddHeadTasks(const Model& model, const PagedScratch& s, StepRun& run,
       p.output_stride = s.width;
       p.head_size = p.value_size = head_size;
       p.bounds = BoundsOf(run, b);
-      SetMemory(p, *run.state, b, h * head_size, memory);
+      SetMemory(p, *run.state, b, h * head_size);
       internal::AddTasks(p, internal::WeightsOf(*run.result, b * heads + h, run.dims()), tasks);
     }
   }
@@ -242,7 +226,7 @@ void AddHeadTasks(const Model& model, const PagedScratch& s, StepRun& run,
 
 // dot_product: one problem per (step, example), on the step's queries.
 void AddExampleTasks(const Model& model, StepRun& run, std::deque<FlashProblem>& problems,
-                     std::deque<GatheredMemory>& memory, std::vector<AttentionTask>& tasks) {
+                     std::vector<AttentionTask>& tasks) {
   const AttentionDims& d = run.dims();
   for (int64_t b = 0; b < d.batch; ++b) {
     FlashProblem& p = problems.emplace_back(BaseProblem(model, run));
@@ -253,7 +237,7 @@ void AddExampleTasks(const Model& model, StepRun& run, std::deque<FlashProblem>&
     p.head_size = d.key_size;
     p.value_size = d.value_size;
     p.bounds = BoundsOf(run, b);
-    SetMemory(p, *run.state, b, 0, memory);
+    SetMemory(p, *run.state, b, 0);
     internal::AddTasks(p, internal::WeightsOf(*run.result, b, d), tasks);
   }
 }
@@ -295,13 +279,12 @@ void RunPaged(ThreadPool& pool, const Model& model, std::span<StepRun> runs) {
     }
   }
   std::deque<FlashProblem> problems;
-  std::deque<GatheredMemory> memory;
   std::vector<AttentionTask> tasks;
   for (StepRun& run : runs) {
     if (multi_head) {
-      AddHeadTasks(model, s, run, problems, memory, tasks);
+      AddHeadTasks(model, s, run, problems, tasks);
     } else {
-      AddExampleTasks(model, run, problems, memory, tasks);
+      AddExampleTasks(model, run, problems, tasks);
     }
   }
   internal::RunAttention(pool, tasks);
