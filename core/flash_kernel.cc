@@ -273,6 +273,20 @@ int64_t KeysPerPoll(const FlashProblem& p) {
   return std::max<int64_t>(1, kStopPollWork / per_key / kFlashKeyTile) * kFlashKeyTile;
 }
 
+// The row kernel's output row, accumulator / sum, with the flag
+// store_output sets: tile.rescale[0] NaN when the output, max or sum is not
+// finite or the sum is 0.
+void StoreRow(const FlashTile& tile, float* output) {
+  const float sum = tile.row_sum[0];
+  bool finite = std::isfinite(tile.row_max[0]) && std::isfinite(sum) && sum != 0.0f;
+  const float inverse_sum = 1.0f / sum;
+  for (int64_t c = 0; c < tile.value_size; ++c) {
+    output[c] = tile.accumulator_t[c] * inverse_sum;
+    finite = finite && std::isfinite(output[c]);
+  }
+  tile.rescale[0] = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+}
+
 bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& scratch) {
   const int64_t dv = p.value_size;
   FlashTile tile;
@@ -299,8 +313,15 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   }
   std::fill(bounds + rows, bounds + lanes, 0.0f);
   const FlashTilePath path = FlashTilePathFor(ActiveIsa(), p.precision);
-  path.load_queries(p.queries + row * p.query_stride, p.query_stride, rows, p.head_size, p.scale,
-                    scratch.queries_t.data());
+  const bool one_row = rows == 1 && path.row_kernel != nullptr;
+  if (one_row) {
+    const float* query = p.queries + row * p.query_stride;
+    float* scaled = scratch.queries_t.data();
+    for (int64_t c = 0; c < p.head_size; ++c) scaled[c] = p.scale * query[c];
+  } else {
+    path.load_queries(p.queries + row * p.query_stride, p.query_stride, rows, p.head_size,
+                      p.scale, scratch.queries_t.data());
+  }
   tile.queries_t = scratch.queries_t.data();
   tile.keys = p.keys;
   tile.key_bias = p.key_bias;
@@ -319,7 +340,7 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   do {
     tile.key_end = std::min(key_end, tile.key_begin + chunk);
     if (p.paged()) PointAtBlock(p, tile);
-    path.kernel(tile);
+    (one_row ? path.row_kernel : path.kernel)(tile);
     tile.key_begin = tile.key_end;
   } while (tile.key_begin < key_end && !p.Stopped());
   if (tile.key_begin < key_end) return false;
@@ -327,7 +348,11 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   // Every row normalised, out_i = acc_i / l_i (if any key was visited);
   // the rows below that need another answer overwrite theirs.
   const float* nonfinite = tile.rescale;  // NaN where a row overflowed (store_output)
-  if (key_end > 0) path.store_output(tile, p.output + row * p.output_stride, p.output_stride);
+  if (key_end > 0 && one_row) {
+    StoreRow(tile, p.output + row * p.output_stride);
+  } else if (key_end > 0) {
+    path.store_output(tile, p.output + row * p.output_stride, p.output_stride);
+  }
   // Without a query bias, one pass over the lanes (which the compiler
   // vectorises) finds whether any row needs another answer than its
   // normalised output: most tiles have none.

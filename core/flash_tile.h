@@ -76,6 +76,13 @@ struct FlashTilePath {
   // row r's output, row_max or row_sum has a value that is not finite or
   // its row_sum is 0 (0 otherwise), so no row is read again to check it.
   void (*store_output)(const FlashTile& tile, float* output, int64_t output_stride);
+  // `kernel` for a tile of one row (a decoding step's single token), which
+  // `kernel` would compute as a whole group of lanes: queries_t holds
+  // scale * q as a row (head_size floats) and accumulator_t the output as a
+  // row (value_size floats), row_max[0] and row_sum[0] as for `kernel`;
+  // every key visited must be allowed. The caller normalises the output.
+  // Null where one-row tiles take `kernel` (the BF16 products).
+  void (*row_kernel)(const FlashTile& tile) = nullptr;
 };
 
 // The functions built for `isa`, for a model computing in `precision`: for
