@@ -6,6 +6,7 @@
 #include <climits>
 #include <cmath>
 #include <new>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -151,10 +152,6 @@ int64_t Session::State::held_bytes() const {
   return bytes;
 }
 
-bool Session::State::paged() const {
-  return model->kind == Kind::kMultiHead || model->kind == Kind::kDotProduct;
-}
-
 
 namespace {
 
@@ -267,28 +264,55 @@ void FillBlocks(const TensorView& rows, int64_t b, const internal::Projection* p
   }
 }
 
-// Cross memory: multi_head's keys and values projected (W x + b), the other
-// kinds' as given.
+// distance: the key biases -scale/2 |k|^2 of example b (core/flash_kernel.h).
+std::vector<float> DistanceKeyBias(const TensorView& keys, int64_t b, float scale) {
+  const int64_t n_k = keys.shape[1], d_k = keys.shape[2];
+  const Eigen::Map<const RowMatrix> k(keys.data.data() + b * n_k * d_k, n_k, d_k);
+  std::vector<float> bias(n_k);
+  Eigen::Map<Vector>(bias.data(), n_k) = -(0.5f * scale) * k.rowwise().squaredNorm();
+  return bias;
+}
+
+// The products cross memory keeps of its keys and values, or null for rows
+// kept as given: multi_head projects both (W x + b), additive its keys
+// (W_k k).
+struct CrossProjections {
+  std::optional<internal::Projection> keys, values;
+};
+
+CrossProjections CrossProjectionsOf(const Model& model) {
+  using internal::Projection;
+  if (model.kind == Kind::kMultiHead) {
+    return {Projection{nullptr, nullptr, 0, &model.w_k, &model.b_k, true, &model.packed_k},
+            Projection{nullptr, nullptr, 0, &model.w_v, &model.b_v, true, &model.packed_v}};
+  }
+  if (model.kind == Kind::kAdditive) {
+    return {Projection{nullptr, nullptr, 0, &model.w_k, nullptr}, std::nullopt};
+  }
+  return {};
+}
+
 absl::Status FillCrossMemory(const SessionOpen& open, Session::State& state) {
   const Model& model = *state.model;
   const TensorView& keys = *open.keys;
   const TensorView& values = open.values ? *open.values : keys;
+  const CrossProjections projections = CrossProjectionsOf(model);
   state.key_size = keys.shape[2];
   state.value_size = values.shape[2];
-  const bool project = model.kind == Kind::kMultiHead;
-  state.key_width = project ? model.output_size : state.key_size;
-  state.value_width = project ? model.output_size : state.value_size;
+  state.key_width = projections.keys ? projections.keys->out_cols() : state.key_size;
+  state.value_width = projections.values ? projections.values->out_cols() : state.value_size;
   state.valid_lens.assign(open.valid_lens.begin(), open.valid_lens.end());
   const int64_t n_k = keys.shape[1];
   RETURN_IF_ERROR(state.Reserve(n_k));
-  const internal::Projection key_projection{nullptr, nullptr, 0, &model.w_k, &model.b_k, true,
-                                            &model.packed_k};
-  const internal::Projection value_projection{nullptr, nullptr, 0, &model.w_v, &model.b_v, true,
-                                              &model.packed_v};
   for (int64_t b = 0; b < state.batch; ++b) {
-    FillBlocks(keys, b, project ? &key_projection : nullptr, state.keys[b], state.key_width);
-    FillBlocks(values, b, project ? &value_projection : nullptr, state.values[b],
+    FillBlocks(keys, b, projections.keys ? &*projections.keys : nullptr, state.keys[b],
+               state.key_width);
+    FillBlocks(values, b, projections.values ? &*projections.values : nullptr, state.values[b],
                state.value_width);
+    if (model.kind == Kind::kDistance) {
+      state.key_bias.push_back(
+          DistanceKeyBias(keys, b, open.scale ? *open.scale : DefaultScale(model, {})));
+    }
   }
   state.length = n_k;
   return absl::OkStatus();
