@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <deque>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -428,6 +429,23 @@ void FinishStep(const Model& model, StepRun& run) {
   if (run.self()) run.state->length += run.dims().num_queries;
 }
 
+// FAILED_PRECONDITION for a step RunSteps cannot run with the others: of
+// another model, or of a session with an earlier step in the same call
+// (each step starts where the one before it ended).
+absl::Status CheckRunnable(const Model& model, const Session::State* state,
+                           std::unordered_set<const Session::State*>& sessions) {
+  if (state->model.get() != &model) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session of model '", state->model->name, "' stepped with steps of model '", model.name,
+        "': one RunSteps computes steps of one model"));
+  }
+  if (!sessions.insert(state).second) {
+    return absl::FailedPreconditionError(
+        "a session has two steps in one RunSteps: step it once per call");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionResult> results) {
@@ -436,9 +454,12 @@ void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionR
   std::deque<RequestStop> stop_storage;
   std::vector<StepRun> runs;  // the steps that could begin
   runs.reserve(steps.size());
+  std::unordered_set<const Session::State*> sessions;
   for (size_t s = 0; s < steps.size(); ++s) {
     StepRun run(steps[s], *steps[s].session->state_, results[s]);
-    if (absl::Status status = BeginStep(run); !status.ok()) {
+    absl::Status status = CheckRunnable(model, run.state, sessions);
+    if (status.ok()) status = BeginStep(run);
+    if (!status.ok()) {
       results[s] = {.output = {}, .attention_weights = {}, .status = status};
       continue;
     }

@@ -347,6 +347,31 @@ TEST(RunSteps, SessionsBatchedTogetherGetWhatTheyGetAlone) {
   }
 }
 
+TEST(RunSteps, RefusesASecondStepOfOneSessionAndStepsOfAnotherModel) {
+  std::mt19937 rng(22);
+  const int64_t d = 8;
+  const std::shared_ptr<Model> model = MultiHeadModel(rng, 2, 4, d, d, d, true);
+  Engine engine;
+  KvBlockPool pool(int64_t{1} << 24);
+  std::unique_ptr<Session> session = *Session::Open(model, pool, SelfOpen());
+  std::unique_ptr<Session> other = *Session::Open(
+      MultiHeadModel(rng, 2, 4, d, d, d, true), pool, SelfOpen());
+  const std::vector<float> rows = RandomData(rng, 3 * d);
+  const SessionStep step = StepOf({{1, 3, d}, rows}, false);
+  const std::vector<ValidatedStep> steps = {
+      *ValidateStep(*session, step), *ValidateStep(*session, step), *ValidateStep(*other, step)};
+  std::vector<AttentionResult> results(steps.size());
+  engine.RunSteps(steps, results);
+  ASSERT_TRUE(results[0].status.ok()) << results[0].status;
+  EXPECT_EQ(results[1].status.code(), absl::StatusCode::kFailedPrecondition) << results[1].status;
+  EXPECT_EQ(results[2].status.code(), absl::StatusCode::kFailedPrecondition) << results[2].status;
+  EXPECT_EQ(session->length(), 3);
+  EXPECT_EQ(other->length(), 0);
+  AttentionRequest alone = RequestOf(step.queries, false);
+  alone.causal = true;
+  ExpectNear(results[0].output, engine.Attend(*model, alone)->output, "the first step");
+}
+
 TEST(SessionLimits, FullPoolRefusesTheStepAndLeavesTheSessionAsItWas) {
   std::mt19937 rng(31);
   const int64_t d = 8;
