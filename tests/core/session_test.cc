@@ -21,23 +21,13 @@
 #include <vector>
 
 #include "core/engine.h"
+#include "tests/core/random_weights.h"
 
 namespace attention {
 namespace {
 
-RowMatrix RandomMatrix(std::mt19937& rng, int64_t rows, int64_t cols) {
-  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(cols)));
-  RowMatrix m(rows, cols);
-  for (int64_t i = 0; i < m.size(); ++i) m.data()[i] = normal(rng);
-  return m;
-}
-
-Vector RandomVector(std::mt19937& rng, int64_t size) {
-  std::normal_distribution<float> normal(0.0f, 0.5f);
-  Vector v(size);
-  for (int64_t i = 0; i < size; ++i) v[i] = normal(rng);
-  return v;
-}
+using testing::RandomMatrix;
+using testing::RandomVector;
 
 std::vector<float> RandomData(std::mt19937& rng, int64_t size) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
