@@ -33,10 +33,12 @@
 //   decode/prefix/E:512/H:8/steps:512  the same 512 tokens, each step the
 //       whole prefix through Attend (causal), as a client without sessions
 //       does (issue 25). ms_per_request is per token.
-//   decode/sessions:S/E:1024/H:16/prompt:128/steps:64  S self sessions, each
-//       after a 128-token prompt (not timed), then 64 rounds of one RunSteps
+//   decode/sessions:S/E:1024/H:16/prompt:P/steps:64  S self sessions, each
+//       after a P-token prompt (not timed), then 64 rounds of one RunSteps
 //       over a single-token step of every session: tokens_per_s over all S
-//       (continuous batching) against sessions:1.
+//       (continuous batching) against sessions:1. Every round reads every
+//       session's keys and values (2 E floats a token), so the longer the
+//       prompt, the more memory traffic bounds the rounds.
 //   projection/M:m/E:e/gemm:packed|packed_bf16|blas  one projection
 //       out = in W^T + b of m rows, W e x e, on one thread: over the weights
 //       packed at load (core/packed_gemm.h) in fp32 or bf16, or through Eigen
@@ -633,13 +635,16 @@ void RegisterAll() {
   benchmark::RegisterBenchmark("decode/prefix/E:512/H:8/steps:512", DecodePrefix, 512, 8, 512)
       ->Unit(benchmark::kMillisecond)
       ->Iterations(1);
-  for (int64_t sessions : {1, 8, 64}) {
-    benchmark::RegisterBenchmark(
-        ("decode/sessions:" + std::to_string(sessions) + "/E:1024/H:16/prompt:128/steps:64").c_str(),
-        DecodeConcurrent, sessions, 1024, 16, 128, 64)
-        ->Unit(benchmark::kMillisecond)
-        ->Iterations(1)
-        ->UseRealTime();
+  for (int64_t prompt : {16, 128}) {
+    for (int64_t sessions : {1, 64}) {
+      benchmark::RegisterBenchmark(("decode/sessions:" + std::to_string(sessions) +
+                                    "/E:1024/H:16/prompt:" + std::to_string(prompt) + "/steps:64")
+                                       .c_str(),
+                                   DecodeConcurrent, sessions, 1024, 16, prompt, 64)
+          ->Unit(benchmark::kMillisecond)
+          ->Iterations(1)
+          ->UseRealTime();
+    }
   }
 
   constexpr int64_t kMemoryBatch = 8, kMemoryLength = 16384, kMemorySize = 64;
