@@ -538,8 +538,8 @@ void DecodeConcurrent(benchmark::State& state, int64_t sessions, int64_t width, 
   const double flops =
       static_cast<double>(sessions * steps) * (8.0 * e * e + 4.0 * e * (prompt + steps / 2.0));
   stopwatch.ReportPerRequest(state, flops, sessions * steps);
-  state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(sessions * steps),
-                                                      benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens_per_s"] = benchmark::Counter(
+      static_cast<double>(sessions * steps), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 std::string ShapeName(const char* kind, const Shape& s, bool masked) {

@@ -227,8 +227,8 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
 
 // Rows [0, n_k) of a paged problem's blocks, `width` floats from column
 // block_column of each, into `out` (n_k x width).
-void GatherBlocks(const FlashProblem& p, const float* const* blocks, int64_t stride,
-                  int64_t width, std::vector<float>& out) {
+void GatherBlocks(const FlashProblem& p, const float* const* blocks, int64_t stride, int64_t width,
+                  std::vector<float>& out) {
   out.resize(p.num_keys * width);
   for (int64_t j = 0; j < p.num_keys; ++j) {
     const float* row = blocks[j / p.block_rows] + (j % p.block_rows) * stride + p.block_column;
@@ -319,8 +319,8 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
     float* scaled = scratch.queries_t.data();
     for (int64_t c = 0; c < p.head_size; ++c) scaled[c] = p.scale * query[c];
   } else {
-    path.load_queries(p.queries + row * p.query_stride, p.query_stride, rows, p.head_size,
-                      p.scale, scratch.queries_t.data());
+    path.load_queries(p.queries + row * p.query_stride, p.query_stride, rows, p.head_size, p.scale,
+                      scratch.queries_t.data());
   }
   tile.queries_t = scratch.queries_t.data();
   tile.keys = p.keys;

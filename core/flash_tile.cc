@@ -241,11 +241,15 @@ HWY_INLINE void RowScoreKeys(const FlashTile& t, int64_t key, float* scores) {
   int64_t c = 0;
   for (; c + n <= t.head_size; c += n) {
     const V qc = hn::LoadU(d, q + c);
-    for (int r = 0; r < R; ++r) acc[r] = hn::MulAdd(hn::LoadU(d, k + r * t.key_stride + c), qc, acc[r]);
+    for (int r = 0; r < R; ++r) {
+      acc[r] = hn::MulAdd(hn::LoadU(d, k + r * t.key_stride + c), qc, acc[r]);
+    }
   }
   for (int r = 0; r < R; ++r) {
     float score = hn::GetLane(hn::SumOfLanes(d, acc[r]));
-    for (int64_t tail = c; tail < t.head_size; ++tail) score += q[tail] * k[r * t.key_stride + tail];
+    for (int64_t tail = c; tail < t.head_size; ++tail) {
+      score += q[tail] * k[r * t.key_stride + tail];
+    }
     scores[r] = t.key_bias != nullptr ? score + t.key_bias[key + r] : score;
   }
 }
@@ -265,7 +269,9 @@ HWY_INLINE void RowAccumulateColumns(const FlashTile& t, int64_t key, int64_t ke
   }
   for (int64_t j = 0; j < keys; ++j) {
     const V p = hn::Set(d, t.scores[j]);
-    for (int c = 0; c < C; ++c) a[c] = hn::MulAdd(p, hn::LoadU(d, v + j * t.value_stride + c * n), a[c]);
+    for (int c = 0; c < C; ++c) {
+      a[c] = hn::MulAdd(p, hn::LoadU(d, v + j * t.value_stride + c * n), a[c]);
+    }
   }
   for (int c = 0; c < C; ++c) hn::StoreU(a[c], d, acc + c * n);
 }
@@ -275,11 +281,15 @@ HWY_INLINE void RowAccumulateColumns(const FlashTile& t, int64_t key, int64_t ke
 HWY_INLINE void RowAccumulate(const FlashTile& t, int64_t key, int64_t keys, float rescale) {
   const int64_t n = static_cast<int64_t>(hn::Lanes(D()));
   int64_t col = 0;
-  for (; col + 4 * n <= t.value_size; col += 4 * n) RowAccumulateColumns<4>(t, key, keys, rescale, col);
+  for (; col + 4 * n <= t.value_size; col += 4 * n) {
+    RowAccumulateColumns<4>(t, key, keys, rescale, col);
+  }
   for (; col + n <= t.value_size; col += n) RowAccumulateColumns<1>(t, key, keys, rescale, col);
   for (; col < t.value_size; ++col) {
     float sum = key == 0 ? 0.0f : t.accumulator_t[col] * rescale;
-    for (int64_t j = 0; j < keys; ++j) sum += t.scores[j] * t.values[(key + j - t.key_base) * t.value_stride + col];
+    for (int64_t j = 0; j < keys; ++j) {
+      sum += t.scores[j] * t.values[(key + j - t.key_base) * t.value_stride + col];
+    }
     t.accumulator_t[col] = sum;
   }
 }

@@ -40,7 +40,7 @@ struct FlashTile {
   // blocks points at one block per call), row-major, row strides key_stride
   // and value_stride; key j is row j - key_base.
   const float* keys = nullptr;
-  const float* key_bias = nullptr;   // [n_k], indexed by key, or null
+  const float* key_bias = nullptr;  // [n_k], indexed by key, or null
   const float* values = nullptr;
   int64_t key_base = 0;
   const float* bounds = nullptr;     // [lanes]: allowed keys of each lane, as float

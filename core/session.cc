@@ -58,9 +58,9 @@ absl::Status KvBlockPool::Impl::Allocate(int64_t width, int64_t count,
   const int64_t bytes = count * BlockBytes(width);
   std::lock_guard lock(mu_);
   if (used_bytes_ + bytes > capacity_bytes_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "session memory: the pool's capacity of ", capacity_bytes_, " bytes is full (",
-        used_bytes_, " bytes held by sessions, ", bytes, " more needed)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("session memory: the pool's capacity of ", capacity_bytes_, " bytes is full (",
+                     used_bytes_, " bytes held by sessions, ", bytes, " more needed)"));
   }
   std::vector<float*>& kept = kept_[width];
   const int64_t reused = std::min<int64_t>(count, static_cast<int64_t>(kept.size()));
@@ -98,7 +98,11 @@ int64_t KvBlockPool::used_bytes() const { return impl_->used_bytes(); }
 
 Session::State::State(std::shared_ptr<const Model> model, KvBlockPool::Impl& pool,
                       SessionMemory memory, int64_t batch)
-    : model(std::move(model)), pool(pool), memory(memory), batch(batch), keys(batch),
+    : model(std::move(model)),
+      pool(pool),
+      memory(memory),
+      batch(batch),
+      keys(batch),
       values(batch) {}
 
 Session::State::~State() { Trim(0); }
@@ -152,7 +156,6 @@ int64_t Session::State::held_bytes() const {
   return bytes;
 }
 
-
 namespace {
 
 absl::Status CheckSelfOpen(const Model& model, const SessionOpen& open) {
@@ -172,7 +175,8 @@ absl::Status CheckSelfOpen(const Model& model, const SessionOpen& open) {
       (model.key_size != model.query_size || model.value_size != model.query_size)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "memory: self memory needs d_q == d_k == d_v (a step's rows are its keys and values), "
-        "model '", model.name, "' has d_q=", model.query_size, " d_k=", model.key_size,
+        "model '",
+        model.name, "' has d_q=", model.query_size, " d_k=", model.key_size,
         " d_v=", model.value_size));
   }
   return absl::OkStatus();
@@ -197,16 +201,14 @@ absl::Status CheckCrossOpen(const Model& model, const SessionOpen& open, const L
   if (open.values) {
     RETURN_IF_ERROR(CheckTensorShape("values", values, "(B, n_k, d_v)"));
     RETURN_IF_ERROR(CheckAxisSize("values", 0, "B", keys.shape[0], values.shape[0], "keys' B"));
-    RETURN_IF_ERROR(CheckAxisSize("values", 1, "n_k", keys.shape[1], values.shape[1],
-                                  "keys' n_k"));
+    RETURN_IF_ERROR(CheckAxisSize("values", 1, "n_k", keys.shape[1], values.shape[1], "keys' n_k"));
   }
   const std::string why = absl::StrCat("model '", model.name, "' input size");
   if (model.key_size != 0) {
     RETURN_IF_ERROR(CheckAxisSize("keys", 2, "d_k", model.key_size, keys.shape[2], why));
   }
   if (model.value_size != 0) {
-    RETURN_IF_ERROR(
-        CheckAxisSize(values_field, 2, "d_v", model.value_size, values.shape[2], why));
+    RETURN_IF_ERROR(CheckAxisSize(values_field, 2, "d_v", model.value_size, values.shape[2], why));
   }
   const int64_t batch = keys.shape[0];
   if (!open.valid_lens.empty() && static_cast<int64_t>(open.valid_lens.size()) != batch) {
@@ -222,9 +224,9 @@ absl::Status CheckCrossOpen(const Model& model, const SessionOpen& open, const L
   }
   const int64_t elements = static_cast<int64_t>(keys.data.size() + values.data.size());
   if (limits.max_request_elements > 0 && elements > limits.max_request_elements) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "keys: expected at most ", limits.max_request_elements,
-        " float elements in keys and values together, got ", elements));
+    return absl::InvalidArgumentError(
+        absl::StrCat("keys: expected at most ", limits.max_request_elements,
+                     " float elements in keys and values together, got ", elements));
   }
   RETURN_IF_ERROR(CheckTensorFinite("keys", keys));
   return CheckTensorFinite(values_field, values);
@@ -357,25 +359,26 @@ namespace {
 // kinds the size of the keys held (any, before a self session's first step).
 absl::Status CheckStepQueries(const Session::State& state, const TensorView& queries) {
   RETURN_IF_ERROR(CheckTensorShape("queries", queries, "(B, n_new, d_q)"));
-  RETURN_IF_ERROR(CheckAxisSize("queries", 0, "B", state.batch, queries.shape[0],
-                                "the session's batch"));
+  RETURN_IF_ERROR(
+      CheckAxisSize("queries", 0, "B", state.batch, queries.shape[0], "the session's batch"));
   const Model& model = *state.model;
   if (model.query_size != 0) {
     return CheckAxisSize("queries", 2, "d_q", model.query_size, queries.shape[2],
                          absl::StrCat("model '", model.name, "' input size"));
   }
   if (state.memory == SessionMemory::kSelf && state.length == 0) return absl::OkStatus();
-  return CheckAxisSize("queries", 2, "d_q", state.key_size, queries.shape[2],
-                       absl::StrCat(std::string(KindName(model.kind)), " needs d_q == the session's d_k"));
+  return CheckAxisSize(
+      "queries", 2, "d_q", state.key_size, queries.shape[2],
+      absl::StrCat(std::string(KindName(model.kind)), " needs d_q == the session's d_k"));
 }
 
 absl::Status CheckStepLength(const Session::State& state, int64_t new_rows) {
   if (state.memory != SessionMemory::kSelf) return absl::OkStatus();
   const int64_t limit = state.max_length > 0 ? state.max_length : INT32_MAX;
   if (state.length + new_rows <= limit) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "queries: the session holds ", state.length, " tokens and this step brings ", new_rows,
-      ", past its max_length of ", limit));
+  return absl::ResourceExhaustedError(absl::StrCat("queries: the session holds ", state.length,
+                                                   " tokens and this step brings ", new_rows,
+                                                   ", past its max_length of ", limit));
 }
 
 AttentionDims StepDims(const Session::State& state, const SessionStep& step) {
@@ -399,14 +402,14 @@ AttentionDims StepDims(const Session::State& state, const SessionStep& step) {
 // work, where multi_head's keys held are not projected again.
 absl::Status CheckStepLimits(const Session::State& state, const SessionStep& step,
                              const AttentionDims& dims, const Limits& limits) {
-  const double weights = step.return_attention_weights ? static_cast<double>(dims.weight_elements())
-                                                       : 0.0;
+  const double weights =
+      step.return_attention_weights ? static_cast<double>(dims.weight_elements()) : 0.0;
   const double elements = static_cast<double>(step.queries.data.size()) +
                           static_cast<double>(dims.output_elements()) + weights;
   if (limits.max_request_elements > 0 && elements > limits.max_request_elements) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "queries: expected at most ", limits.max_request_elements,
-        " float elements in queries, output and weights together, got ", elements));
+    return absl::InvalidArgumentError(
+        absl::StrCat("queries: expected at most ", limits.max_request_elements,
+                     " float elements in queries, output and weights together, got ", elements));
   }
   const Model& model = *state.model;
   double work = RequestWork(model, dims);
@@ -418,16 +421,16 @@ absl::Status CheckStepLimits(const Session::State& state, const SessionStep& ste
   }
   if (limits.max_request_work > 0 && work > static_cast<double>(limits.max_request_work)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "queries: expected at most ", limits.max_request_work,
-        " work units for one step, got ", work, " (B=", dims.batch, " n_new=", dims.num_queries,
-        " length=", dims.num_keys, "); send fewer tokens per step"));
+        "queries: expected at most ", limits.max_request_work, " work units for one step, got ",
+        work, " (B=", dims.batch, " n_new=", dims.num_queries, " length=", dims.num_keys,
+        "); send fewer tokens per step"));
   }
   const double scratch = RequestScratch(dims);
   if (limits.max_request_scratch_elements > 0 &&
       scratch > static_cast<double>(limits.max_request_scratch_elements)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "queries: expected at most ", limits.max_request_scratch_elements,
-        " floats of engine scratch per thread, got ", scratch));
+    return absl::InvalidArgumentError(
+        absl::StrCat("queries: expected at most ", limits.max_request_scratch_elements,
+                     " floats of engine scratch per thread, got ", scratch));
   }
   return absl::OkStatus();
 }

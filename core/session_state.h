@@ -35,8 +35,8 @@ class KvBlockPool::Impl {
 
   const int64_t capacity_bytes_;
   mutable std::mutex mu_;
-  int64_t used_bytes_ = 0;  // held by sessions
-  int64_t kept_bytes_ = 0;  // freed, kept for reuse
+  int64_t used_bytes_ = 0;                       // held by sessions
+  int64_t kept_bytes_ = 0;                       // freed, kept for reuse
   std::map<int64_t, std::vector<float*>> kept_;  // by width
 };
 

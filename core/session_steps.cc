@@ -74,8 +74,7 @@ absl::Status BeginStep(StepRun& run) {
   Session::State& state = *run.state;
   if (!run.self()) return absl::OkStatus();
   if (state.key_width == 0) {
-    state.key_width = state.value_width = state.key_size = state.value_size =
-        run.dims().query_size;
+    state.key_width = state.value_width = state.key_size = state.value_size = run.dims().query_size;
   }
   const absl::Status status = state.Reserve(state.length + run.dims().num_queries);
   if (!status.ok()) state.Rollback();
@@ -148,18 +147,17 @@ StepScratch PlanScratch(const Model& model, std::span<StepRun> runs, std::vector
   s.projected_width = ProjectedWidth(model);
   const bool stacked = runs.size() > 1 && s.projected_width > 0;
   const int64_t d_q = runs[0].dims().query_size, rows = s.rows;
-  const auto [inputs, projected, concat, output] = internal::GroupScratch<4>(
-      {stacked ? rows * d_q : 0, rows * s.projected_width, rows * s.width,
-       runs.size() > 1 ? rows * s.width : 0},
-      once);
+  const auto [inputs, projected, concat, output] =
+      internal::GroupScratch<4>({stacked ? rows * d_q : 0, rows * s.projected_width, rows * s.width,
+                                 runs.size() > 1 ? rows * s.width : 0},
+                                once);
   s.projected = projected;
   s.concat = concat;
   s.output = output;
   s.inputs = stacked ? inputs : runs[0].queries().data.data();
   if (stacked) {
     for (const StepRun& run : runs) {
-      std::copy(run.queries().data.begin(), run.queries().data.end(),
-                inputs + run.first_row * d_q);
+      std::copy(run.queries().data.begin(), run.queries().data.end(), inputs + run.first_row * d_q);
     }
   }
   return s;
@@ -214,8 +212,8 @@ void Append(const StepRun& run, const float* keys, const float* values, int64_t 
   for (int64_t b = 0; b < state.batch; ++b) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t row = (b * n + i) * stride;
-      std::copy_n(keys + row, state.key_width, state.keys[b].Row(state.length + i,
-                                                                  state.key_width));
+      std::copy_n(keys + row, state.key_width,
+                  state.keys[b].Row(state.length + i, state.key_width));
       if (state.values_are_keys) continue;
       std::copy_n(values + row, state.value_width,
                   state.values[b].Row(state.length + i, state.value_width));
@@ -282,8 +280,8 @@ void AddExampleTasks(const Model& model, const StepScratch& s, StepRun& run,
   const AttentionDims& d = run.dims();
   const bool mapped = s.projected_width > 0;
   const int64_t query_width = mapped ? s.projected_width : d.query_size;
-  const float* queries = mapped ? s.projected + run.first_row * query_width
-                                : run.queries().data.data();
+  const float* queries =
+      mapped ? s.projected + run.first_row * query_width : run.queries().data.data();
   if (model.kind == Kind::kDistance) DistanceQueryBias(run);
   for (int64_t b = 0; b < d.batch; ++b) {
     FlashProblem& p = problems.emplace_back(BaseProblem(run));
@@ -309,9 +307,9 @@ void AddExampleTasks(const Model& model, const StepScratch& s, StepRun& run,
 void ProjectOutput(ThreadPool& pool, const Model& model, const StepScratch& s,
                    std::span<const StepRun> runs) {
   float* out = runs.size() == 1 ? runs[0].result->output.data.data() : s.output;
-  internal::RunProjections(
-      pool, {{s.concat, out, s.rows, &model.w_o, &model.b_o, true, &model.packed_o}},
-      runs.size() == 1 ? runs[0].stop : nullptr);
+  internal::RunProjections(pool,
+                           {{s.concat, out, s.rows, &model.w_o, &model.b_o, true, &model.packed_o}},
+                           runs.size() == 1 ? runs[0].stop : nullptr);
   if (runs.size() == 1) return;
   for (const StepRun& run : runs) {
     std::copy_n(s.output + run.first_row * s.width, run.result->output.data.size(),
@@ -375,8 +373,8 @@ void RunAdditiveSteps(ThreadPool& pool, const Model& model, const StepScratch& s
   pool.ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
     const Rows& rows = tasks[t];
     const StepRun& run = *rows.run;
-    const float* queries = s.projected + (run.first_row + rows.example * run.dims().num_queries) *
-                                             s.projected_width;
+    const float* queries =
+        s.projected + (run.first_row + rows.example * run.dims().num_queries) * s.projected_width;
     AdditiveRows(model, run, rows.example, queries, rows.begin, rows.end);
   });
 }
@@ -406,11 +404,11 @@ void RunStepsOf(ThreadPool& pool, const Model& model, std::span<StepRun> runs) {
 absl::Status CheckFinite(const Model& model, const StepRun& run) {
   for (const Tensor* tensor : {&run.result->output, &run.result->attention_weights}) {
     if (const int64_t at = FirstNonFinite(tensor->data); at >= 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          tensor == &run.result->output ? "output" : "attention_weights", "[", at,
-          "]: expected a finite value, got ", tensor->data[at],
-          ": the step overflows float32 on model '", model.name, "' (scale ", run.dims().scale,
-          "); send a smaller scale or smaller values"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(tensor == &run.result->output ? "output" : "attention_weights", "[", at,
+                       "]: expected a finite value, got ", tensor->data[at],
+                       ": the step overflows float32 on model '", model.name, "' (scale ",
+                       run.dims().scale, "); send a smaller scale or smaller values"));
     }
   }
   return absl::OkStatus();
@@ -435,9 +433,9 @@ void FinishStep(const Model& model, StepRun& run) {
 absl::Status CheckRunnable(const Model& model, const Session::State* state,
                            std::unordered_set<const Session::State*>& sessions) {
   if (state->model.get() != &model) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session of model '", state->model->name, "' stepped with steps of model '", model.name,
-        "': one RunSteps computes steps of one model"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("session of model '", state->model->name, "' stepped with steps of model '",
+                     model.name, "': one RunSteps computes steps of one model"));
   }
   if (!sessions.insert(state).second) {
     return absl::FailedPreconditionError(

@@ -475,8 +475,13 @@ TEST(FlashKernelTest, KeysInBlocksMatchContiguousKeys) {
   constexpr int64_t kBlockRows = 2 * kFlashKeyTile;
   std::mt19937 rng(23);
   for (const bool near_masked : {false, true}) {
-    Case c{.num_queries = 70, .num_keys = 2 * kBlockRows + 37, .head_size = 13,
-           .value_size = 9, .mask = Mask::kPerQuery, .key_bias = near_masked, .pad = 3};
+    Case c{.num_queries = 70,
+           .num_keys = 2 * kBlockRows + 37,
+           .head_size = 13,
+           .value_size = 9,
+           .mask = Mask::kPerQuery,
+           .key_bias = near_masked,
+           .pad = 3};
     Inputs in = RandomInputs(c, rng);
     if (near_masked) {
       for (float& b : in.key_bias) b += -1e6f;
