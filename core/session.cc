@@ -174,20 +174,27 @@ absl::Status CheckSelfOpen(const Model& model, const SessionOpen& open) {
   if (model.kind == Kind::kMultiHead &&
       (model.key_size != model.query_size || model.value_size != model.query_size)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "memory: self memory needs d_q == d_k == d_v (a step's rows are its keys and values), "
-        "model '",
-        model.name, "' has d_q=", model.query_size, " d_k=", model.key_size,
+        "memory: self memory needs d_q == d_k == d_v (a step's rows are its keys and values), ",
+        "model '", model.name, "' has d_q=", model.query_size, " d_k=", model.key_size,
         " d_v=", model.value_size));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckAxisSize(absl::string_view field, int axis, absl::string_view axis_name,
-                           int64_t expected, int64_t actual, absl::string_view why) {
-  if (expected == actual) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(field, ".shape[", axis, "] (", axis_name,
-                                                 "): expected ", expected, " (", why, "), got ",
-                                                 actual));
+// Empty, or one valid length >= 0 per example.
+absl::Status CheckCrossValidLens(std::span<const int32_t> valid_lens, int64_t batch) {
+  if (!valid_lens.empty() && static_cast<int64_t>(valid_lens.size()) != batch) {
+    return absl::InvalidArgumentError(absl::StrCat("valid_lens: expected 0 or ", batch,
+                                                   " (B, one per example) entries, got ",
+                                                   valid_lens.size()));
+  }
+  for (size_t i = 0; i < valid_lens.size(); ++i) {
+    if (valid_lens[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("valid_lens[", i, "]: expected >= 0, got ", valid_lens[i]));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckCrossOpen(const Model& model, const SessionOpen& open, const Limits& limits) {
@@ -200,28 +207,17 @@ absl::Status CheckCrossOpen(const Model& model, const SessionOpen& open, const L
   const absl::string_view values_field = open.values ? "values" : "keys (standing in for values)";
   if (open.values) {
     RETURN_IF_ERROR(CheckTensorShape("values", values, "(B, n_k, d_v)"));
-    RETURN_IF_ERROR(CheckAxisSize("values", 0, "B", keys.shape[0], values.shape[0], "keys' B"));
-    RETURN_IF_ERROR(CheckAxisSize("values", 1, "n_k", keys.shape[1], values.shape[1], "keys' n_k"));
+    RETURN_IF_ERROR(CheckTensorAxis("values", 0, "B", keys.shape[0], values.shape[0], "keys' B"));
+    RETURN_IF_ERROR(CheckTensorAxis("values", 1, "n_k", keys.shape[1], values.shape[1], "keys' n_k"));
   }
   const std::string why = absl::StrCat("model '", model.name, "' input size");
   if (model.key_size != 0) {
-    RETURN_IF_ERROR(CheckAxisSize("keys", 2, "d_k", model.key_size, keys.shape[2], why));
+    RETURN_IF_ERROR(CheckTensorAxis("keys", 2, "d_k", model.key_size, keys.shape[2], why));
   }
   if (model.value_size != 0) {
-    RETURN_IF_ERROR(CheckAxisSize(values_field, 2, "d_v", model.value_size, values.shape[2], why));
+    RETURN_IF_ERROR(CheckTensorAxis(values_field, 2, "d_v", model.value_size, values.shape[2], why));
   }
-  const int64_t batch = keys.shape[0];
-  if (!open.valid_lens.empty() && static_cast<int64_t>(open.valid_lens.size()) != batch) {
-    return absl::InvalidArgumentError(absl::StrCat("valid_lens: expected 0 or ", batch,
-                                                   " (B, one per example) entries, got ",
-                                                   open.valid_lens.size()));
-  }
-  for (size_t i = 0; i < open.valid_lens.size(); ++i) {
-    if (open.valid_lens[i] < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("valid_lens[", i, "]: expected >= 0, got ", open.valid_lens[i]));
-    }
-  }
+  RETURN_IF_ERROR(CheckCrossValidLens(open.valid_lens, keys.shape[0]));
   const int64_t elements = static_cast<int64_t>(keys.data.size() + values.data.size());
   if (limits.max_request_elements > 0 && elements > limits.max_request_elements) {
     return absl::InvalidArgumentError(
@@ -360,14 +356,14 @@ namespace {
 absl::Status CheckStepQueries(const Session::State& state, const TensorView& queries) {
   RETURN_IF_ERROR(CheckTensorShape("queries", queries, "(B, n_new, d_q)"));
   RETURN_IF_ERROR(
-      CheckAxisSize("queries", 0, "B", state.batch, queries.shape[0], "the session's batch"));
+      CheckTensorAxis("queries", 0, "B", state.batch, queries.shape[0], "the session's batch"));
   const Model& model = *state.model;
   if (model.query_size != 0) {
-    return CheckAxisSize("queries", 2, "d_q", model.query_size, queries.shape[2],
+    return CheckTensorAxis("queries", 2, "d_q", model.query_size, queries.shape[2],
                          absl::StrCat("model '", model.name, "' input size"));
   }
   if (state.memory == SessionMemory::kSelf && state.length == 0) return absl::OkStatus();
-  return CheckAxisSize(
+  return CheckTensorAxis(
       "queries", 2, "d_q", state.key_size, queries.shape[2],
       absl::StrCat(std::string(KindName(model.kind)), " needs d_q == the session's d_k"));
 }
