@@ -134,12 +134,12 @@ AttentionDims SizesOf(const AttentionRequest& request) {
 // Keys and values agree with the queries' batch, values with the keys' n_k.
 absl::Status CheckBatchAndKeyCounts(const AttentionRequest& request, const AttentionDims& dims) {
   RETURN_IF_ERROR(CheckTensorAxis(request.keys ? "keys" : "queries", 0, "B", dims.batch,
-                            ResolvedKeys(request).shape[0], "queries' batch"));
+                                  ResolvedKeys(request).shape[0], "queries' batch"));
   if (!request.values) return absl::OkStatus();
   const TensorView& values = *request.values;
   RETURN_IF_ERROR(CheckTensorAxis("values", 0, "B", dims.batch, values.shape[0], "queries' batch"));
   return CheckTensorAxis("values", 1, "n_k", dims.num_keys, values.shape[1],
-                   request.keys ? "keys' n_k" : "n_q, since keys = queries");
+                         request.keys ? "keys' n_k" : "n_q, since keys = queries");
 }
 
 // The feature sizes the model's kind needs: d_k == d_q for the weightless
@@ -153,7 +153,7 @@ absl::Status CheckModelSizes(const Model& model, const AttentionRequest& request
                                                 : "queries (standing in for values)");
   if (model.kind == Kind::kDotProduct || model.kind == Kind::kDistance) {
     return CheckTensorAxis(keys_field, 2, "d_k", dims.query_size, dims.key_size,
-                     absl::StrCat(std::string(KindName(model.kind)), " needs d_k == d_q"));
+                           absl::StrCat(std::string(KindName(model.kind)), " needs d_k == d_q"));
   }
   const std::string why = absl::StrCat("model '", model.name, "' input size");
   RETURN_IF_ERROR(CheckTensorAxis("queries", 2, "d_q", model.query_size, dims.query_size, why));

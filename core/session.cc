@@ -208,14 +208,16 @@ absl::Status CheckCrossOpen(const Model& model, const SessionOpen& open, const L
   if (open.values) {
     RETURN_IF_ERROR(CheckTensorShape("values", values, "(B, n_k, d_v)"));
     RETURN_IF_ERROR(CheckTensorAxis("values", 0, "B", keys.shape[0], values.shape[0], "keys' B"));
-    RETURN_IF_ERROR(CheckTensorAxis("values", 1, "n_k", keys.shape[1], values.shape[1], "keys' n_k"));
+    RETURN_IF_ERROR(
+        CheckTensorAxis("values", 1, "n_k", keys.shape[1], values.shape[1], "keys' n_k"));
   }
   const std::string why = absl::StrCat("model '", model.name, "' input size");
   if (model.key_size != 0) {
     RETURN_IF_ERROR(CheckTensorAxis("keys", 2, "d_k", model.key_size, keys.shape[2], why));
   }
   if (model.value_size != 0) {
-    RETURN_IF_ERROR(CheckTensorAxis(values_field, 2, "d_v", model.value_size, values.shape[2], why));
+    RETURN_IF_ERROR(
+        CheckTensorAxis(values_field, 2, "d_v", model.value_size, values.shape[2], why));
   }
   RETURN_IF_ERROR(CheckCrossValidLens(open.valid_lens, keys.shape[0]));
   const int64_t elements = static_cast<int64_t>(keys.data.size() + values.data.size());
@@ -360,7 +362,7 @@ absl::Status CheckStepQueries(const Session::State& state, const TensorView& que
   const Model& model = *state.model;
   if (model.query_size != 0) {
     return CheckTensorAxis("queries", 2, "d_q", model.query_size, queries.shape[2],
-                         absl::StrCat("model '", model.name, "' input size"));
+                           absl::StrCat("model '", model.name, "' input size"));
   }
   if (state.memory == SessionMemory::kSelf && state.length == 0) return absl::OkStatus();
   return CheckTensorAxis(
