@@ -113,7 +113,8 @@ class Session {
   int64_t batch() const;
   // Tokens held per example: self, the sum of the steps so far; cross, n_k.
   int64_t length() const;
-  // Bytes of the pool this session holds.
+  // Bytes of the pool this session holds. Like length(), not to be read
+  // while a step of the session runs; KvBlockPool::used_bytes() may be.
   int64_t held_bytes() const;
 
   class State;
