@@ -499,13 +499,11 @@ TEST(ValidateStep, WorkLimitCountsTheStepNotTheHeldProjections) {
     ASSERT_TRUE(result.status.ok()) << result.status;
   }
   const AttentionRequest prefix = RequestOf({{1, length, d}, tokens}, false);
-  EXPECT_EQ(Validate(*model, prefix, limits).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Validate(*model, prefix, limits).status().code(), absl::StatusCode::kInvalidArgument);
   const SessionStep large = StepOf({{1, 100, d}, std::span(tokens).first(100 * d)}, false);
   const absl::StatusOr<ValidatedStep> refused = ValidateStep(*session, large, limits);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.status().message().find("work units"), std::string::npos)
-      << refused.status();
+  EXPECT_NE(refused.status().message().find("work units"), std::string::npos) << refused.status();
 }
 
 TEST(SessionOpen, KeepsItsModelVersion) {
