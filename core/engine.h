@@ -37,6 +37,7 @@
 namespace attention {
 
 class ThreadPool;
+struct ValidatedStep;
 
 struct AttentionResult {
   Tensor output;             // (B, n_q, d_v) or (B, n_q, E)
@@ -94,6 +95,11 @@ class Engine {
   // several threads at once (they share the pool).
   void Run(const Model& model, std::span<const ValidatedRequest> requests,
            std::span<AttentionResult> results);
+
+  // Computes validated steps of decoding sessions opened on one model
+  // (core/session.h, which says what results[s] holds). Each session that
+  // answers OK has grown by its step; one that does not is as before it.
+  void RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionResult> results);
 
   int num_threads() const;
 
