@@ -37,6 +37,7 @@
 namespace attention {
 
 class ThreadPool;
+struct ValidatedStep;  // session.h
 
 struct AttentionResult {
   Tensor output;             // (B, n_q, d_v) or (B, n_q, E)
@@ -94,6 +95,9 @@ class Engine {
   // several threads at once (they share the pool).
   void Run(const Model& model, std::span<const ValidatedRequest> requests,
            std::span<AttentionResult> results);
+
+  // Computes validated steps of sessions of one model (session.h).
+  void RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionResult> results);
 
   int num_threads() const;
 
