@@ -198,7 +198,10 @@ void SessionTable::Close(const Handle& handle, SessionEnd reason) {
 void SessionTable::EndLocked(Handle entry, SessionEnd reason, absl::Status why) {
   entry->ended = std::move(why);
   open_.erase(entry->key);
-  if (entry->key != entry->id) Remember(entry->key, entry->ended);
+  // A sequence the server ended tells its next request why; one its client
+  // ended is simply unknown again.
+  const bool told = reason != SessionEnd::kClosed && reason != SessionEnd::kFailed;
+  if (entry->key != entry->id && told) Remember(entry->key, entry->ended);
   if (!entry->busy) entry->session.reset();
   metrics_->CountSessionEnd(SessionEndName(reason));
 }
