@@ -37,7 +37,7 @@
 namespace attention {
 
 class ThreadPool;
-struct ValidatedStep;  // session.h
+struct ValidatedStep;
 
 struct AttentionResult {
   Tensor output;             // (B, n_q, d_v) or (B, n_q, E)
@@ -96,7 +96,9 @@ class Engine {
   void Run(const Model& model, std::span<const ValidatedRequest> requests,
            std::span<AttentionResult> results);
 
-  // Computes validated steps of sessions of one model (session.h).
+  // Computes validated steps of decoding sessions opened on one model
+  // (core/session.h, which says what results[s] holds). Each session that
+  // answers OK has grown by its step; one that does not is as before it.
   void RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionResult> results);
 
   int num_threads() const;

@@ -30,9 +30,11 @@ std::optional<int64_t> CheckedAdd(int64_t a, int64_t b) {
   return sum;
 }
 
+}  // namespace
+
 // Checks rank, positive sizes and data length; `axes` names the three axes.
-absl::Status CheckShape(absl::string_view field, const TensorView& tensor,
-                        absl::string_view axes) {
+absl::Status CheckTensorShape(absl::string_view field, const TensorView& tensor,
+                              absl::string_view axes) {
   const auto& shape = tensor.shape;
   if (shape.size() != 3) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".shape: expected rank 3 ", axes,
@@ -62,12 +64,14 @@ absl::Status CheckShape(absl::string_view field, const TensorView& tensor,
   return absl::OkStatus();
 }
 
-absl::Status CheckFinite(absl::string_view field, const TensorView& tensor) {
+absl::Status CheckTensorFinite(absl::string_view field, const TensorView& tensor) {
   const int64_t at = FirstNonFinite(tensor.data);
   if (at < 0) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat(field, ".data[", at, "]: expected a finite value, got ", tensor.data[at]));
 }
+
+namespace {
 
 absl::Status CheckAxis(absl::string_view field, int axis, absl::string_view axis_name,
                        int64_t expected, int64_t actual, absl::string_view why) {
@@ -76,6 +80,8 @@ absl::Status CheckAxis(absl::string_view field, int axis, absl::string_view axis
                                                  "): expected ", expected, " (", why,
                                                  "), got ", actual));
 }
+
+}  // namespace
 
 float DefaultScale(const Model& model, const AttentionDims& dims) {
   switch (model.kind) {
@@ -90,6 +96,8 @@ float DefaultScale(const Model& model, const AttentionDims& dims) {
   }
   return 1.0f;
 }
+
+namespace {
 
 // Query rows an engine thread works on at once; scratch is sized for them.
 constexpr double kQueryBlockRows = 64;
@@ -107,9 +115,9 @@ absl::Status CheckShapes(const AttentionRequest& request) {
     return absl::InvalidArgumentError(
         "queries: required tensor (B, n_q, d_q) is missing");
   }
-  RETURN_IF_ERROR(CheckShape("queries", request.queries, "(B, n_q, d_q)"));
-  if (request.keys) RETURN_IF_ERROR(CheckShape("keys", *request.keys, "(B, n_k, d_k)"));
-  if (request.values) RETURN_IF_ERROR(CheckShape("values", *request.values, "(B, n_k, d_v)"));
+  RETURN_IF_ERROR(CheckTensorShape("queries", request.queries, "(B, n_q, d_q)"));
+  if (request.keys) RETURN_IF_ERROR(CheckTensorShape("keys", *request.keys, "(B, n_k, d_k)"));
+  if (request.values) RETURN_IF_ERROR(CheckTensorShape("values", *request.values, "(B, n_k, d_v)"));
   return absl::OkStatus();
 }
 
@@ -315,9 +323,9 @@ absl::StatusOr<AttentionDims> Validate(const Model& model, const AttentionReques
   // cheaply.
   RETURN_IF_ERROR(CheckWorkLimit(model, dims, limits));
   RETURN_IF_ERROR(CheckScratchLimit(model, dims, limits));
-  RETURN_IF_ERROR(CheckFinite("queries", request.queries));
-  if (request.keys) RETURN_IF_ERROR(CheckFinite("keys", *request.keys));
-  if (request.values) RETURN_IF_ERROR(CheckFinite("values", *request.values));
+  RETURN_IF_ERROR(CheckTensorFinite("queries", request.queries));
+  if (request.keys) RETURN_IF_ERROR(CheckTensorFinite("keys", *request.keys));
+  if (request.values) RETURN_IF_ERROR(CheckTensorFinite("values", *request.values));
   return dims;
 }
 

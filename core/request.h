@@ -13,6 +13,7 @@
 #include <span>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/model.h"
 #include "core/tensor.h"
 
@@ -81,6 +82,18 @@ double RequestScratch(const AttentionDims& dims);
 // The keys and values a request means, after the self-attention shorthand.
 const TensorView& ResolvedKeys(const AttentionRequest& request);
 const TensorView& ResolvedValues(const AttentionRequest& request);
+
+// The kind's scale when a request sets none: 1/sqrt(d_q) for dot_product and
+// bilinear, 1/sqrt(E/H) for multi_head, 1 for distance and additive.
+float DefaultScale(const Model& model, const AttentionDims& dims);
+
+// Validate()'s checks of one tensor, for callers that validate tensors of
+// their own (decoding sessions, core/session.h): rank 3, positive sizes, data
+// length == product(shape) (`axes` names the axes in the message), and
+// finite values.
+absl::Status CheckTensorShape(absl::string_view field, const TensorView& tensor,
+                              absl::string_view axes);
+absl::Status CheckTensorFinite(absl::string_view field, const TensorView& tensor);
 
 // INVALID_ARGUMENT naming the field on any fault; the resolved sizes otherwise.
 absl::StatusOr<AttentionDims> Validate(const Model& model, const AttentionRequest& request,

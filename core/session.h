@@ -22,8 +22,14 @@
 //
 //   KvBlockPool pool(1 << 30);
 //   auto session = Session::Open(model, pool, {.memory = SessionMemory::kSelf});
-//   auto step = ValidateStep(**session, {.queries = prompt});
-//   engine.RunSteps({&validated, 1}, {&result, 1});
+//   SessionStep step{.queries = prompt};
+//   absl::StatusOr<ValidatedStep> validated = ValidateStep(**session, step);
+//   AttentionResult result;
+//   engine.RunSteps({&*validated, 1}, {&result, 1});
+//
+// Changes to the API as first written (issue 25): KvBlockPool befriends
+// Session and Session befriends ValidateStep, which reach the blocks and the
+// session's state through them (core/session_state.h).
 #pragma once
 
 #include <cstdint>
@@ -61,10 +67,15 @@ class KvBlockPool {
   class Impl;
 
  private:
+  // Sessions take and return blocks through impl_ (core/session_state.h).
+  friend class Session;
   std::unique_ptr<Impl> impl_;
 };
 
 enum class SessionMemory { kSelf, kCross };
+
+struct SessionStep;
+struct ValidatedStep;
 
 struct SessionOpen {
   SessionMemory memory = SessionMemory::kSelf;
@@ -111,6 +122,8 @@ class Session {
   explicit Session(std::unique_ptr<State> state);
   std::unique_ptr<State> state_;
   friend class Engine;
+  friend absl::StatusOr<ValidatedStep> ValidateStep(Session& session, const SessionStep& step,
+                                                    const Limits& limits);
 };
 
 struct SessionStep {
