@@ -229,8 +229,9 @@ absl::Status Dispatcher::Admit(Task& task, Decode decode) {
 
 absl::Status Dispatcher::AdmitStep(Task& task, DecodeStep decode) {
   if (absl::Status s = AdmitCall(task); !s.ok()) return s;
-  absl::StatusOr<ServedModel> resolved = task.version.status();
-  if (task.version.ok()) resolved = registry_->Resolve(task.model_name, *task.version);
+  const absl::StatusOr<ServedModel> resolved =
+      task.version.ok() ? registry_->Resolve(task.model_name, *task.version)
+                        : absl::StatusOr<ServedModel>(task.version.status());
   absl::StatusOr<Step> step = decode(resolved);
   if (!step.ok()) return step.status();
   // The session exists, so its model's name was served when it opened: its

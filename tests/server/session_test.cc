@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <iostream>
 #include <memory>
 #include <random>
 #include <string>
@@ -172,6 +173,10 @@ class SessionTest : public ::testing::Test {
           << "length " << length;
     }
     EXPECT_TRUE(call.Close().ok());
+  }
+
+  void TearDown() override {
+    if (HasFailure() && server_ != nullptr) std::cerr << "server log:\n" << server_->Log();
   }
 
   std::unique_ptr<ServerProcess> server_;
