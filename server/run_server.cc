@@ -526,7 +526,7 @@ absl::Status Start(const ServerConfig& config, RunningServer& s) {
       Dispatcher::Create(&s.registry, s.engine.get(), s.metrics.get(), s.dispatch_options);
   if (!dispatcher.ok()) return dispatcher.status();
   s.dispatcher = *std::move(dispatcher);
-  s.sessions = std::make_unique<SessionTable>(config.sessions, s.metrics.get());
+  s.sessions = std::make_unique<SessionTable>(config.sessions, config.limits, s.metrics.get());
   s.inference_operations = std::make_unique<InferenceOperations>(
       s.dispatcher.get(), &s.registry,
       config.model_control == "explicit" ? s.manager.get() : nullptr, s.metrics.get(),

@@ -143,7 +143,7 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
                                   .step = ToSessionStep(slot.request.step())};
         },
         [this, &slot](const absl::Status& status, const AttentionResult* result) {
-          Answer(slot, status, result);
+          Answer(slot, sessions_->NameLimits(status), result);
         });
   }
 

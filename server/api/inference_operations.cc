@@ -175,7 +175,7 @@ void InferenceOperations::InferStep(const CallOrigin& origin, const Dispatcher::
             sessions_->Close(call->handle, status.ok() ? SessionEnd::kClosed : SessionEnd::kFailed);
           }
         }
-        done(status, result);
+        done(sessions_->NameLimits(status), result);
       });
 }
 

@@ -75,8 +75,8 @@ std::string SequenceKey(std::string_view model, std::string_view id) {
   return absl::StrCat(std::string(model), "\n'", std::string(id));
 }
 
-SessionTable::SessionTable(SessionOptions options, ServerMetrics* metrics)
-    : options_(options), metrics_(metrics), pool_(options.memory_bytes) {
+SessionTable::SessionTable(SessionOptions options, Limits limits, ServerMetrics* metrics)
+    : options_(options), limits_(limits), metrics_(metrics), pool_(options.memory_bytes) {
   UpdateGauges();
   sweeper_ = std::thread([this] { SweepLoop(); });
 }
@@ -117,12 +117,9 @@ absl::StatusOr<SessionTable::Handle> SessionTable::Open(std::string_view model,
     }
   }
   open.max_length = options_.max_length;
-  absl::StatusOr<std::unique_ptr<Session>> session = Session::Open(served.model, pool_, open);
-  if (!session.ok()) {
-    if (session.status().code() != absl::StatusCode::kResourceExhausted) return session.status();
-    return absl::ResourceExhaustedError(
-        absl::StrCat("--session-memory-bytes: ", session.status().message()));
-  }
+  absl::StatusOr<std::unique_ptr<Session>> session =
+      Session::Open(served.model, pool_, open, limits_);
+  if (!session.ok()) return NameLimits(session.status());
   auto entry = std::make_shared<Entry>();
   entry->model = std::string(model);
   entry->served = served;
@@ -254,6 +251,13 @@ void SessionTable::ExpireIdle(absl::Time now) {
     if (idle.empty()) return;
   }
   UpdateGauges();
+}
+
+absl::Status SessionTable::NameLimits(const absl::Status& status) const {
+  if (status.code() != absl::StatusCode::kResourceExhausted) return status;
+  return absl::ResourceExhaustedError(absl::StrCat(
+      status.message(), " (the server's --session-memory-bytes ", options_.memory_bytes,
+      ", --max-session-length ", options_.max_length, ")"));
 }
 
 int SessionTable::open_sessions() const {

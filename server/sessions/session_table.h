@@ -13,7 +13,7 @@
 // answers its next step with why it ended: ABORTED when it expired or was
 // replaced, UNAVAILABLE when the server shut down.
 //
-//   SessionTable table(options, &metrics);
+//   SessionTable table(options, limits, &metrics);
 //   auto handle = table.Open("model", served, {.memory = SessionMemory::kSelf});
 //   auto session = table.BeginStep(*handle);   // busy until EndStep
 //   ... Dispatcher::SubmitStep ... table.EndStep(*handle, tokens);
@@ -72,9 +72,10 @@ class SessionTable {
   // the session (EndAll), so that a stream holding it can end too.
   using OnEnd = std::function<void()>;
 
+  // `limits` bound a cross session's memory as they bound a request.
   // `metrics` is not owned and must outlive the table. Starts the thread
   // that frees idle sessions.
-  SessionTable(SessionOptions options, ServerMetrics* metrics);
+  SessionTable(SessionOptions options, Limits limits, ServerMetrics* metrics);
   // Ends every session and stops that thread.
   ~SessionTable();
   SessionTable(const SessionTable&) = delete;
@@ -109,6 +110,10 @@ class SessionTable {
   // thread calls it; tests may too.
   void ExpireIdle(absl::Time now);
 
+  // A step's answer as its client sees it: a RESOURCE_EXHAUSTED (the pool
+  // full, a session at its length) names the flags that set the limits.
+  absl::Status NameLimits(const absl::Status& status) const;
+
   int open_sessions() const;
   // Tokens the session holds per example (Session::length()); 0 once freed.
   int64_t Length(const Handle& handle) const;
@@ -129,6 +134,7 @@ class SessionTable {
   void SweepLoop();
 
   const SessionOptions options_;
+  const Limits limits_;
   ServerMetrics* const metrics_;  // not owned
   KvBlockPool pool_;
 

@@ -307,6 +307,7 @@ TEST_F(SessionTest, LimitsRefuseWithTheirNameAndOtherSessionsGoOn) {
   ASSERT_FALSE(first.Step(Rows(tokens, 0, 6)).has_error());
   const v1::SessionResponse too_long = first.Step(Rows(tokens, 6, 9));
   EXPECT_EQ(too_long.error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(too_long.error().message(), HasSubstr("--max-session-length 8"));
   EXPECT_EQ(too_long.length(), 6);
   const v1::SessionResponse fits = first.Step(Rows(tokens, 6, 8));
   ASSERT_FALSE(fits.has_error()) << fits.error().message();
@@ -332,7 +333,7 @@ TEST_F(SessionTest, SessionMemoryIsBoundedByThePool) {
   ASSERT_FALSE(small.Step(RandomTensor(1, 2, 16, rng)).has_error());
   const v1::SessionResponse refused = big.Step(RandomTensor(1, 3 * kBlockRows, 16, rng));
   EXPECT_EQ(refused.error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_THAT(refused.error().message(), HasSubstr("65536"));
+  EXPECT_THAT(refused.error().message(), HasSubstr("--session-memory-bytes 65536"));
   EXPECT_EQ(refused.length(), 0);
   EXPECT_FALSE(small.Step(RandomTensor(1, 1, 16, rng)).has_error());
   const std::string metrics = ScrapeMetrics(server_->metrics_address());
