@@ -119,7 +119,7 @@ void AddSessionFlags(CLI::App& app, ServerConfig* c) {
       ->check(CLI::Range(int64_t{0}, INT64_MAX));
   Flag(app, "--max-sessions", &c->sessions.max_sessions,
        "Decoding sessions open at once (AttendSession streams and sequences together)")
-      ->check(CLI::Range(0, 1 << 24));
+      ->check(CLI::Range(1, 1 << 24));
   Flag(app, "--max-session-length", &c->sessions.max_length,
        "Most tokens a self-attention session holds per example (0: no cap besides the memory)")
       ->check(CLI::Range(int64_t{0}, INT64_MAX));

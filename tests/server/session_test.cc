@@ -30,6 +30,8 @@
 
 #include "attention.grpc.pb.h"
 #include "inference/grpc_service.grpc.pb.h"
+#include "nlohmann/json.hpp"
+#include "tests/support/http_client.h"
 #include "tests/support/metrics.h"
 #include "tests/support/probes.h"
 #include "tests/support/server_process.h"
@@ -545,6 +547,40 @@ TEST_F(SessionTest, TritonSequencesThroughModelStreamInfer) {
     }
   }
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(SessionTest, TritonSequencesThroughRest) {
+  StartServer({"--http-address", "127.0.0.1:0"});
+  std::mt19937 rng(14);
+  const v1::Tensor tokens = RandomTensor(1, 3, 16, rng);
+  auto body = [&](int64_t from, int64_t to, nlohmann::json parameters) {
+    const v1::Tensor rows = Rows(tokens, from, to);
+    return nlohmann::json{
+        {"inputs",
+         {{{"name", "queries"},
+           {"datatype", "FP32"},
+           {"shape", {1, to - from, 16}},
+           {"data", std::vector<float>(rows.data().begin(), rows.data().end())}}}},
+        {"parameters", parameters}}
+        .dump();
+  };
+  HttpClient http(server_->http_address());
+  const std::string path = "/v2/models/mh_torch_small/infer";
+  const HttpResult unknown = http.Call("POST", path, body(0, 1, {{"sequence_id", "rest"}}));
+  EXPECT_EQ(unknown.status, 400) << unknown.body;
+  EXPECT_THAT(unknown.body, HasSubstr("sequence_start"));
+  const HttpResult first = http.Call(
+      "POST", path, body(0, 2, {{"sequence_id", "rest"}, {"sequence_start", true}}));
+  ASSERT_EQ(first.status, 200) << first.body;
+  const HttpResult next = http.Call(
+      "POST", path, body(2, 3, {{"sequence_id", "rest"}, {"sequence_end", true}}));
+  ASSERT_EQ(next.status, 200) << next.body;
+  const nlohmann::json answer = nlohmann::json::parse(next.body);
+  v1::Tensor output;
+  for (int64_t size : answer["outputs"][0]["shape"]) output.add_shape(size);
+  for (float value : answer["outputs"][0]["data"]) output.add_data(value);
+  EXPECT_LE(MaxDifference(output, CausalPrefixAnswer(*stub_, "mh_torch_small", tokens, 3, 1)),
+            kTolerance);
 }
 
 TEST_F(SessionTest, MemoryReturnsToThePoolAndRssStaysBounded) {
