@@ -28,6 +28,17 @@
 //   batch/self/multi_head/B:1/n:1/E:1024/H:16/masked:0/requests:k  the same
 //       with queries only (self-attention: Q, K and V into one buffer): issue
 //       13's single-token service request, without the service around it.
+//   decode/session/E:512/H:8/steps:512  one self session (core/session.h)
+//       decoding 512 single tokens, each step one RunSteps; against
+//   decode/prefix/E:512/H:8/steps:512  the same 512 tokens, each step the
+//       whole prefix through Attend (causal), as a client without sessions
+//       does (issue 25). ms_per_request is per token.
+//   decode/sessions:S/E:1024/H:16/prompt:P/steps:64  S self sessions, each
+//       after a P-token prompt (not timed), then 64 rounds of one RunSteps
+//       over a single-token step of every session: tokens_per_s over all S
+//       (continuous batching) against sessions:1. Every round reads every
+//       session's keys and values (2 E floats a token), so the longer the
+//       prompt, the more memory traffic bounds the rounds.
 //   projection/M:m/E:e/gemm:packed|packed_bf16|blas  one projection
 //       out = in W^T + b of m rows, W e x e, on one thread: over the weights
 //       packed at load (core/packed_gemm.h) in fp32 or bf16, or through Eigen
@@ -66,6 +77,7 @@
 #include "core/model.h"
 #include "core/packed_gemm.h"
 #include "core/request.h"
+#include "core/session.h"
 #include "core/thread_pool.h"
 
 namespace attention {
@@ -432,6 +444,104 @@ void Batch(benchmark::State& state, Shape s, int64_t requests, bool self_attenti
   state.counters["call_growth_MiB"] = static_cast<double>(StatusKib("VmHWM") - before_calls) / 1024.0;
 }
 
+// One single-token step of `session` per row of `tokens` (tokens x width),
+// each through its own RunSteps.
+absl::Status DecodeTokens(Session& session, const std::vector<float>& tokens, int64_t width) {
+  const int64_t steps = static_cast<int64_t>(tokens.size()) / width;
+  for (int64_t t = 0; t < steps; ++t) {
+    SessionStep step;
+    step.queries = {{1, 1, width}, std::span(tokens).subspan(t * width, width)};
+    absl::StatusOr<ValidatedStep> validated = ValidateStep(session, step);
+    if (!validated.ok()) return validated.status();
+    AttentionResult result;
+    SharedEngine().RunSteps({&*validated, 1}, {&result, 1});
+    if (!result.status.ok()) return result.status;
+    benchmark::DoNotOptimize(result.output.data.data());
+  }
+  return absl::OkStatus();
+}
+
+// Useful work of decoding `steps` tokens one at a time: a token's four
+// projections, and its attention over the t tokens so far.
+double DecodeFlops(int64_t width, int64_t steps) {
+  const double e = static_cast<double>(width), n = static_cast<double>(steps);
+  return 8.0 * e * e * n + 4.0 * e * n * (n + 1) / 2;
+}
+
+void DecodeSession(benchmark::State& state, int64_t width, int64_t heads, int64_t steps) {
+  std::mt19937 rng(kSeed);
+  const auto model = std::make_shared<const Model>(MultiHeadModel(width, heads, rng));
+  const std::vector<float> tokens = RandomData(steps * width, rng);
+  KvBlockPool pool(int64_t{1} << 30);
+  const Stopwatch stopwatch;
+  for (auto _ : state) {
+    absl::StatusOr<std::unique_ptr<Session>> session = Session::Open(model, pool, {});
+    absl::Status status = session.ok() ? DecodeTokens(**session, tokens, width) : session.status();
+    if (!status.ok()) {
+      state.SkipWithError(std::string(status.message()).c_str());
+      return;
+    }
+  }
+  stopwatch.ReportPerRequest(state, DecodeFlops(width, steps), steps);
+}
+
+void DecodePrefix(benchmark::State& state, int64_t width, int64_t heads, int64_t steps) {
+  std::mt19937 rng(kSeed);
+  const Model model = MultiHeadModel(width, heads, rng);
+  const std::vector<float> tokens = RandomData(steps * width, rng);
+  const Stopwatch stopwatch;
+  for (auto _ : state) {
+    for (int64_t t = 1; t <= steps; ++t) {
+      AttentionRequest request;
+      request.queries = {{1, t, width}, std::span(tokens).first(t * width)};
+      request.causal = true;
+      absl::StatusOr<AttentionResult> result = SharedEngine().Attend(model, request);
+      if (!result.ok()) {
+        state.SkipWithError(std::string(result.status().message()).c_str());
+        return;
+      }
+      benchmark::DoNotOptimize(result->output.data.data());
+    }
+  }
+  stopwatch.ReportPerRequest(state, DecodeFlops(width, steps), steps);
+}
+
+// `sessions` sessions after a `prompt`-token prefill each, then `steps`
+// rounds of one RunSteps over a single-token step of every session.
+void DecodeConcurrent(benchmark::State& state, int64_t sessions, int64_t width, int64_t heads,
+                      int64_t prompt, int64_t steps) {
+  std::mt19937 rng(kSeed);
+  const auto model = std::make_shared<const Model>(MultiHeadModel(width, heads, rng));
+  const std::vector<float> prompts = RandomData(sessions * prompt * width, rng);
+  const std::vector<float> tokens = RandomData(sessions * steps * width, rng);
+  KvBlockPool pool(int64_t{1} << 32);
+  std::vector<std::unique_ptr<Session>> open;
+  std::vector<SessionStep> step(sessions);
+  auto run_round = [&](int64_t rows, const std::vector<float>& data, int64_t round) {
+    std::vector<ValidatedStep> validated;
+    for (int64_t s = 0; s < sessions; ++s) {
+      const int64_t first = ((round * sessions) + s) * rows * width;
+      step[s].queries = {{1, rows, width}, std::span(data).subspan(first, rows * width)};
+      validated.push_back(*ValidateStep(*open[s], step[s]));
+    }
+    std::vector<AttentionResult> results(sessions);
+    SharedEngine().RunSteps(validated, results);
+    for (const AttentionResult& r : results) benchmark::DoNotOptimize(r.output.data.data());
+  };
+  for (int64_t s = 0; s < sessions; ++s) open.push_back(*Session::Open(model, pool, {}));
+  run_round(prompt, prompts, 0);
+  const Stopwatch stopwatch;
+  for (auto _ : state) {
+    for (int64_t round = 0; round < steps; ++round) run_round(1, tokens, round);
+  }
+  const double e = static_cast<double>(width);
+  const double flops =
+      static_cast<double>(sessions * steps) * (8.0 * e * e + 4.0 * e * (prompt + steps / 2.0));
+  stopwatch.ReportPerRequest(state, flops, sessions * steps);
+  state.counters["tokens_per_s"] = benchmark::Counter(
+      static_cast<double>(sessions * steps), benchmark::Counter::kIsIterationInvariantRate);
+}
+
 std::string ShapeName(const char* kind, const Shape& s, bool masked) {
   return std::string(kind) + "/B:" + std::to_string(s.batch) + "/n:" + std::to_string(s.length) +
          "/E:" + std::to_string(s.width) + "/H:" + std::to_string(s.heads) +
@@ -515,6 +625,25 @@ void RegisterAll() {
       Register(name + "packed", ProjectionProduct, rows, width, true, Precision::kFp32);
       Register(name + "packed_bf16", ProjectionProduct, rows, width, true, Precision::kBf16);
       Register(name + "blas", ProjectionProduct, rows, width, false, Precision::kFp32);
+    }
+  }
+
+  // Decoding (issue 25): each iteration is a whole decode, so one each.
+  benchmark::RegisterBenchmark("decode/session/E:512/H:8/steps:512", DecodeSession, 512, 8, 512)
+      ->Unit(benchmark::kMillisecond)
+      ->Iterations(1);
+  benchmark::RegisterBenchmark("decode/prefix/E:512/H:8/steps:512", DecodePrefix, 512, 8, 512)
+      ->Unit(benchmark::kMillisecond)
+      ->Iterations(1);
+  for (int64_t prompt : {16, 128}) {
+    for (int64_t sessions : {1, 64}) {
+      benchmark::RegisterBenchmark(("decode/sessions:" + std::to_string(sessions) +
+                                    "/E:1024/H:16/prompt:" + std::to_string(prompt) + "/steps:64")
+                                       .c_str(),
+                                   DecodeConcurrent, sessions, 1024, 16, prompt, 64)
+          ->Unit(benchmark::kMillisecond)
+          ->Iterations(1)
+          ->UseRealTime();
     }
   }
 

@@ -18,6 +18,7 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <optional>
 #include <vector>
 
 #include "core/finite.h"
@@ -71,6 +72,9 @@ struct Scratch {
   AlignedFloats lanes;        // 4 x lanes: bounds, row max, row sum, rescale
   std::vector<float> exact_row;   // n_k: one row's scores / weights on the exact path
   std::vector<float> value_mean;  // value_size: output of a row with no allowed key
+  // A paged problem's keys and values in contiguous rows, for the paths
+  // that read them by index (Contiguous).
+  std::vector<float> keys, values;
 
   void Reserve(const FlashProblem& p) {
     queries_t.Grow(p.head_size * kFlashQueryTile);
@@ -92,6 +96,11 @@ struct Scratch {
     }
     if (static_cast<int64_t>(value_mean.capacity()) > kKeptKernelScratchFloats) {
       std::vector<float>().swap(value_mean);
+    }
+    for (std::vector<float>* rows : {&keys, &values}) {
+      if (static_cast<int64_t>(rows->capacity()) > kKeptKernelScratchFloats) {
+        std::vector<float>().swap(*rows);
+      }
     }
   }
 };
@@ -216,6 +225,43 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
   }
 }
 
+// Rows [0, n_k) of a paged problem's blocks, `width` floats from column
+// block_column of each, into `out` (n_k x width).
+void GatherBlocks(const FlashProblem& p, const float* const* blocks, int64_t stride, int64_t width,
+                  std::vector<float>& out) {
+  out.resize(p.num_keys * width);
+  for (int64_t j = 0; j < p.num_keys; ++j) {
+    const float* row = blocks[j / p.block_rows] + (j % p.block_rows) * stride + p.block_column;
+    std::copy_n(row, width, out.data() + j * width);
+  }
+}
+
+// A paged problem as a contiguous one, for the exact paths, which read keys
+// and values by index: rows whose allowed scores sit near -1e6 or overflow,
+// rows with no allowed key, and the weights path. Rare, so the copy is
+// made only then.
+FlashProblem Contiguous(const FlashProblem& p, Scratch& scratch) {
+  FlashProblem contiguous = p;
+  GatherBlocks(p, p.key_blocks, p.key_stride, p.head_size, scratch.keys);
+  GatherBlocks(p, p.value_blocks, p.value_stride, p.value_size, scratch.values);
+  contiguous.key_blocks = contiguous.value_blocks = nullptr;
+  contiguous.keys = scratch.keys.data();
+  contiguous.values = scratch.values.data();
+  contiguous.key_stride = p.head_size;
+  contiguous.value_stride = p.value_size;
+  return contiguous;
+}
+
+// Points the tile at the block that holds key tile.key_begin of a paged
+// problem, and ends its keys at that block's end.
+void PointAtBlock(const FlashProblem& p, FlashTile& tile) {
+  const int64_t block = tile.key_begin / p.block_rows;
+  tile.key_base = block * p.block_rows;
+  tile.keys = p.key_blocks[block] + p.block_column;
+  tile.values = p.value_blocks[block] + p.block_column;
+  tile.key_end = std::min(tile.key_end, tile.key_base + p.block_rows);
+}
+
 // FlashAttention for at most kFlashQueryTile rows starting at `row`: the
 // path's tile kernel (flash_tile.h) on the tile's queries, then each row
 // normalised, or handed to the value mean or the exact path.
@@ -225,6 +271,20 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
 int64_t KeysPerPoll(const FlashProblem& p) {
   const int64_t per_key = kFlashQueryTile * (p.head_size + p.value_size + 16);
   return std::max<int64_t>(1, kStopPollWork / per_key / kFlashKeyTile) * kFlashKeyTile;
+}
+
+// The row kernel's output row, accumulator / sum, with the flag
+// store_output sets: tile.rescale[0] NaN when the output, max or sum is not
+// finite or the sum is 0.
+void StoreRow(const FlashTile& tile, float* output) {
+  const float sum = tile.row_sum[0];
+  bool finite = std::isfinite(tile.row_max[0]) && std::isfinite(sum) && sum != 0.0f;
+  const float inverse_sum = 1.0f / sum;
+  for (int64_t c = 0; c < tile.value_size; ++c) {
+    output[c] = tile.accumulator_t[c] * inverse_sum;
+    finite = finite && std::isfinite(output[c]);
+  }
+  tile.rescale[0] = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
 }
 
 bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& scratch) {
@@ -253,8 +313,15 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   }
   std::fill(bounds + rows, bounds + lanes, 0.0f);
   const FlashTilePath path = FlashTilePathFor(ActiveIsa(), p.precision);
-  path.load_queries(p.queries + row * p.query_stride, p.query_stride, rows, p.head_size, p.scale,
-                    scratch.queries_t.data());
+  const bool one_row = rows == 1 && path.row_kernel != nullptr;
+  if (one_row) {
+    const float* query = p.queries + row * p.query_stride;
+    float* scaled = scratch.queries_t.data();
+    for (int64_t c = 0; c < p.head_size; ++c) scaled[c] = p.scale * query[c];
+  } else {
+    path.load_queries(p.queries + row * p.query_stride, p.query_stride, rows, p.head_size, p.scale,
+                      scratch.queries_t.data());
+  }
   tile.queries_t = scratch.queries_t.data();
   tile.keys = p.keys;
   tile.key_bias = p.key_bias;
@@ -272,7 +339,8 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   tile.key_begin = 0;
   do {
     tile.key_end = std::min(key_end, tile.key_begin + chunk);
-    path.kernel(tile);
+    if (p.paged()) PointAtBlock(p, tile);
+    (one_row ? path.row_kernel : path.kernel)(tile);
     tile.key_begin = tile.key_end;
   } while (tile.key_begin < key_end && !p.Stopped());
   if (tile.key_begin < key_end) return false;
@@ -280,7 +348,11 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   // Every row normalised, out_i = acc_i / l_i (if any key was visited);
   // the rows below that need another answer overwrite theirs.
   const float* nonfinite = tile.rescale;  // NaN where a row overflowed (store_output)
-  if (key_end > 0) path.store_output(tile, p.output + row * p.output_stride, p.output_stride);
+  if (key_end > 0 && one_row) {
+    StoreRow(tile, p.output + row * p.output_stride);
+  } else if (key_end > 0) {
+    path.store_output(tile, p.output + row * p.output_stride, p.output_stride);
+  }
   // Without a query bias, one pass over the lanes (which the compiler
   // vectorises) finds whether any row needs another answer than its
   // normalised output: most tiles have none.
@@ -295,6 +367,13 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
     if (redo == 0) return true;
   }
   bool have_mean = false;
+  // The problem the rows below read by index: a paged one gathered, once.
+  std::optional<FlashProblem> gathered;
+  auto exact = [&]() -> const FlashProblem& {
+    if (!p.paged()) return p;
+    if (!gathered) gathered = Contiguous(p, scratch);
+    return *gathered;
+  };
   for (int64_t r = 0; r < rows; ++r) {
     float* out = p.output + (row + r) * p.output_stride;
     // The query bias cancels in the softmax over allowed keys; it matters
@@ -310,13 +389,13 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
         bounds[r] < p.num_keys && true_max < kMaskedScore + kMaskedWeightVanishes;
     if (bounds[r] > 0 && !overflow && !masked_keys_weigh) continue;
     if (bounds[r] == 0) {
-      if (!have_mean) ValueMean(p, scratch.value_mean.data());
+      if (!have_mean) ValueMean(exact(), scratch.value_mean.data());
       have_mean = true;
       std::copy_n(scratch.value_mean.data(), dv, out);
     } else if (overflow) {
-      ExactRowInDouble(p, row + r, nullptr);
+      ExactRowInDouble(exact(), row + r, nullptr);
     } else {
-      ExactRows(p, row + r, 1, scratch.ExactRow(p.num_keys), p.num_keys);
+      ExactRows(exact(), row + r, 1, scratch.ExactRow(p.num_keys), p.num_keys);
     }
   }
   return true;
@@ -350,6 +429,13 @@ bool FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t qu
 
 bool AttentionWithWeights(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
                           float* weights, int64_t weights_stride) {
+  if (problem.paged()) {
+    Scratch& scratch = ThreadScratch();
+    const bool completed = AttentionWithWeights(Contiguous(problem, scratch), query_begin,
+                                                query_end, weights, weights_stride);
+    scratch.Trim();
+    return completed;
+  }
   // As FlashAttention; weights (n_q x n_k) rows [query_begin, query_end) double
   // as the score buffer, so this path needs no scratch. With a WorkStop,
   // fewer rows at a time when rows are long, so polls stay about

@@ -98,6 +98,15 @@ struct FlashProblem {
   WorkStop* stop = nullptr;  // null: never stops
   // Set when value rows at or past the largest bound are not computed yet.
   PendingValues* pending_values = nullptr;
+  // Keys and values in blocks (a decoding session's, core/session.h),
+  // read in place: key j is row j % block_rows of key_blocks[j / block_rows]
+  // from column block_column (values alike, from value_blocks), with the row
+  // strides above; `keys` and `values` are unused. block_rows is a multiple
+  // of kFlashKeyTile, so no key tile straddles two blocks.
+  const float* const* key_blocks = nullptr;
+  const float* const* value_blocks = nullptr;
+  int64_t block_rows = 0;
+  int64_t block_column = 0;
 
   bool Stopped() const { return stop != nullptr && stop->Stopped(); }
   // Before reading a value row at or past a query's bound.
@@ -105,6 +114,7 @@ struct FlashProblem {
     if (pending_values != nullptr) pending_values->Complete();
   }
   int64_t AllowedKeys(int64_t query) const { return bounds.Allowed(query, num_keys); }
+  bool paged() const { return key_blocks != nullptr; }
 };
 
 // Writes output rows [query_begin, query_end) of `problem`. Thread-safe for

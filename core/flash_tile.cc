@@ -46,7 +46,7 @@ HWY_INLINE void ScoreKeys(const FlashTile& t, int64_t key, int64_t lane, float* 
   const size_t n = hn::Lanes(d);
   V acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = hn::Zero(d);
-  const float* k = t.keys + key * t.key_stride;
+  const float* k = t.keys + (key - t.key_base) * t.key_stride;
   const float* q = t.queries_t + lane;
   for (int64_t c = 0; c < t.head_size; ++c) {
     const V q0 = hn::LoadU(d, q + c * kFlashQueryTile);
@@ -167,7 +167,7 @@ HWY_INLINE void AccumulateColumns(const FlashTile& t, int64_t key, int64_t keys,
       acc1[c] = hn::Mul(hn::LoadU(d, acc + c * kFlashQueryTile + n), rescale1);
     }
   }
-  const float* v = t.values + key * t.value_stride + col;
+  const float* v = t.values + (key - t.key_base) * t.value_stride + col;
   const float* p = t.scores + lane;
   for (int64_t j = 0; j < keys; ++j) {
     const V p0 = hn::LoadU(d, p + j * kFlashQueryTile);
@@ -225,6 +225,110 @@ void FlashTileImpl(const FlashTile& t) {
       }
       AccumulateTail(t, key, keys, lane, col, t.value_size - col);
     }
+  }
+}
+
+// Scores of keys [key, key + R) for the tile's one query row (FlashRowImpl):
+// scores[r] = k_r . (scale q) + key_bias[r], the head dimensions in lanes.
+template <int R>
+HWY_INLINE void RowScoreKeys(const FlashTile& t, int64_t key, float* scores) {
+  const D d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  const float* q = t.queries_t;
+  const float* k = t.keys + (key - t.key_base) * t.key_stride;
+  V acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = hn::Zero(d);
+  int64_t c = 0;
+  for (; c + n <= t.head_size; c += n) {
+    const V qc = hn::LoadU(d, q + c);
+    for (int r = 0; r < R; ++r) {
+      acc[r] = hn::MulAdd(hn::LoadU(d, k + r * t.key_stride + c), qc, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float score = hn::GetLane(hn::SumOfLanes(d, acc[r]));
+    for (int64_t tail = c; tail < t.head_size; ++tail) {
+      score += q[tail] * k[r * t.key_stride + tail];
+    }
+    scores[r] = t.key_bias != nullptr ? score + t.key_bias[key + r] : score;
+  }
+}
+
+// acc[col..] = rescale acc + sum_j p_j v_j[col..] over C vectors of value
+// columns, for the one query row; the first key tile starts from zero.
+template <int C>
+HWY_INLINE void RowAccumulateColumns(const FlashTile& t, int64_t key, int64_t keys, float rescale,
+                                     int64_t col) {
+  const D d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  float* acc = t.accumulator_t + col;
+  const float* v = t.values + (key - t.key_base) * t.value_stride + col;
+  V a[C];
+  for (int c = 0; c < C; ++c) {
+    a[c] = key == 0 ? hn::Zero(d) : hn::Mul(hn::LoadU(d, acc + c * n), hn::Set(d, rescale));
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    const V p = hn::Set(d, t.scores[j]);
+    for (int c = 0; c < C; ++c) {
+      a[c] = hn::MulAdd(p, hn::LoadU(d, v + j * t.value_stride + c * n), a[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) hn::StoreU(a[c], d, acc + c * n);
+}
+
+// The output columns of one key tile for the one query row: vectors of
+// columns four at a time, then one at a time, then single columns.
+HWY_INLINE void RowAccumulate(const FlashTile& t, int64_t key, int64_t keys, float rescale) {
+  const int64_t n = static_cast<int64_t>(hn::Lanes(D()));
+  int64_t col = 0;
+  for (; col + 4 * n <= t.value_size; col += 4 * n) {
+    RowAccumulateColumns<4>(t, key, keys, rescale, col);
+  }
+  for (; col + n <= t.value_size; col += n) RowAccumulateColumns<1>(t, key, keys, rescale, col);
+  for (; col < t.value_size; ++col) {
+    float sum = key == 0 ? 0.0f : t.accumulator_t[col] * rescale;
+    for (int64_t j = 0; j < keys; ++j) {
+      sum += t.scores[j] * t.values[(key + j - t.key_base) * t.value_stride + col];
+    }
+    t.accumulator_t[col] = sum;
+  }
+}
+
+// FlashTileImpl for a tile of one query row, as a decoding step's single
+// token is: the lane-per-query kernel would compute a whole group of lanes
+// for one live lane, so here the head dimensions (scores) and the value
+// columns (P V) are in lanes, and the online softmax runs over keys in
+// lanes. queries_t holds scale * q as a row and accumulator_t the
+// unnormalised output as a row; every key visited is allowed (a tile of one
+// row ends its keys at that row's bound).
+void FlashRowImpl(const FlashTile& t) {
+  const D d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  constexpr float kLowest = std::numeric_limits<float>::lowest();
+  float* scores = t.scores;
+  for (int64_t key = t.key_begin; key < t.key_end; key += kFlashKeyTile) {
+    const int64_t keys = t.key_end - key < kFlashKeyTile ? t.key_end - key : kFlashKeyTile;
+    int64_t j = 0;
+    for (; j + 4 <= keys; j += 4) RowScoreKeys<4>(t, key + j, scores + j);
+    for (; j < keys; ++j) RowScoreKeys<1>(t, key + j, scores + j);
+    const int64_t padded = (keys + n - 1) / n * n;
+    for (; j < padded; ++j) scores[j] = kLowest;  // weigh exp(lowest - max) = 0
+    const float old_max = key == 0 ? kLowest : t.row_max[0];
+    V max = hn::Set(d, old_max);
+    for (j = 0; j < padded; j += n) max = hn::Max(max, hn::LoadU(d, scores + j));
+    max = hn::MaxOfLanes(d, max);
+    V sum = hn::Zero(d);
+    for (j = 0; j < padded; j += n) {
+      const V p = ExpOfNonPositive(d, hn::Sub(hn::LoadU(d, scores + j), max));
+      hn::StoreU(p, d, scores + j);
+      sum = hn::Add(sum, p);
+    }
+    const float new_max = hn::GetLane(max);
+    const float rescale = hn::GetLane(ExpOfNonPositive(d, hn::Set(d, old_max - new_max)));
+    const float tile_sum = hn::GetLane(hn::SumOfLanes(d, sum));
+    t.row_sum[0] = key == 0 ? tile_sum : t.row_sum[0] * rescale + tile_sum;
+    t.row_max[0] = new_max;
+    RowAccumulate(t, key, keys, rescale);
   }
 }
 
@@ -396,7 +500,7 @@ struct Bf16Tile {
 ATTENTION_BF16 void PairKeysAndValues(const FlashTile& t, int64_t key, int64_t keys,
                                       Bf16Tile& b) {
   for (int64_t j = 0; j < keys; ++j) {
-    const float* k = t.keys + (key + j) * t.key_stride;
+    const float* k = t.keys + (key + j - t.key_base) * t.key_stride;
     uint32_t* out = b.keys.data() + j * b.key_pairs;
     for (int64_t c = 0; c < t.head_size; c += 32) {
       const int64_t left = t.head_size - c;
@@ -407,7 +511,7 @@ ATTENTION_BF16 void PairKeysAndValues(const FlashTile& t, int64_t key, int64_t k
     }
   }
   for (int64_t j = 0; j < keys; j += 2) {
-    const float* even = t.values + (key + j) * t.value_stride;
+    const float* even = t.values + (key + j - t.key_base) * t.value_stride;
     const float* odd = even + t.value_stride;
     uint32_t* out = b.values.data() + j / 2 * t.value_size;
     for (int64_t c = 0; c < t.value_size; c += 16) {
@@ -594,15 +698,18 @@ FlashTilePath FlashTilePathFor(Isa isa, Precision precision) {
   static constexpr auto kLoadQueries = ISA_TABLE(LoadQueriesImpl);
   static constexpr auto kKernel = ISA_TABLE(FlashTileImpl);
   static constexpr auto kStoreOutput = ISA_TABLE(StoreOutputImpl);
+  static constexpr auto kRowKernel = ISA_TABLE(FlashRowImpl);
   // The avx512_bf16 entries: the AVX-512 build's BF16 functions.
   static constexpr auto kLoadQueriesBf16 =
       ISA_TABLE_WITH_BF16(LoadQueriesImpl, HWY_CHOOSE_AVX3(LoadQueriesBf16Impl));
   static constexpr auto kKernelBf16 =
       ISA_TABLE_WITH_BF16(FlashTileImpl, HWY_CHOOSE_AVX3(FlashTileBf16Impl));
   if (precision == Precision::kBf16) {
-    return {kLoadQueriesBf16.For(isa), kKernelBf16.For(isa), kStoreOutput.For(isa)};
+    // One-row tiles too take the BF16 products where the path has them.
+    return {kLoadQueriesBf16.For(isa), kKernelBf16.For(isa), kStoreOutput.For(isa),
+            isa == Isa::kAvx512Bf16 ? nullptr : kRowKernel.For(isa)};
   }
-  return {kLoadQueries.For(isa), kKernel.For(isa), kStoreOutput.For(isa)};
+  return {kLoadQueries.For(isa), kKernel.For(isa), kStoreOutput.For(isa), kRowKernel.For(isa)};
 }
 
 }  // namespace attention

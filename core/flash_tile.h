@@ -36,9 +36,13 @@ inline constexpr int64_t kFlashPaddedLanes = 32;
 // kFlashPaddedLanes) are padding: their bound is 0.
 struct FlashTile {
   const float* queries_t = nullptr;  // (head_size x lanes): scale * q, transposed
-  const float* keys = nullptr;       // row-major, row stride key_stride
-  const float* key_bias = nullptr;   // [n_k] or null
-  const float* values = nullptr;     // row-major, row stride value_stride
+  // Keys and values from key `key_base` on (so that a caller with keys in
+  // blocks points at one block per call), row-major, row strides key_stride
+  // and value_stride; key j is row j - key_base.
+  const float* keys = nullptr;
+  const float* key_bias = nullptr;  // [n_k], indexed by key, or null
+  const float* values = nullptr;
+  int64_t key_base = 0;
   const float* bounds = nullptr;     // [lanes]: allowed keys of each lane, as float
   int64_t key_stride = 0, value_stride = 0;
   int64_t head_size = 0, value_size = 0;
@@ -72,6 +76,13 @@ struct FlashTilePath {
   // row r's output, row_max or row_sum has a value that is not finite or
   // its row_sum is 0 (0 otherwise), so no row is read again to check it.
   void (*store_output)(const FlashTile& tile, float* output, int64_t output_stride);
+  // `kernel` for a tile of one row (a decoding step's single token), which
+  // `kernel` would compute as a whole group of lanes: queries_t holds
+  // scale * q as a row (head_size floats) and accumulator_t the output as a
+  // row (value_size floats), row_max[0] and row_sum[0] as for `kernel`;
+  // every key visited must be allowed. The caller normalises the output.
+  // Null where one-row tiles take `kernel` (the BF16 products).
+  void (*row_kernel)(const FlashTile& tile) = nullptr;
 };
 
 // The functions built for `isa`, for a model computing in `precision`: for

@@ -71,17 +71,13 @@ absl::Status CheckTensorFinite(absl::string_view field, const TensorView& tensor
       absl::StrCat(field, ".data[", at, "]: expected a finite value, got ", tensor.data[at]));
 }
 
-namespace {
-
-absl::Status CheckAxis(absl::string_view field, int axis, absl::string_view axis_name,
-                       int64_t expected, int64_t actual, absl::string_view why) {
+absl::Status CheckTensorAxis(absl::string_view field, int axis, absl::string_view axis_name,
+                             int64_t expected, int64_t actual, absl::string_view why) {
   if (expected == actual) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(field, ".shape[", axis, "] (", axis_name,
                                                  "): expected ", expected, " (", why,
                                                  "), got ", actual));
 }
-
-}  // namespace
 
 float DefaultScale(const Model& model, const AttentionDims& dims) {
   switch (model.kind) {
@@ -137,13 +133,13 @@ AttentionDims SizesOf(const AttentionRequest& request) {
 
 // Keys and values agree with the queries' batch, values with the keys' n_k.
 absl::Status CheckBatchAndKeyCounts(const AttentionRequest& request, const AttentionDims& dims) {
-  RETURN_IF_ERROR(CheckAxis(request.keys ? "keys" : "queries", 0, "B", dims.batch,
-                            ResolvedKeys(request).shape[0], "queries' batch"));
+  RETURN_IF_ERROR(CheckTensorAxis(request.keys ? "keys" : "queries", 0, "B", dims.batch,
+                                  ResolvedKeys(request).shape[0], "queries' batch"));
   if (!request.values) return absl::OkStatus();
   const TensorView& values = *request.values;
-  RETURN_IF_ERROR(CheckAxis("values", 0, "B", dims.batch, values.shape[0], "queries' batch"));
-  return CheckAxis("values", 1, "n_k", dims.num_keys, values.shape[1],
-                   request.keys ? "keys' n_k" : "n_q, since keys = queries");
+  RETURN_IF_ERROR(CheckTensorAxis("values", 0, "B", dims.batch, values.shape[0], "queries' batch"));
+  return CheckTensorAxis("values", 1, "n_k", dims.num_keys, values.shape[1],
+                         request.keys ? "keys' n_k" : "n_q, since keys = queries");
 }
 
 // The feature sizes the model's kind needs: d_k == d_q for the weightless
@@ -156,14 +152,14 @@ absl::Status CheckModelSizes(const Model& model, const AttentionRequest& request
       request.values ? "values" : (request.keys ? "keys (standing in for values)"
                                                 : "queries (standing in for values)");
   if (model.kind == Kind::kDotProduct || model.kind == Kind::kDistance) {
-    return CheckAxis(keys_field, 2, "d_k", dims.query_size, dims.key_size,
-                     absl::StrCat(std::string(KindName(model.kind)), " needs d_k == d_q"));
+    return CheckTensorAxis(keys_field, 2, "d_k", dims.query_size, dims.key_size,
+                           absl::StrCat(std::string(KindName(model.kind)), " needs d_k == d_q"));
   }
   const std::string why = absl::StrCat("model '", model.name, "' input size");
-  RETURN_IF_ERROR(CheckAxis("queries", 2, "d_q", model.query_size, dims.query_size, why));
-  RETURN_IF_ERROR(CheckAxis(keys_field, 2, "d_k", model.key_size, dims.key_size, why));
+  RETURN_IF_ERROR(CheckTensorAxis("queries", 2, "d_q", model.query_size, dims.query_size, why));
+  RETURN_IF_ERROR(CheckTensorAxis(keys_field, 2, "d_k", model.key_size, dims.key_size, why));
   if (model.value_size == 0) return absl::OkStatus();
-  return CheckAxis(values_field, 2, "d_v", model.value_size, dims.value_size, why);
+  return CheckTensorAxis(values_field, 2, "d_v", model.value_size, dims.value_size, why);
 }
 
 // The form of the length mask, from how many valid lengths were sent; each

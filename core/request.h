@@ -89,11 +89,15 @@ float DefaultScale(const Model& model, const AttentionDims& dims);
 
 // Validate()'s checks of one tensor, for callers that validate tensors of
 // their own (decoding sessions, core/session.h): rank 3, positive sizes, data
-// length == product(shape) (`axes` names the axes in the message), and
-// finite values.
+// length == product(shape) (`axes` names the axes in the message), finite
+// values, and one axis's size.
 absl::Status CheckTensorShape(absl::string_view field, const TensorView& tensor,
                               absl::string_view axes);
 absl::Status CheckTensorFinite(absl::string_view field, const TensorView& tensor);
+// INVALID_ARGUMENT "field.shape[axis] (axis_name): expected E (why), got A"
+// unless expected == actual.
+absl::Status CheckTensorAxis(absl::string_view field, int axis, absl::string_view axis_name,
+                             int64_t expected, int64_t actual, absl::string_view why);
 
 // INVALID_ARGUMENT naming the field on any fault; the resolved sizes otherwise.
 absl::StatusOr<AttentionDims> Validate(const Model& model, const AttentionRequest& request,

@@ -6,6 +6,7 @@
 #include <climits>
 #include <cmath>
 #include <new>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -57,9 +58,9 @@ absl::Status KvBlockPool::Impl::Allocate(int64_t width, int64_t count,
   const int64_t bytes = count * BlockBytes(width);
   std::lock_guard lock(mu_);
   if (used_bytes_ + bytes > capacity_bytes_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "session memory: the pool's capacity of ", capacity_bytes_, " bytes is full (",
-        used_bytes_, " bytes held by sessions, ", bytes, " more needed)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("session memory: the pool's capacity of ", capacity_bytes_, " bytes is full (",
+                     used_bytes_, " bytes held by sessions, ", bytes, " more needed)"));
   }
   std::vector<float*>& kept = kept_[width];
   const int64_t reused = std::min<int64_t>(count, static_cast<int64_t>(kept.size()));
@@ -97,7 +98,11 @@ int64_t KvBlockPool::used_bytes() const { return impl_->used_bytes(); }
 
 Session::State::State(std::shared_ptr<const Model> model, KvBlockPool::Impl& pool,
                       SessionMemory memory, int64_t batch)
-    : model(std::move(model)), pool(pool), memory(memory), batch(batch), keys(batch),
+    : model(std::move(model)),
+      pool(pool),
+      memory(memory),
+      batch(batch),
+      keys(batch),
       values(batch) {}
 
 Session::State::~State() { Trim(0); }
@@ -151,11 +156,6 @@ int64_t Session::State::held_bytes() const {
   return bytes;
 }
 
-bool Session::State::paged() const {
-  return model->kind == Kind::kMultiHead || model->kind == Kind::kDotProduct;
-}
-
-
 namespace {
 
 absl::Status CheckSelfOpen(const Model& model, const SessionOpen& open) {
@@ -174,19 +174,27 @@ absl::Status CheckSelfOpen(const Model& model, const SessionOpen& open) {
   if (model.kind == Kind::kMultiHead &&
       (model.key_size != model.query_size || model.value_size != model.query_size)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "memory: self memory needs d_q == d_k == d_v (a step's rows are its keys and values), "
+        "memory: self memory needs d_q == d_k == d_v (a step's rows are its keys and values), ",
         "model '", model.name, "' has d_q=", model.query_size, " d_k=", model.key_size,
         " d_v=", model.value_size));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckAxisSize(absl::string_view field, int axis, absl::string_view axis_name,
-                           int64_t expected, int64_t actual, absl::string_view why) {
-  if (expected == actual) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(field, ".shape[", axis, "] (", axis_name,
-                                                 "): expected ", expected, " (", why, "), got ",
-                                                 actual));
+// Empty, or one valid length >= 0 per example.
+absl::Status CheckCrossValidLens(std::span<const int32_t> valid_lens, int64_t batch) {
+  if (!valid_lens.empty() && static_cast<int64_t>(valid_lens.size()) != batch) {
+    return absl::InvalidArgumentError(absl::StrCat("valid_lens: expected 0 or ", batch,
+                                                   " (B, one per example) entries, got ",
+                                                   valid_lens.size()));
+  }
+  for (size_t i = 0; i < valid_lens.size(); ++i) {
+    if (valid_lens[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("valid_lens[", i, "]: expected >= 0, got ", valid_lens[i]));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckCrossOpen(const Model& model, const SessionOpen& open, const Limits& limits) {
@@ -199,35 +207,24 @@ absl::Status CheckCrossOpen(const Model& model, const SessionOpen& open, const L
   const absl::string_view values_field = open.values ? "values" : "keys (standing in for values)";
   if (open.values) {
     RETURN_IF_ERROR(CheckTensorShape("values", values, "(B, n_k, d_v)"));
-    RETURN_IF_ERROR(CheckAxisSize("values", 0, "B", keys.shape[0], values.shape[0], "keys' B"));
-    RETURN_IF_ERROR(CheckAxisSize("values", 1, "n_k", keys.shape[1], values.shape[1],
-                                  "keys' n_k"));
+    RETURN_IF_ERROR(CheckTensorAxis("values", 0, "B", keys.shape[0], values.shape[0], "keys' B"));
+    RETURN_IF_ERROR(
+        CheckTensorAxis("values", 1, "n_k", keys.shape[1], values.shape[1], "keys' n_k"));
   }
   const std::string why = absl::StrCat("model '", model.name, "' input size");
   if (model.key_size != 0) {
-    RETURN_IF_ERROR(CheckAxisSize("keys", 2, "d_k", model.key_size, keys.shape[2], why));
+    RETURN_IF_ERROR(CheckTensorAxis("keys", 2, "d_k", model.key_size, keys.shape[2], why));
   }
   if (model.value_size != 0) {
     RETURN_IF_ERROR(
-        CheckAxisSize(values_field, 2, "d_v", model.value_size, values.shape[2], why));
+        CheckTensorAxis(values_field, 2, "d_v", model.value_size, values.shape[2], why));
   }
-  const int64_t batch = keys.shape[0];
-  if (!open.valid_lens.empty() && static_cast<int64_t>(open.valid_lens.size()) != batch) {
-    return absl::InvalidArgumentError(absl::StrCat("valid_lens: expected 0 or ", batch,
-                                                   " (B, one per example) entries, got ",
-                                                   open.valid_lens.size()));
-  }
-  for (size_t i = 0; i < open.valid_lens.size(); ++i) {
-    if (open.valid_lens[i] < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("valid_lens[", i, "]: expected >= 0, got ", open.valid_lens[i]));
-    }
-  }
+  RETURN_IF_ERROR(CheckCrossValidLens(open.valid_lens, keys.shape[0]));
   const int64_t elements = static_cast<int64_t>(keys.data.size() + values.data.size());
   if (limits.max_request_elements > 0 && elements > limits.max_request_elements) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "keys: expected at most ", limits.max_request_elements,
-        " float elements in keys and values together, got ", elements));
+    return absl::InvalidArgumentError(
+        absl::StrCat("keys: expected at most ", limits.max_request_elements,
+                     " float elements in keys and values together, got ", elements));
   }
   RETURN_IF_ERROR(CheckTensorFinite("keys", keys));
   return CheckTensorFinite(values_field, values);
@@ -267,28 +264,55 @@ void FillBlocks(const TensorView& rows, int64_t b, const internal::Projection* p
   }
 }
 
-// Cross memory: multi_head's keys and values projected (W x + b), the other
-// kinds' as given.
+// distance: the key biases -scale/2 |k|^2 of example b (core/flash_kernel.h).
+std::vector<float> DistanceKeyBias(const TensorView& keys, int64_t b, float scale) {
+  const int64_t n_k = keys.shape[1], d_k = keys.shape[2];
+  const Eigen::Map<const RowMatrix> k(keys.data.data() + b * n_k * d_k, n_k, d_k);
+  std::vector<float> bias(n_k);
+  Eigen::Map<Vector>(bias.data(), n_k) = -(0.5f * scale) * k.rowwise().squaredNorm();
+  return bias;
+}
+
+// The products cross memory keeps of its keys and values, or null for rows
+// kept as given: multi_head projects both (W x + b), additive its keys
+// (W_k k).
+struct CrossProjections {
+  std::optional<internal::Projection> keys, values;
+};
+
+CrossProjections CrossProjectionsOf(const Model& model) {
+  using internal::Projection;
+  if (model.kind == Kind::kMultiHead) {
+    return {Projection{nullptr, nullptr, 0, &model.w_k, &model.b_k, true, &model.packed_k},
+            Projection{nullptr, nullptr, 0, &model.w_v, &model.b_v, true, &model.packed_v}};
+  }
+  if (model.kind == Kind::kAdditive) {
+    return {Projection{nullptr, nullptr, 0, &model.w_k, nullptr}, std::nullopt};
+  }
+  return {};
+}
+
 absl::Status FillCrossMemory(const SessionOpen& open, Session::State& state) {
   const Model& model = *state.model;
   const TensorView& keys = *open.keys;
   const TensorView& values = open.values ? *open.values : keys;
+  const CrossProjections projections = CrossProjectionsOf(model);
   state.key_size = keys.shape[2];
   state.value_size = values.shape[2];
-  const bool project = model.kind == Kind::kMultiHead;
-  state.key_width = project ? model.output_size : state.key_size;
-  state.value_width = project ? model.output_size : state.value_size;
+  state.key_width = projections.keys ? projections.keys->out_cols() : state.key_size;
+  state.value_width = projections.values ? projections.values->out_cols() : state.value_size;
   state.valid_lens.assign(open.valid_lens.begin(), open.valid_lens.end());
   const int64_t n_k = keys.shape[1];
   RETURN_IF_ERROR(state.Reserve(n_k));
-  const internal::Projection key_projection{nullptr, nullptr, 0, &model.w_k, &model.b_k, true,
-                                            &model.packed_k};
-  const internal::Projection value_projection{nullptr, nullptr, 0, &model.w_v, &model.b_v, true,
-                                              &model.packed_v};
   for (int64_t b = 0; b < state.batch; ++b) {
-    FillBlocks(keys, b, project ? &key_projection : nullptr, state.keys[b], state.key_width);
-    FillBlocks(values, b, project ? &value_projection : nullptr, state.values[b],
+    FillBlocks(keys, b, projections.keys ? &*projections.keys : nullptr, state.keys[b],
+               state.key_width);
+    FillBlocks(values, b, projections.values ? &*projections.values : nullptr, state.values[b],
                state.value_width);
+    if (model.kind == Kind::kDistance) {
+      state.key_bias.push_back(
+          DistanceKeyBias(keys, b, open.scale ? *open.scale : DefaultScale(model, {})));
+    }
   }
   state.length = n_k;
   return absl::OkStatus();
@@ -333,25 +357,26 @@ namespace {
 // kinds the size of the keys held (any, before a self session's first step).
 absl::Status CheckStepQueries(const Session::State& state, const TensorView& queries) {
   RETURN_IF_ERROR(CheckTensorShape("queries", queries, "(B, n_new, d_q)"));
-  RETURN_IF_ERROR(CheckAxisSize("queries", 0, "B", state.batch, queries.shape[0],
-                                "the session's batch"));
+  RETURN_IF_ERROR(
+      CheckTensorAxis("queries", 0, "B", state.batch, queries.shape[0], "the session's batch"));
   const Model& model = *state.model;
   if (model.query_size != 0) {
-    return CheckAxisSize("queries", 2, "d_q", model.query_size, queries.shape[2],
-                         absl::StrCat("model '", model.name, "' input size"));
+    return CheckTensorAxis("queries", 2, "d_q", model.query_size, queries.shape[2],
+                           absl::StrCat("model '", model.name, "' input size"));
   }
   if (state.memory == SessionMemory::kSelf && state.length == 0) return absl::OkStatus();
-  return CheckAxisSize("queries", 2, "d_q", state.key_size, queries.shape[2],
-                       absl::StrCat(std::string(KindName(model.kind)), " needs d_q == the session's d_k"));
+  return CheckTensorAxis(
+      "queries", 2, "d_q", state.key_size, queries.shape[2],
+      absl::StrCat(std::string(KindName(model.kind)), " needs d_q == the session's d_k"));
 }
 
 absl::Status CheckStepLength(const Session::State& state, int64_t new_rows) {
   if (state.memory != SessionMemory::kSelf) return absl::OkStatus();
   const int64_t limit = state.max_length > 0 ? state.max_length : INT32_MAX;
   if (state.length + new_rows <= limit) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "queries: the session holds ", state.length, " tokens and this step brings ", new_rows,
-      ", past its max_length of ", limit));
+  return absl::ResourceExhaustedError(absl::StrCat("queries: the session holds ", state.length,
+                                                   " tokens and this step brings ", new_rows,
+                                                   ", past its max_length of ", limit));
 }
 
 AttentionDims StepDims(const Session::State& state, const SessionStep& step) {
@@ -375,14 +400,14 @@ AttentionDims StepDims(const Session::State& state, const SessionStep& step) {
 // work, where multi_head's keys held are not projected again.
 absl::Status CheckStepLimits(const Session::State& state, const SessionStep& step,
                              const AttentionDims& dims, const Limits& limits) {
-  const double weights = step.return_attention_weights ? static_cast<double>(dims.weight_elements())
-                                                       : 0.0;
+  const double weights =
+      step.return_attention_weights ? static_cast<double>(dims.weight_elements()) : 0.0;
   const double elements = static_cast<double>(step.queries.data.size()) +
                           static_cast<double>(dims.output_elements()) + weights;
   if (limits.max_request_elements > 0 && elements > limits.max_request_elements) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "queries: expected at most ", limits.max_request_elements,
-        " float elements in queries, output and weights together, got ", elements));
+    return absl::InvalidArgumentError(
+        absl::StrCat("queries: expected at most ", limits.max_request_elements,
+                     " float elements in queries, output and weights together, got ", elements));
   }
   const Model& model = *state.model;
   double work = RequestWork(model, dims);
@@ -394,16 +419,16 @@ absl::Status CheckStepLimits(const Session::State& state, const SessionStep& ste
   }
   if (limits.max_request_work > 0 && work > static_cast<double>(limits.max_request_work)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "queries: expected at most ", limits.max_request_work,
-        " work units for one step, got ", work, " (B=", dims.batch, " n_new=", dims.num_queries,
-        " length=", dims.num_keys, "); send fewer tokens per step"));
+        "queries: expected at most ", limits.max_request_work, " work units for one step, got ",
+        work, " (B=", dims.batch, " n_new=", dims.num_queries, " length=", dims.num_keys,
+        "); send fewer tokens per step"));
   }
   const double scratch = RequestScratch(dims);
   if (limits.max_request_scratch_elements > 0 &&
       scratch > static_cast<double>(limits.max_request_scratch_elements)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "queries: expected at most ", limits.max_request_scratch_elements,
-        " floats of engine scratch per thread, got ", scratch));
+    return absl::InvalidArgumentError(
+        absl::StrCat("queries: expected at most ", limits.max_request_scratch_elements,
+                     " floats of engine scratch per thread, got ", scratch));
   }
   return absl::OkStatus();
 }

@@ -35,8 +35,8 @@ class KvBlockPool::Impl {
 
   const int64_t capacity_bytes_;
   mutable std::mutex mu_;
-  int64_t used_bytes_ = 0;  // held by sessions
-  int64_t kept_bytes_ = 0;  // freed, kept for reuse
+  int64_t used_bytes_ = 0;                       // held by sessions
+  int64_t kept_bytes_ = 0;                       // freed, kept for reuse
   std::map<int64_t, std::vector<float*>> kept_;  // by width
 };
 
@@ -73,10 +73,6 @@ class Session::State {
   // session with no rows forgets the row width its first step gave it.
   void Rollback();
   int64_t held_bytes() const;
-  // Kinds whose steps the paged kernel runs: those whose memory rows are
-  // what the dot-product scores read (multi_head's projections, dot_product's
-  // rows). The others' steps run as Attend() requests over a gathered copy.
-  bool paged() const;
 
   std::shared_ptr<const Model> model;
   KvBlockPool::Impl& pool;
@@ -87,12 +83,16 @@ class Session::State {
   std::optional<float> scale;
   // Floats per row of the key and value blocks (0 for a dot_product self
   // session until its first step gives d), and the sizes the model's inputs
-  // have (d_k, d_v of the keys and values; for self memory, d_q).
+  // have (d_k, d_v of the keys and values; for self memory, d_q). The
+  // blocks hold what the scores read: multi_head's projections W x + b,
+  // additive's W_k k, the other kinds' rows as given.
   int64_t key_width = 0, value_width = 0;
   int64_t key_size = 0, value_size = 0;
   // dot_product self memory: a row is its own key and value, held once.
   bool values_are_keys = false;
   std::vector<int32_t> valid_lens;  // cross: empty or one per example
+  // distance cross memory: -scale/2 |k|^2 of every key, per example.
+  std::vector<std::vector<float>> key_bias;
   std::vector<internal::BlockRows> keys, values;  // per example
 };
 

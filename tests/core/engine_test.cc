@@ -13,28 +13,17 @@
 #include <vector>
 
 #include "core/engine.h"
+#include "tests/core/random_weights.h"
 #include "tests/core/reference_attention.h"
 
 namespace attention {
 namespace {
 
 using testing::ReferenceAttention;
+using testing::RandomMatrix;
+using testing::RandomVector;
 
 constexpr int64_t kSizes[] = {1, 2, 3, 5, 7, 13, 31, 64, 67};
-
-RowMatrix RandomMatrix(std::mt19937& rng, int64_t rows, int64_t cols) {
-  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(cols)));
-  RowMatrix m(rows, cols);
-  for (int64_t i = 0; i < m.size(); ++i) m.data()[i] = normal(rng);
-  return m;
-}
-
-Vector RandomVector(std::mt19937& rng, int64_t size) {
-  std::normal_distribution<float> normal(0.0f, 0.5f);
-  Vector v(size);
-  for (int64_t i = 0; i < size; ++i) v[i] = normal(rng);
-  return v;
-}
 
 // A model of `kind` with random weights for inputs of the given sizes.
 Model RandomModel(Kind kind, std::mt19937& rng, int64_t d_q, int64_t d_k, int64_t d_v) {

@@ -466,5 +466,67 @@ TEST(FlashKernelTest, EmptyRangeWritesNothing) {
   EXPECT_EQ(weights, std::vector<float>(9, kUntouched));
 }
 
+// Keys and values in blocks (FlashProblem::key_blocks, a decoding session's
+// memory) give what the same rows give contiguous, bit for bit: the tile
+// kernel visits the same key tiles either way. Rows of every kind are
+// covered: allowed keys, none allowed (value mean), allowed scores near
+// -1e6 (the exact path, here from key biases) and the weights path.
+TEST(FlashKernelTest, KeysInBlocksMatchContiguousKeys) {
+  constexpr int64_t kBlockRows = 2 * kFlashKeyTile;
+  std::mt19937 rng(23);
+  for (const bool near_masked : {false, true}) {
+    Case c{.num_queries = 70,
+           .num_keys = 2 * kBlockRows + 37,
+           .head_size = 13,
+           .value_size = 9,
+           .mask = Mask::kPerQuery,
+           .key_bias = near_masked,
+           .pad = 3};
+    Inputs in = RandomInputs(c, rng);
+    if (near_masked) {
+      for (float& b : in.key_bias) b += -1e6f;
+    }
+    // Blocks of the padded rows, head columns from column 2 of each row.
+    const int64_t column = 2, width = c.head_size + c.pad;
+    std::vector<std::vector<float>> key_blocks, value_blocks;
+    std::vector<const float*> key_pointers, value_pointers;
+    for (int64_t first = 0; first < c.num_keys; first += kBlockRows) {
+      std::vector<float>& keys = key_blocks.emplace_back(kBlockRows * width, kUntouched);
+      std::vector<float>& values = value_blocks.emplace_back(kBlockRows * width, kUntouched);
+      for (int64_t j = first; j < std::min(c.num_keys, first + kBlockRows); ++j) {
+        std::copy_n(in.keys.begin() + j * in.KeyStride(), c.head_size,
+                    keys.begin() + (j - first) * width + column);
+        std::copy_n(in.values.begin() + j * in.ValueStride(), c.value_size,
+                    values.begin() + (j - first) * width + column);
+      }
+      key_pointers.push_back(keys.data());
+      value_pointers.push_back(values.data());
+    }
+    FlashProblem paged = in.Problem(nullptr);
+    paged.keys = paged.values = nullptr;
+    paged.key_blocks = key_pointers.data();
+    paged.value_blocks = value_pointers.data();
+    paged.block_rows = kBlockRows;
+    paged.block_column = column;
+    paged.key_stride = paged.value_stride = width;
+    // Outputs of FlashAttention and AttentionWithWeights, contiguous and paged.
+    const std::vector<float> untouched(c.num_queries * in.OutputStride(), kUntouched);
+    std::vector<float> want_flash = untouched, got_flash = untouched, want = untouched,
+                       got = untouched;
+    std::vector<float> want_weights(c.num_queries * in.WeightsStride(), kUntouched);
+    std::vector<float> got_weights = want_weights;
+    FlashAttention(in.Problem(want_flash.data()), 0, c.num_queries);
+    AttentionWithWeights(in.Problem(want.data()), 0, c.num_queries, want_weights.data(),
+                         in.WeightsStride());
+    paged.output = got_flash.data();
+    FlashAttention(paged, 0, c.num_queries);
+    paged.output = got.data();
+    AttentionWithWeights(paged, 0, c.num_queries, got_weights.data(), in.WeightsStride());
+    EXPECT_EQ(got_flash, want_flash) << c.Describe();
+    EXPECT_EQ(got, want) << c.Describe();
+    EXPECT_EQ(got_weights, want_weights) << c.Describe();
+  }
+}
+
 }  // namespace
 }  // namespace attention

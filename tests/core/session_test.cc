@@ -21,23 +21,13 @@
 #include <vector>
 
 #include "core/engine.h"
+#include "tests/core/random_weights.h"
 
 namespace attention {
 namespace {
 
-RowMatrix RandomMatrix(std::mt19937& rng, int64_t rows, int64_t cols) {
-  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(cols)));
-  RowMatrix m(rows, cols);
-  for (int64_t i = 0; i < m.size(); ++i) m.data()[i] = normal(rng);
-  return m;
-}
-
-Vector RandomVector(std::mt19937& rng, int64_t size) {
-  std::normal_distribution<float> normal(0.0f, 0.5f);
-  Vector v(size);
-  for (int64_t i = 0; i < size; ++i) v[i] = normal(rng);
-  return v;
-}
+using testing::RandomMatrix;
+using testing::RandomVector;
 
 std::vector<float> RandomData(std::mt19937& rng, int64_t size) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -185,8 +175,8 @@ AttentionResult Step(Engine& engine, Session& session, const std::vector<float>&
 }
 
 // Attend() on the whole prefix, causal, and its last n rows.
-AttentionResult CausalReference(Engine& engine, const Model& model, const Prefix& prefix,
-                                int64_t n, bool weights) {
+AttentionResult CausalReference(Engine& engine, const Model& model, const Prefix& prefix, int64_t n,
+                                bool weights) {
   const Tensor all = prefix.Tensor3();
   AttentionRequest request = RequestOf(all.view(), weights);
   request.causal = true;
@@ -205,8 +195,7 @@ void CheckSelfSession(const std::shared_ptr<Model>& model, int64_t batch, int64_
   std::mt19937 rng(7);
   Engine engine;
   KvBlockPool pool(int64_t{1} << 28);
-  absl::StatusOr<std::unique_ptr<Session>> session =
-      Session::Open(model, pool, SelfOpen(batch));
+  absl::StatusOr<std::unique_ptr<Session>> session = Session::Open(model, pool, SelfOpen(batch));
   ASSERT_TRUE(session.ok()) << session.status();
   Prefix prefix(batch, d);
   for (size_t s = 0; s < schedule.size(); ++s) {
@@ -218,8 +207,8 @@ void CheckSelfSession(const std::shared_ptr<Model>& model, int64_t batch, int64_
     prefix.Add(rows, n);
     ASSERT_EQ((*session)->length(), prefix.length());
     const AttentionResult want = CausalReference(engine, *model, prefix, n, weights);
-    const std::string what = "step " + std::to_string(s) + " at length " +
-                             std::to_string(prefix.length());
+    const std::string what =
+        "step " + std::to_string(s) + " at length " + std::to_string(prefix.length());
     ExpectNear(got.output, want.output, what + " output", atol);
     if (weights) ExpectNear(got.attention_weights, want.attention_weights, what + " weights", atol);
   }
@@ -276,7 +265,7 @@ void CheckCrossSession(Kind kind, std::vector<int32_t> valid_lens) {
       Session::Open(model, pool, CrossOpen(key_view, value_view, valid_lens));
   ASSERT_TRUE(session.ok()) << session.status();
   EXPECT_EQ((*session)->length(), n_k);
-  for (int64_t n : {1, 3, 1}) {
+  for (int64_t n : {1, 70, 1}) {
     const std::vector<float> queries = RandomData(rng, batch * n * d_q);
     const AttentionResult got = Step(engine, **session, queries, n, d_q, true);
     ASSERT_TRUE(got.status.ok()) << got.status;
@@ -296,8 +285,8 @@ void CheckCrossSession(Kind kind, std::vector<int32_t> valid_lens) {
 }
 
 TEST(CrossSession, EveryKindMatchesAttend) {
-  for (Kind kind : {Kind::kDotProduct, Kind::kDistance, Kind::kAdditive, Kind::kBilinear,
-                    Kind::kMultiHead}) {
+  for (Kind kind :
+       {Kind::kDotProduct, Kind::kDistance, Kind::kAdditive, Kind::kBilinear, Kind::kMultiHead}) {
     SCOPED_TRACE(KindName(kind));
     CheckCrossSession(kind, {});
     CheckCrossSession(kind, {static_cast<int32_t>(kKvBlockRows), 3});
@@ -347,6 +336,31 @@ TEST(RunSteps, SessionsBatchedTogetherGetWhatTheyGetAlone) {
   }
 }
 
+TEST(RunSteps, RefusesASecondStepOfOneSessionAndStepsOfAnotherModel) {
+  std::mt19937 rng(22);
+  const int64_t d = 8;
+  const std::shared_ptr<Model> model = MultiHeadModel(rng, 2, 4, d, d, d, true);
+  Engine engine;
+  KvBlockPool pool(int64_t{1} << 24);
+  std::unique_ptr<Session> session = *Session::Open(model, pool, SelfOpen());
+  std::unique_ptr<Session> other =
+      *Session::Open(MultiHeadModel(rng, 2, 4, d, d, d, true), pool, SelfOpen());
+  const std::vector<float> rows = RandomData(rng, 3 * d);
+  const SessionStep step = StepOf({{1, 3, d}, rows}, false);
+  const std::vector<ValidatedStep> steps = {
+      *ValidateStep(*session, step), *ValidateStep(*session, step), *ValidateStep(*other, step)};
+  std::vector<AttentionResult> results(steps.size());
+  engine.RunSteps(steps, results);
+  ASSERT_TRUE(results[0].status.ok()) << results[0].status;
+  EXPECT_EQ(results[1].status.code(), absl::StatusCode::kFailedPrecondition) << results[1].status;
+  EXPECT_EQ(results[2].status.code(), absl::StatusCode::kFailedPrecondition) << results[2].status;
+  EXPECT_EQ(session->length(), 3);
+  EXPECT_EQ(other->length(), 0);
+  AttentionRequest alone = RequestOf(step.queries, false);
+  alone.causal = true;
+  ExpectNear(results[0].output, engine.Attend(*model, alone)->output, "the first step");
+}
+
 TEST(SessionLimits, FullPoolRefusesTheStepAndLeavesTheSessionAsItWas) {
   std::mt19937 rng(31);
   const int64_t d = 8;
@@ -355,8 +369,7 @@ TEST(SessionLimits, FullPoolRefusesTheStepAndLeavesTheSessionAsItWas) {
   const int64_t capacity = 2 * kKvBlockRows * d * static_cast<int64_t>(sizeof(float));
   Engine engine;
   KvBlockPool pool(capacity);
-  std::unique_ptr<Session> session =
-      *Session::Open(model, pool, SelfOpen());
+  std::unique_ptr<Session> session = *Session::Open(model, pool, SelfOpen());
   Prefix prefix(1, d);
   const std::vector<float> first = RandomData(rng, (kKvBlockRows - 2) * d);
   ASSERT_TRUE(Step(engine, *session, first, kKvBlockRows - 2, d, false).status.ok());
@@ -398,16 +411,14 @@ TEST(SessionLimits, MaxLengthRefusesTheStep) {
   Engine engine;
   KvBlockPool pool(int64_t{1} << 24);
   const std::shared_ptr<Model> model = std::make_shared<Model>(DotProductModel());
-  std::unique_ptr<Session> session =
-      *Session::Open(model, pool, SelfOpen(1, 6));
+  std::unique_ptr<Session> session = *Session::Open(model, pool, SelfOpen(1, 6));
   Prefix prefix(1, d);
   const std::vector<float> first = RandomData(rng, 5 * d);
   ASSERT_TRUE(Step(engine, *session, first, 5, d, false).status.ok());
   prefix.Add(first, 5);
   const AttentionResult refused = Step(engine, *session, RandomData(rng, 2 * d), 2, d, false);
   EXPECT_EQ(refused.status.code(), absl::StatusCode::kResourceExhausted) << refused.status;
-  EXPECT_NE(refused.status.message().find("max_length of 6"), std::string::npos)
-      << refused.status;
+  EXPECT_NE(refused.status.message().find("max_length of 6"), std::string::npos) << refused.status;
   EXPECT_EQ(session->length(), 5);
   const std::vector<float> last = RandomData(rng, d);
   const AttentionResult got = Step(engine, *session, last, 1, d, false);
@@ -421,8 +432,8 @@ TEST(SessionLimits, StoppedStepLeavesTheSessionAsItWas) {
   const int64_t d = 64, n = 2048;
   Engine engine;
   KvBlockPool pool(int64_t{1} << 26);
-  std::unique_ptr<Session> session = *Session::Open(
-      std::make_shared<Model>(DotProductModel()), pool, SelfOpen());
+  std::unique_ptr<Session> session =
+      *Session::Open(std::make_shared<Model>(DotProductModel()), pool, SelfOpen());
   const std::vector<float> rows = RandomData(rng, n * d);
   const SessionStep step = StepOf({{1, n, d}, rows}, false);
   ValidatedStep validated = *ValidateStep(*session, step);
@@ -438,8 +449,7 @@ TEST(SessionOpen, RefusesWhatTheKindCannotHold) {
   std::mt19937 rng(41);
   KvBlockPool pool(1 << 20);
   const std::shared_ptr<Model> additive = KindModel(rng, Kind::kAdditive, 4, 4);
-  absl::StatusOr<std::unique_ptr<Session>> self =
-      Session::Open(additive, pool, SelfOpen());
+  absl::StatusOr<std::unique_ptr<Session>> self = Session::Open(additive, pool, SelfOpen());
   EXPECT_EQ(self.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(self.status().message().find("memory"), std::string::npos) << self.status();
   absl::StatusOr<std::unique_ptr<Session>> cross =
@@ -471,8 +481,7 @@ TEST(SessionOpen, KeepsItsModelVersion) {
   KvBlockPool pool(1 << 20);
   std::shared_ptr<Model> model = MultiHeadModel(rng, 2, 4, 8, 8, 8, true);
   std::weak_ptr<Model> version = model;
-  std::unique_ptr<Session> session =
-      *Session::Open(model, pool, SelfOpen());
+  std::unique_ptr<Session> session = *Session::Open(model, pool, SelfOpen());
   model.reset();  // a reload replaced the version the server holds
   EXPECT_FALSE(version.expired());
   EXPECT_EQ(&session->model(), version.lock().get());
