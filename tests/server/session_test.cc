@@ -258,11 +258,14 @@ TEST_F(SessionTest, ConcurrentSessionsAnswerAsAlone) {
   for (auto& thread : threads) thread.join();
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(mismatches.load(), 0);
-  const std::string metrics = ScrapeMetrics(server_->metrics_address());
-  EXPECT_EQ(MetricValue(metrics, "attention_session_steps_total", {{"model", "mh_torch_small"}}),
+  // The server ends each session a moment after its client saw the stream end.
+  EXPECT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+    return MetricValue(text, "attention_sessions_ended_total", {{"reason", "closed"}}) ==
+           kSessions;
+  }));
+  EXPECT_EQ(MetricValue(ScrapeMetrics(server_->metrics_address()),
+                        "attention_session_steps_total", {{"model", "mh_torch_small"}}),
             kSessions * kSteps);
-  EXPECT_EQ(MetricValue(metrics, "attention_sessions_ended_total", {{"reason", "closed"}}),
-            kSessions);
 }
 
 TEST_F(SessionTest, ErrorsAreAnsweredInPlaceAndLeaveTheSessionAsItWas) {
@@ -318,8 +321,13 @@ TEST_F(SessionTest, LimitsRefuseWithTheirNameAndOtherSessionsGoOn) {
   const v1::SessionResponse other = second.Step(Rows(tokens, 0, 3));
   ASSERT_FALSE(other.has_error()) << other.error().message();
   EXPECT_TRUE(first.Close().ok());
-  // A closed session's place is free again.
-  EXPECT_FALSE(third.Open(SelfOpen("mh_torch_small")).has_error());
+  // A closed session's place is free again, once the server has seen the
+  // stream end (a moment after its client).
+  EXPECT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+    return MetricValue(text, "attention_sessions_open") == 1;
+  }));
+  const v1::SessionResponse reopened = third.Open(SelfOpen("mh_torch_small"));
+  EXPECT_FALSE(reopened.has_error()) << reopened.error().message();
   EXPECT_TRUE(second.Close().ok());
   EXPECT_TRUE(third.Close().ok());
 }
