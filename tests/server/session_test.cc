@@ -259,7 +259,7 @@ TEST_F(SessionTest, ConcurrentSessionsAnswerAsAlone) {
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(mismatches.load(), 0);
   // The server ends each session a moment after its client saw the stream end.
-  EXPECT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+  EXPECT_TRUE(WaitForMetrics(server_->metrics_address(), [&](const std::string& text) {
     return MetricValue(text, "attention_sessions_ended_total", {{"reason", "closed"}}) ==
            kSessions;
   }));
