@@ -3,7 +3,8 @@ multi_head model with E=512 and 8 heads) through one attention-server, the
 same run, four ways: a session from the Python client (AttendSession), the
 prefix resent every step (Attend, causal), and through the Open Inference
 Protocol with Triton's sequence parameters against ModelInfer resending the
-prefix. Reports wall time, the server's CPU time (utime + stime from
+prefix; and, as the request pipeline's floor, 512 one-token Attend calls
+without any prefix (not a decode: each token attends to itself only). Reports wall time, the server's CPU time (utime + stime from
 /proc) and the bytes of the request messages sent, and checks that the last
 step's output equals the last row of the causal Attend on the whole prefix.
 
@@ -138,6 +139,13 @@ def run(steps, address, pid, pb, pb_grpc):
             last = last_row(infer(request))
         return last, sent
 
+    def one_token():
+        sent = 0
+        for t in range(steps):
+            last = client.attend(tokens[:, t:t + 1], model=MODEL).output
+            sent += tokens[:, :1].nbytes + 32
+        return last, sent
+
     def oip_prefix():
         sent = 0
         for t in range(steps):
@@ -151,8 +159,10 @@ def run(steps, address, pid, pb, pb_grpc):
         ("Python client, session (AttendSession)", session),
         ("Python client, prefix resent (Attend)", prefix),
         ("OIP ModelInfer, sequence parameters", sequence),
-        ("OIP ModelInfer, prefix resent", oip_prefix))}
+        ("OIP ModelInfer, prefix resent", oip_prefix),
+        ("Python client, one-token Attend (no prefix)", one_token))}
     reference = results["Python client, prefix resent (Attend)"]
+    del results["Python client, one-token Attend (no prefix)"]  # not the decode's answer
     for name, last in results.items():
         print(f"  {name}: last row max |diff| vs prefix Attend "
               f"{float(np.abs(last - reference).max()):.2e}")
