@@ -25,22 +25,10 @@ import grpc
 import numpy as np
 
 import attention_client
+from rest_vs_grpc import inference_pb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "mh_torch_e512_h8"
-
-
-def inference_stubs(directory):
-    """The Open Inference Protocol's generated modules, made in `directory`."""
-    from grpc_tools import protoc
-    include = os.path.join(os.path.dirname(protoc.__file__), "_proto")
-    if protoc.main(["protoc", "-I", os.path.join(ROOT, "proto"), "-I", include,
-                    f"--python_out={directory}", f"--grpc_python_out={directory}",
-                    "inference/grpc_service.proto"]) != 0:
-        raise SystemExit("protoc failed on proto/inference/grpc_service.proto")
-    sys.path.insert(0, directory)
-    from inference import grpc_service_pb2, grpc_service_pb2_grpc
-    return grpc_service_pb2, grpc_service_pb2_grpc
 
 
 def server_cpu_seconds(pid):
@@ -100,7 +88,7 @@ def main():
     parser.add_argument("--steps", type=int, default=512)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        pb, pb_grpc = inference_stubs(directory)
+        pb, pb_grpc = inference_pb(directory)
         process, address = start_server(args.server, directory)
         try:
             run(args.steps, address, process.pid, pb, pb_grpc)

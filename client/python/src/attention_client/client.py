@@ -205,9 +205,14 @@ class AttentionClient:
         Raises AttendError when the server refuses to open it (its code:
         NOT_FOUND, INVALID_ARGUMENT, RESOURCE_EXHAUSTED naming the limit).
         """
-        request = session_module.open_request(
-            pb2, model, memory=memory, batch=batch, keys=keys, values=values,
-            valid_lens=valid_lens, scale=scale, version=version, float32=_float32)
+        if memory not in session_module.MEMORY:
+            raise ValueError(f"memory must be 'self' or 'cross'; got {memory!r}")
+        header = _with_options(pb2.SessionOpen(model=model, memory=session_module.MEMORY[memory],
+                                               batch=batch), valid_lens, scale, version)
+        request = session_module.open_request(header, [
+            wire.tensor_parts(number, _float32(array, name))
+            for name, number, array in (("keys", 5, keys), ("values", 6, values))
+            if array is not None])
         return session_module.Session(self._attend_session, pb2, request, timeout=timeout,
                                       metadata=self._metadata)
 
@@ -275,20 +280,27 @@ def _request_bytes(queries, keys=None, values=None, *, model="dot_product", vali
     memory (protobuf lets fields come in any order)."""
     if queries is None:
         raise ValueError("queries is required: an array (B, n_q, d_q)")
-    request = pb2.AttendRequest(model=model, causal=causal,
-                                return_attention_weights=return_attention_weights,
-                                request_id=request_id)
+    request = _with_options(pb2.AttendRequest(model=model, causal=causal,
+                                              return_attention_weights=return_attention_weights,
+                                              request_id=request_id),
+                            valid_lens, scale, version)
+    parts = [request.SerializeToString()]
+    for (name, number), array in zip(_REQUEST_TENSORS, (queries, keys, values)):
+        if array is not None:
+            parts += wire.tensor_parts(number, _float32(array, name))
+    return b"".join(parts)
+
+
+def _with_options(request, valid_lens, scale, version):
+    """`request` (an AttendRequest or a SessionOpen) with the optional fields
+    both share set."""
     if valid_lens is not None:
         request.valid_lens.extend(np.asarray(valid_lens).ravel().astype(np.int64).tolist())
     if scale is not None:
         request.scale = scale
     if version is not None:
         request.version = version
-    parts = [request.SerializeToString()]
-    for (name, number), array in zip(_REQUEST_TENSORS, (queries, keys, values)):
-        if array is not None:
-            parts += wire.tensor_parts(number, _float32(array, name))
-    return b"".join(parts)
+    return request
 
 
 def attend_request(queries, keys=None, values=None, **kwargs):

@@ -19,7 +19,8 @@ from .errors import AttendError, status_error
 _OPEN, _STEP = 1, 2
 _STEP_QUERIES = 1
 _OUTPUT, _WEIGHTS = 1, 2
-_MEMORY = {"self": 0, "cross": 1}
+# SessionMemory by the name session() takes.
+MEMORY = {"self": 0, "cross": 1}
 
 
 class StepResult(NamedTuple):
@@ -68,10 +69,8 @@ class Session:
             raise ValueError(f"rows must have 3 dimensions (B, n_new, d); got shape {array.shape}")
         step = wire.tensor_parts(_STEP_QUERIES, array)
         if return_attention_weights:
-            step.insert(0, b"\x10\x01")
-        size = sum(len(part) if isinstance(part, bytes) else part.nbytes for part in step)
-        answer = self._send(b"".join([wire.varint(_STEP << 3 | wire.LEN), wire.varint(size),
-                                      *step]))
+            step.insert(0, b"\x10\x01")  # field 2, true
+        answer = self._send(b"".join(wire.message_field(_STEP, step)))
         if isinstance(answer, AttendError):
             raise answer
         header, view, tensors = answer
@@ -120,21 +119,8 @@ class Session:
         return header, view, tensors
 
 
-def open_request(pb2, model, *, memory, batch, keys, values, valid_lens, scale, version,
-                 float32):
-    """AttentionClient.session's arguments as a SessionRequest's bytes."""
-    if memory not in _MEMORY:
-        raise ValueError(f"memory must be 'self' or 'cross'; got {memory!r}")
-    request = pb2.SessionOpen(model=model, memory=_MEMORY[memory], batch=batch)
-    if valid_lens is not None:
-        request.valid_lens.extend(np.asarray(valid_lens).ravel().astype(np.int64).tolist())
-    if scale is not None:
-        request.scale = scale
-    if version is not None:
-        request.version = version
-    parts = [request.SerializeToString()]
-    for name, number, array in (("keys", 5, keys), ("values", 6, values)):
-        if array is not None:
-            parts += wire.tensor_parts(number, float32(array, name))
-    size = sum(len(part) if isinstance(part, bytes) else part.nbytes for part in parts)
-    return b"".join([wire.varint(_OPEN << 3 | wire.LEN), wire.varint(size), *parts])
+def open_request(header, tensors):
+    """A SessionRequest's bytes opening a session: `header` (a SessionOpen
+    without its tensors) and `tensors`, each the parts wire.tensor_parts made."""
+    parts = [header.SerializeToString()] + [part for tensor in tensors for part in tensor]
+    return b"".join(wire.message_field(_OPEN, parts))
