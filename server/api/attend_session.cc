@@ -33,27 +33,6 @@ struct SessionSlot {
   bool answered = false;        // OrderedStream's
 };
 
-// Lets the table end the stream at shutdown (SessionTable::OnEnd) without
-// reaching a reactor that is gone: the reactor detaches in OnDone.
-template <typename Reactor>
-class EndLink {
- public:
-  explicit EndLink(Reactor* reactor) : reactor_(reactor) {}
-  void End() {
-    absl::MutexLock lock(&mu_);
-    if (reactor_ != nullptr) reactor_->End(ToGrpcStatus(absl::UnavailableError(
-        "the server shut down after its grace period; the session's keys and values are gone")));
-  }
-  void Detach() {
-    absl::MutexLock lock(&mu_);
-    reactor_ = nullptr;
-  }
-
- private:
-  absl::Mutex mu_;
-  Reactor* reactor_ ABSL_GUARDED_BY(mu_);
-};
-
 class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
  public:
   AttendSessionReactor(Dispatcher* dispatcher, const ModelRegistry* registry,
@@ -62,7 +41,7 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
         registry_(registry),
         sessions_(sessions),
         context_(context),
-        link_(std::make_shared<EndLink<AttendSessionReactor>>(this)) {
+        link_(std::make_shared<StreamEndLink<AttendSessionReactor>>(this)) {
     Open(kAttentionApi, "AttendSession");
   }
 
@@ -108,11 +87,8 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
     absl::StatusOr<ServedModel> served = registry_->Resolve(
         open.model(), open.has_version() ? std::optional<int64_t>(open.version()) : std::nullopt);
     if (!served.ok()) return served.status();
-    std::weak_ptr<EndLink<AttendSessionReactor>> link = link_;
-    absl::StatusOr<SessionTable::Handle> handle =
-        sessions_->Open(open.model(), *served, ToSessionOpen(open), {}, [link] {
-          if (auto alive = link.lock()) alive->End();
-        });
+    absl::StatusOr<SessionTable::Handle> handle = sessions_->Open(
+        open.model(), *served, ToSessionOpen(open), {}, EndStreamAtShutdown(link_));
     if (!handle.ok()) return handle.status();
     session_ = *std::move(handle);
     model_ = open.model();
@@ -133,6 +109,7 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
                             .request_id = slot.request.request_id(),
                             .message_bytes = static_cast<int64_t>(slot.request.ByteSizeLong()),
                             .credentials_checked = true,
+                            .readable = absl::OkStatus(),
                             .continues_session = true},
         [this, &slot](const absl::StatusOr<ServedModel>&) -> absl::StatusOr<Dispatcher::Step> {
           absl::StatusOr<Session*> session = sessions_->BeginStep(session_);
@@ -175,7 +152,7 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
   const ModelRegistry* const registry_;  // not owned
   SessionTable* const sessions_;         // not owned
   grpc::CallbackServerContext* const context_;
-  const std::shared_ptr<EndLink<AttendSessionReactor>> link_;
+  const std::shared_ptr<StreamEndLink<AttendSessionReactor>> link_;
   StepChain chain_;
   // Set by the opening; read by the steps after it (the chain orders them).
   SessionTable::Handle session_;

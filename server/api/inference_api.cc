@@ -2,6 +2,7 @@
 // ModelStreamInfer reactor.
 #include "server/api/inference_api.h"
 
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -128,9 +129,18 @@ struct InferSlot {
 class InferenceApi::StreamReactor final : public AdmittedStream<InferSlot> {
  public:
   StreamReactor(InferenceApi* service, grpc::CallbackServerContext* context)
-      : AdmittedStream(service->dispatcher_, context), service_(service) {
+      : AdmittedStream(service->dispatcher_, context),
+        service_(service),
+        link_(std::make_shared<StreamEndLink<StreamReactor>>(this)) {
     Open(kInferenceApi, "ModelStreamInfer");
   }
+
+  void OnDone() override {
+    link_->Detach();
+    AdmittedStream::OnDone();
+  }
+
+  using AdmittedStream::End;
 
  private:
   void Submit(InferSlot& slot) override {
@@ -150,7 +160,7 @@ class InferenceApi::StreamReactor final : public AdmittedStream<InferSlot> {
         [this, &slot](const absl::Status& status, const AttentionResult* result) {
           Answer(slot, status, result);
         },
-        absl::OkStatus(), /*continues_session=*/true);
+        absl::OkStatus(), EndStreamAtShutdown(link_));
   }
 
   void Answer(InferSlot& slot, const absl::Status& status, const AttentionResult* result) {
@@ -171,8 +181,10 @@ class InferenceApi::StreamReactor final : public AdmittedStream<InferSlot> {
     Answered(slot);
   }
 
-  StepChain chain_;
   InferenceApi* const service_;
+  StepChain chain_;
+  // The sequences this stream opens end it at shutdown.
+  const std::shared_ptr<StreamEndLink<StreamReactor>> link_;
 };
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* InferenceApi::ModelStreamInfer(

@@ -116,7 +116,7 @@ void InferenceOperations::Infer(const CallOrigin& origin, std::string_view api,
                                 const inference::ModelInferRequest& proto, absl::Status readable,
                                 DecodedInferRequest* decoded, int64_t* served_version,
                                 bool credentials_checked, Dispatcher::Done done,
-                                absl::Status encoding, bool continues_session) {
+                                absl::Status encoding, SessionTable::OnEnd stream_end) {
   Dispatcher::Request request{.api = api,
                               .model = proto.model_name(),
                               .version = ParseModelVersion(proto.model_version()),
@@ -124,13 +124,14 @@ void InferenceOperations::Infer(const CallOrigin& origin, std::string_view api,
                               .message_bytes = static_cast<int64_t>(proto.ByteSizeLong()),
                               .served_version = served_version,
                               .credentials_checked = credentials_checked,
-                              .readable = std::move(readable),
-                              .continues_session = continues_session};
+                              .readable = std::move(readable)};
   absl::StatusOr<std::optional<SequenceParameters>> sequence =
       request.readable.ok() && encoding.ok() ? ReadSequenceParameters(proto)
                                              : std::optional<SequenceParameters>();
   if (sequence.ok() && sequence->has_value()) {
-    return InferStep(origin, request, proto, **sequence, decoded, std::move(done), encoding);
+    request.continues_session = stream_end != nullptr;
+    return InferStep(origin, request, proto, **sequence, decoded, std::move(done), encoding,
+                     stream_end);
   }
   if (!sequence.ok()) encoding = sequence.status();
   dispatcher_->Submit(
@@ -153,7 +154,8 @@ void InferenceOperations::InferStep(const CallOrigin& origin, const Dispatcher::
                                     const inference::ModelInferRequest& proto,
                                     const SequenceParameters& sequence,
                                     DecodedInferRequest* decoded, Dispatcher::Done done,
-                                    const absl::Status& encoding) {
+                                    const absl::Status& encoding,
+                                    const SessionTable::OnEnd& stream_end) {
   auto call = std::make_shared<SequenceCall>();
   const bool start = sequence.start;
   const bool end = sequence.end;
@@ -162,7 +164,7 @@ void InferenceOperations::InferStep(const CallOrigin& origin, const Dispatcher::
       [&](const absl::StatusOr<ServedModel>& resolved) -> absl::StatusOr<Dispatcher::Step> {
         if (!encoding.ok()) return encoding;
         if (absl::Status s = DecodeInferRequest(proto, decoded); !s.ok()) return s;
-        return BeginSequenceStep(proto, sequence, resolved, *decoded, *call);
+        return BeginSequenceStep(proto, sequence, resolved, *decoded, stream_end, *call);
       },
       [this, call, start, end, done = std::move(done)](const absl::Status& status,
                                                         const AttentionResult* result) {
@@ -182,7 +184,7 @@ void InferenceOperations::InferStep(const CallOrigin& origin, const Dispatcher::
 absl::StatusOr<Dispatcher::Step> InferenceOperations::BeginSequenceStep(
     const inference::ModelInferRequest& proto, const SequenceParameters& sequence,
     const absl::StatusOr<ServedModel>& resolved, const DecodedInferRequest& decoded,
-    SequenceCall& call) {
+    const SessionTable::OnEnd& stream_end, SequenceCall& call) {
   const AttentionRequest& request = decoded.request;
   const std::string key =
       std::visit([&](const auto& id) { return SequenceKey(proto.model_name(), id); }, sequence.id);
@@ -191,7 +193,7 @@ absl::StatusOr<Dispatcher::Step> InferenceOperations::BeginSequenceStep(
     if (!resolved.ok()) return resolved.status();
     absl::StatusOr<SessionOpen> open = ToSequenceOpen(request);
     if (!open.ok()) return open.status();
-    handle = sessions_->Open(proto.model_name(), *resolved, *open, key);
+    handle = sessions_->Open(proto.model_name(), *resolved, *open, key, stream_end);
   } else {
     if (absl::Status s = CheckSequenceStep(request); !s.ok()) return s;
     handle = sessions_->Find(key, SequenceName(sequence));

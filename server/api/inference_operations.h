@@ -76,13 +76,15 @@ class InferenceOperations {
   // `decoded` and `served_version` stay alive until `done` runs.
   // A request with Triton's sequence parameters is a step of the model's
   // session of that sequence id (SubmitStep), which sequence_start opens and
-  // sequence_end closes; `continues_session`: it came on a stream (see
-  // Dispatcher::Request), which sends a sequence's requests one at a time.
+  // sequence_end closes. `stream_end`: set when it came on a stream, which
+  // sends a sequence's requests one at a time: its steps are admitted while
+  // draining (Dispatcher::Request::continues_session), and a sequence it
+  // opens calls it when the server's shutdown ends the sequence.
   void Infer(const CallOrigin& origin, std::string_view api,
              const inference::ModelInferRequest& proto, absl::Status readable,
              DecodedInferRequest* decoded, int64_t* served_version, bool credentials_checked,
              Dispatcher::Done done, absl::Status encoding = absl::OkStatus(),
-             bool continues_session = false);
+             SessionTable::OnEnd stream_end = nullptr);
 
   // Whether new requests are accepted (false once draining).
   bool accepting() const { return dispatcher_->accepting(); }
@@ -99,13 +101,14 @@ class InferenceOperations {
   void InferStep(const CallOrigin& origin, const Dispatcher::Request& request,
                  const inference::ModelInferRequest& proto, const SequenceParameters& sequence,
                  DecodedInferRequest* decoded, Dispatcher::Done done,
-                 const absl::Status& encoding);
+                 const absl::Status& encoding, const SessionTable::OnEnd& stream_end);
   // The session a sequence request steps: opened by sequence_start (on
   // `resolved`), found otherwise; busy for this step.
   absl::StatusOr<Dispatcher::Step> BeginSequenceStep(const inference::ModelInferRequest& proto,
                                                      const SequenceParameters& sequence,
                                                      const absl::StatusOr<ServedModel>& resolved,
                                                      const DecodedInferRequest& decoded,
+                                                     const SessionTable::OnEnd& stream_end,
                                                      SequenceCall& call);
   // The ready versions of `name`, ascending.
   std::vector<int64_t> ReadyVersions(std::string_view name) const;

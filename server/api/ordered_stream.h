@@ -154,4 +154,26 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   grpc::Status end_status_ ABSL_GUARDED_BY(mu_);
 };
 
+// Lets something outside a stream end it with End() (a session the server
+// ended at shutdown, SessionTable::OnEnd) without reaching a reactor that is
+// gone: the reactor calls Detach() in its OnDone, and the outside holds the
+// link by std::weak_ptr. `Reactor` exposes End().
+template <typename Reactor>
+class StreamEndLink {
+ public:
+  explicit StreamEndLink(Reactor* reactor) : reactor_(reactor) {}
+  void End(const grpc::Status& status) {
+    absl::MutexLock lock(&mu_);
+    if (reactor_ != nullptr) reactor_->End(status);
+  }
+  void Detach() {
+    absl::MutexLock lock(&mu_);
+    reactor_ = nullptr;
+  }
+
+ private:
+  absl::Mutex mu_;
+  Reactor* reactor_ ABSL_GUARDED_BY(mu_);
+};
+
 }  // namespace attention::server

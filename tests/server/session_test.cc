@@ -413,6 +413,35 @@ TEST_F(SessionTest, ASessionKeepsItsVersionAcrossAReload) {
   EXPECT_TRUE(newer.Close().ok());
 }
 
+// A Triton sequence request: `queries` as raw FP32 with the sequence
+// parameters.
+inference::ModelInferRequest SequenceRequest(const std::string& model, const v1::Tensor& queries,
+                                             const inference::InferParameter& id, bool start,
+                                             bool end) {
+  inference::ModelInferRequest request;
+  request.set_model_name(model);
+  auto* input = request.add_inputs();
+  input->set_name("queries");
+  input->set_datatype("FP32");
+  for (int64_t size : queries.shape()) input->add_shape(size);
+  request.add_raw_input_contents(
+      std::string(reinterpret_cast<const char*>(queries.data().data()), queries.data_size() * 4));
+  (*request.mutable_parameters())["sequence_id"] = id;
+  if (start) (*request.mutable_parameters())["sequence_start"].set_bool_param(true);
+  if (end) (*request.mutable_parameters())["sequence_end"].set_bool_param(true);
+  return request;
+}
+
+v1::Tensor OutputOf(const inference::ModelInferResponse& response) {
+  v1::Tensor tensor;
+  if (response.outputs_size() == 0 || response.raw_output_contents_size() == 0) return tensor;
+  for (int64_t size : response.outputs(0).shape()) tensor.add_shape(size);
+  const std::string& raw = response.raw_output_contents(0);
+  tensor.mutable_data()->Resize(static_cast<int>(raw.size() / 4), 0.0f);
+  std::memcpy(tensor.mutable_data()->mutable_data(), raw.data(), raw.size());
+  return tensor;
+}
+
 TEST_F(SessionTest, SigtermWithSessionsOpenGivesOnlyOkAndUnavailable) {
   StartServer({"--shutdown-grace-seconds", "1"});
   constexpr int kSessions = 4;
@@ -446,7 +475,42 @@ TEST_F(SessionTest, SigtermWithSessionsOpenGivesOnlyOkAndUnavailable) {
       }
     });
   }
-  while (opened.load() < kSessions) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  // A Triton sequence on a ModelStreamInfer stream, stepped the same way.
+  threads.emplace_back([&] {
+    std::mt19937 rng(99);
+    auto infer = InferStub(server_->Channel());
+    grpc::ClientContext context;
+    auto stream = infer.ModelStreamInfer(&context);
+    inference::InferParameter id;
+    id.set_int64_param(7);
+    ++opened;
+    for (int step = 0; step < 100000; ++step) {
+      inference::ModelStreamInferResponse response;
+      if (!stream->Write(SequenceRequest("mh_torch_small", RandomTensor(1, 1, 16, rng), id,
+                                         step == 0, false)) ||
+          !stream->Read(&response)) {
+        break;
+      }
+      if (response.error_message().empty()) {
+        ++ok_steps;
+      } else if (response.error_message().rfind("UNAVAILABLE", 0) == 0) {
+        ++unavailable;
+      } else {
+        ADD_FAILURE() << response.error_message();
+        ++bad;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    const grpc::Status status = stream->Finish();
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) {
+      ADD_FAILURE() << "ModelStreamInfer ended " << status.error_code() << " "
+                    << status.error_message();
+      ++bad;
+    }
+  });
+  while (opened.load() < kSessions + 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const int before = ok_steps.load();
   server_->Signal(SIGTERM);
@@ -457,35 +521,6 @@ TEST_F(SessionTest, SigtermWithSessionsOpenGivesOnlyOkAndUnavailable) {
   // Steps went on during the grace period.
   EXPECT_GT(ok_steps.load(), before);
   EXPECT_THAT(server_->Log(), HasSubstr("sessions still open"));
-}
-
-// A Triton sequence request: `queries` as raw FP32 with the sequence
-// parameters.
-inference::ModelInferRequest SequenceRequest(const std::string& model, const v1::Tensor& queries,
-                                             const inference::InferParameter& id, bool start,
-                                             bool end) {
-  inference::ModelInferRequest request;
-  request.set_model_name(model);
-  auto* input = request.add_inputs();
-  input->set_name("queries");
-  input->set_datatype("FP32");
-  for (int64_t size : queries.shape()) input->add_shape(size);
-  request.add_raw_input_contents(
-      std::string(reinterpret_cast<const char*>(queries.data().data()), queries.data_size() * 4));
-  (*request.mutable_parameters())["sequence_id"] = id;
-  if (start) (*request.mutable_parameters())["sequence_start"].set_bool_param(true);
-  if (end) (*request.mutable_parameters())["sequence_end"].set_bool_param(true);
-  return request;
-}
-
-v1::Tensor OutputOf(const inference::ModelInferResponse& response) {
-  v1::Tensor tensor;
-  if (response.outputs_size() == 0 || response.raw_output_contents_size() == 0) return tensor;
-  for (int64_t size : response.outputs(0).shape()) tensor.add_shape(size);
-  const std::string& raw = response.raw_output_contents(0);
-  tensor.mutable_data()->Resize(static_cast<int>(raw.size() / 4), 0.0f);
-  std::memcpy(tensor.mutable_data()->mutable_data(), raw.data(), raw.size());
-  return tensor;
 }
 
 TEST_F(SessionTest, TritonSequencesThroughModelInfer) {
