@@ -131,12 +131,10 @@ void Dispatcher::Drain() {
 void Dispatcher::Submit(const CallOrigin& origin, Request request, Decode decode, Done done) {
   const bool credentials_checked = request.credentials_checked;
   std::unique_ptr<Task> task = NewTask(origin, std::move(request), std::move(done));
-  if (!credentials_checked) {
-    if (absl::Status auth = origin.Authenticate(access_); !auth.ok()) {
-      return Answer(*task, auth, nullptr);
-    }
-  }
-  Enqueue(std::move(task), decode);
+  absl::Status admitted = Authenticate(origin, credentials_checked);
+  if (admitted.ok()) admitted = Admit(*task, decode);
+  if (!admitted.ok()) return Answer(*task, admitted, nullptr);
+  Schedule(std::move(task));
 }
 
 void Dispatcher::SubmitStep(const CallOrigin& origin, Request request, DecodeStep decode,
@@ -144,15 +142,14 @@ void Dispatcher::SubmitStep(const CallOrigin& origin, Request request, DecodeSte
   const bool credentials_checked = request.credentials_checked;
   std::unique_ptr<Task> task = NewTask(origin, std::move(request), std::move(done));
   task->is_step = true;
-  if (!credentials_checked) {
-    if (absl::Status auth = origin.Authenticate(access_); !auth.ok()) {
-      return Answer(*task, auth, nullptr);
-    }
-  }
-  if (absl::Status admitted = AdmitStep(*task, decode); !admitted.ok()) {
-    return Answer(*task, admitted, nullptr);
-  }
+  absl::Status admitted = Authenticate(origin, credentials_checked);
+  if (admitted.ok()) admitted = AdmitStep(*task, decode);
+  if (!admitted.ok()) return Answer(*task, admitted, nullptr);
   Schedule(std::move(task));
+}
+
+absl::Status Dispatcher::Authenticate(const CallOrigin& origin, bool credentials_checked) const {
+  return credentials_checked ? absl::OkStatus() : origin.Authenticate(access_);
 }
 
 std::unique_ptr<Dispatcher::Task> Dispatcher::NewTask(const CallOrigin& origin, Request request,
@@ -172,13 +169,6 @@ std::unique_ptr<Dispatcher::Task> Dispatcher::NewTask(const CallOrigin& origin, 
   task->done = std::move(done);
   metrics_->inflight().Increment();
   return task;
-}
-
-void Dispatcher::Enqueue(std::unique_ptr<Task> task, Decode decode) {
-  if (absl::Status admitted = Admit(*task, decode); !admitted.ok()) {
-    return Answer(*task, admitted, nullptr);
-  }
-  Schedule(std::move(task));
 }
 
 void Dispatcher::Schedule(std::unique_ptr<Task> task) {

@@ -168,9 +168,8 @@ class Dispatcher {
   absl::StatusOr<ModelQueue*> QueueFor(std::string_view name);
   // A request, counted in flight until Answer().
   std::unique_ptr<Task> NewTask(const CallOrigin& origin, Request request, Done done);
-  // Answers `task` now when it cannot be computed, or queues it in its
-  // model's batcher.
-  void Enqueue(std::unique_ptr<Task> task, Decode decode);
+  // OK when the call's credentials are accepted or were checked before.
+  absl::Status Authenticate(const CallOrigin& origin, bool credentials_checked) const;
   // The first reason `task` cannot be queued: the server's state, its names,
   // its model and version, its decoding and validation.
   absl::Status Admit(Task& task, Decode decode);
@@ -178,7 +177,8 @@ class Dispatcher {
   absl::Status AdmitStep(Task& task, DecodeStep decode);
   // The checks before the model: the server's state, readability, names.
   absl::Status AdmitCall(const Task& task) const;
-  // Queues an admitted task in its model's batcher.
+  // Queues an admitted task in its model's batcher, or answers it now when
+  // --max-queued-bytes or the queue refuse it.
   void Schedule(std::unique_ptr<Task> task);
   // Counts `task`'s bytes against --max-queued-bytes; RESOURCE_EXHAUSTED
   // beyond it.
