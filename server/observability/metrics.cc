@@ -247,10 +247,9 @@ void ServerMetrics::CountSessionEnd(std::string_view reason) {
   sessions_ended_->Add({{"reason", std::string(reason)}}).Increment();
 }
 
-void ServerMetrics::CountSessionStep(std::string_view model, int64_t tokens) {
+ServerMetrics::SessionCounters ServerMetrics::SessionCountersFor(std::string_view model) {
   const prometheus::Labels labels{{"model", std::string(model)}};
-  session_steps_->Add(labels).Increment();
-  session_tokens_->Add(labels).Increment(static_cast<double>(tokens));
+  return {&session_steps_->Add(labels), &session_tokens_->Add(labels)};
 }
 
 void ServerMetrics::CountUnauthenticatedCall(std::string_view api) {

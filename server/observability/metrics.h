@@ -135,7 +135,13 @@ class ServerMetrics {
   void SetSessionGauges(int open, int64_t pool_used_bytes, int64_t pool_capacity_bytes);
   void CountSessionOpened(std::string_view model);
   void CountSessionEnd(std::string_view reason);
-  void CountSessionStep(std::string_view model, int64_t tokens);
+  // A model's step and token counters, looked up once per session so that
+  // a step builds no label map.
+  struct SessionCounters {
+    prometheus::Counter* steps;
+    prometheus::Counter* tokens;
+  };
+  SessionCounters SessionCountersFor(std::string_view model);
 
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 

@@ -43,6 +43,7 @@ struct SessionTable::Entry {
   std::string id;   // "s-<n>"
   std::string key;  // open_'s key: the SequenceKey, or the id
   std::string model;
+  ServerMetrics::SessionCounters counters;  // its model's steps and tokens
   ServedModel served;
   std::unique_ptr<Session> session;  // null once freed
   OnEnd on_end;
@@ -122,6 +123,7 @@ absl::StatusOr<SessionTable::Handle> SessionTable::Open(std::string_view model,
   if (!session.ok()) return NameLimits(session.status());
   auto entry = std::make_shared<Entry>();
   entry->model = std::string(model);
+  entry->counters = metrics_->SessionCountersFor(model);
   entry->served = served;
   entry->session = *std::move(session);
   entry->on_end = std::move(on_end);
@@ -178,7 +180,10 @@ void SessionTable::EndStep(const Handle& handle, int64_t tokens) {
       freed = true;
     }
   }
-  if (tokens > 0) metrics_->CountSessionStep(handle->model, tokens);
+  if (tokens > 0) {
+    handle->counters.steps->Increment();
+    handle->counters.tokens->Increment(static_cast<double>(tokens));
+  }
   if (freed || tokens > 0) UpdateGauges();
 }
 
