@@ -147,6 +147,17 @@ void Session::State::Rollback() {
   }
 }
 
+double Session::State::StepWork(const AttentionDims& dims) const {
+  const double held_rows = static_cast<double>(batch) * static_cast<double>(length);
+  double work = RequestWork(*model, dims);
+  if (model->kind == Kind::kMultiHead) {
+    work -= held_rows * static_cast<double>((key_size + value_size) * model->output_size);
+  } else if (model->kind == Kind::kAdditive) {
+    work -= held_rows * static_cast<double>(key_size * model->w_q.rows());
+  }
+  return work;
+}
+
 int64_t Session::State::held_bytes() const {
   int64_t bytes = 0;
   for (int64_t b = 0; b < batch; ++b) {
@@ -397,7 +408,7 @@ AttentionDims StepDims(const Session::State& state, const SessionStep& step) {
 }
 
 // Limits over what a step computes: its queries, output and weights, and its
-// work, where multi_head's keys held are not projected again.
+// work, in which the rows held are not projected again (State::StepWork).
 absl::Status CheckStepLimits(const Session::State& state, const SessionStep& step,
                              const AttentionDims& dims, const Limits& limits) {
   const double weights =
@@ -409,14 +420,7 @@ absl::Status CheckStepLimits(const Session::State& state, const SessionStep& ste
         absl::StrCat("queries: expected at most ", limits.max_request_elements,
                      " float elements in queries, output and weights together, got ", elements));
   }
-  const Model& model = *state.model;
-  double work = RequestWork(model, dims);
-  if (model.kind == Kind::kMultiHead) {
-    const double held = static_cast<double>(state.length);
-    work -= static_cast<double>(dims.batch) * held *
-            static_cast<double>(dims.key_size + dims.value_size) *
-            static_cast<double>(model.output_size);
-  }
+  const double work = state.StepWork(dims);
   if (limits.max_request_work > 0 && work > static_cast<double>(limits.max_request_work)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "queries: expected at most ", limits.max_request_work, " work units for one step, got ",

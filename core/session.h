@@ -113,7 +113,8 @@ class Session {
   int64_t batch() const;
   // Tokens held per example: self, the sum of the steps so far; cross, n_k.
   int64_t length() const;
-  // Bytes of the pool this session holds.
+  // Bytes of the pool this session holds. Like length(), not to be read
+  // while a step of the session runs; KvBlockPool::used_bytes() may be.
   int64_t held_bytes() const;
 
   class State;
@@ -149,9 +150,12 @@ struct ValidatedStep {
 // projection GEMM over the new rows of every step, then attention per
 // session over its blocks in place. results[s] answers steps[s]: output
 // (B, n_new, d_v or E), attention weights (B, H, n_new, n_k) if asked; its
-// status is not OK when the step stopped (its StopCheck) or the pool could
+// status is not OK when the step stopped (its StopCheck), the pool could
 // not hold the step's rows (RESOURCE_EXHAUSTED naming the pool's capacity),
-// and then that session is as before the step while the others go on.
+// the answer overflows float32 (INVALID_ARGUMENT, as Run() says), or the
+// step cannot run with the others (FAILED_PRECONDITION: a second step of
+// one session in the same call, or a session of another model), and then
+// that session is as before the step while the others go on.
 
 // INVALID_ARGUMENT naming the field (shape, batch, sizes, non-finite
 // values, the request limits), or RESOURCE_EXHAUSTED when the step would take

@@ -73,6 +73,9 @@ class Session::State {
   // session with no rows forgets the row width its first step gave it.
   void Rollback();
   int64_t held_bytes() const;
+  // Work units of a step with sizes `dims` (RequestWork), less the
+  // projections of the rows held, which the session made once.
+  double StepWork(const AttentionDims& dims) const;
 
   std::shared_ptr<const Model> model;
   KvBlockPool::Impl& pool;

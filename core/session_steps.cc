@@ -462,7 +462,7 @@ void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionR
       continue;
     }
     ShapeResult(model, steps[s], results[s]);
-    if (steps[s].stop && RequestWork(model, steps[s].dims) >= kStopPollWork) {
+    if (steps[s].stop && run.state->StepWork(steps[s].dims) >= kStopPollWork) {
       run.stop = &stop_storage.emplace_back(steps[s].stop);
     }
     runs.push_back(std::move(run));

@@ -476,6 +476,36 @@ TEST(ValidateStep, NamesTheFieldThatIsWrong) {
   EXPECT_EQ(session->length(), 0);
 }
 
+// The work limit counts what a step computes: its own projections and its
+// attention over the rows held, not projections of those rows again, so a
+// long session's single tokens pass a limit that Attend() on the prefix
+// exceeds; a step that would itself exceed it is refused.
+TEST(ValidateStep, WorkLimitCountsTheStepNotTheHeldProjections) {
+  std::mt19937 rng(44);
+  const int64_t d = 8, length = 300;
+  Limits limits;
+  limits.max_request_work = 20000;
+  const std::shared_ptr<Model> model = MultiHeadModel(rng, 2, 4, d, d, d, true);
+  Engine engine;
+  KvBlockPool pool(int64_t{1} << 24);
+  std::unique_ptr<Session> session = *Session::Open(model, pool, SelfOpen());
+  const std::vector<float> tokens = RandomData(rng, length * d);
+  for (int64_t t = 0; t < length; ++t) {
+    const SessionStep step = StepOf({{1, 1, d}, std::span(tokens).subspan(t * d, d)}, false);
+    absl::StatusOr<ValidatedStep> validated = ValidateStep(*session, step, limits);
+    ASSERT_TRUE(validated.ok()) << "token " << t << ": " << validated.status();
+    AttentionResult result;
+    engine.RunSteps({&*validated, 1}, {&result, 1});
+    ASSERT_TRUE(result.status.ok()) << result.status;
+  }
+  const AttentionRequest prefix = RequestOf({{1, length, d}, tokens}, false);
+  EXPECT_EQ(Validate(*model, prefix, limits).status().code(), absl::StatusCode::kInvalidArgument);
+  const SessionStep large = StepOf({{1, 100, d}, std::span(tokens).first(100 * d)}, false);
+  const absl::StatusOr<ValidatedStep> refused = ValidateStep(*session, large, limits);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("work units"), std::string::npos) << refused.status();
+}
+
 TEST(SessionOpen, KeepsItsModelVersion) {
   std::mt19937 rng(43);
   KvBlockPool pool(1 << 20);
