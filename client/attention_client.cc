@@ -235,6 +235,13 @@ void AttentionClient::InferAsync(const inference::ModelInferRequest* request,
   });
 }
 
+std::unique_ptr<grpc::ClientReaderWriter<attention::v1::SessionRequest,
+                                         attention::v1::SessionResponse>>
+AttentionClient::AttendSession(grpc::ClientContext& context) {
+  Prepare(context, absl::InfiniteDuration());
+  return stream_stub_->AttendSession(&context);
+}
+
 absl::StatusOr<AttentionClient::StreamResults> AttentionClient::AttendStream(
     std::span<const AttendRequest> requests) {
   return AttendStream(requests, options_.timeout);

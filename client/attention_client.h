@@ -91,6 +91,12 @@ class AttentionClient {
   absl::StatusOr<StreamResults> AttendStream(
       std::span<const attention::v1::AttendRequest> requests, absl::Duration timeout);
 
+  // An AttendSession stream (docs/api.md section 11) on `context`, which the
+  // caller keeps until the stream is finished; with the token, no deadline.
+  std::unique_ptr<grpc::ClientReaderWriter<attention::v1::SessionRequest,
+                                           attention::v1::SessionResponse>>
+  AttendSession(grpc::ClientContext& context);
+
   absl::StatusOr<attention::v1::ListModelsResponse> ListModels();
 
   // grpc.health.v1.Health/Check for `service` ("" = the whole server).

@@ -252,6 +252,17 @@ Subcommand AddBench(CLI::App& app) {
       ->check(CLI::IsMember({"attention", "inference"}))
       ->capture_default_str();
   bench->add_flag("--json", flags->command.json, "Print only one JSON object on stdout");
+  bench->add_option("--sessions", flags->command.sessions,
+                    "Session mode: this many concurrent decoding sessions (AttendSession) of "
+                    "--model, each stepping --steps-per-session times; reports steps/s, "
+                    "tokens/s and step latency (0: off)")
+      ->capture_default_str();
+  bench->add_option("--steps-per-session", flags->command.steps_per_session,
+                    "Session mode: steps of each session")
+      ->capture_default_str();
+  bench->add_option("--tokens-per-step", flags->command.tokens_per_step,
+                    "Session mode: new token rows per step")
+      ->capture_default_str();
   return {bench, [flags](AttentionClient& client, const ClientOptions& options) {
             attention::client::BenchCommand command = flags->command;
             command.target = options.target;

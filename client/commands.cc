@@ -166,7 +166,31 @@ int RunAttendStream(AttentionClient& client, const std::string& input) {
   return kExitFailed;
 }
 
+int RunSessionBench(AttentionClient& client, const BenchCommand& command) {
+  const SessionBenchOptions options{.model = command.shape.model,
+                                    .sessions = command.sessions,
+                                    .steps = command.steps_per_session,
+                                    .tokens_per_step = command.tokens_per_step,
+                                    .dim = command.shape.dim};
+  if (absl::Status valid = ValidateSessionBench(options); !valid.ok()) return BadInput(valid);
+  absl::StatusOr<attention::v1::ListModelsResponse> models = client.ListModels();
+  if (!models.ok()) return Fail(models.status());
+  int64_t query_size = -1;
+  for (const attention::v1::ModelInfo& model : models->models()) {
+    if (model.name() == options.model) query_size = model.query_size();
+  }
+  if (query_size < 0) {
+    return BadInput(absl::NotFoundError(
+        absl::StrFormat("--model '%s' is not served (`attention-client models`)", options.model)));
+  }
+  const SessionBenchResult result = RunSessions(client, options, query_size);
+  std::cout << (command.json ? FormatSessionJson(command.target, options, result) + "\n"
+                             : FormatSessionReport(command.target, options, result));
+  return result.steps > result.errors ? kExitOk : kExitFailed;
+}
+
 int RunBench(AttentionClient& client, const BenchCommand& command) {
+  if (command.sessions > 0) return RunSessionBench(client, command);
   if (absl::Status valid = LoadGenerator::Validate(command.load); !valid.ok()) {
     return BadInput(valid);
   }

@@ -8,6 +8,7 @@
 #include "client/attention_client.h"
 #include "client/load_generator.h"
 #include "client/request_generator.h"
+#include "client/session_bench.h"
 
 namespace attention::client {
 
@@ -53,6 +54,11 @@ struct BenchCommand {
   // Inference Protocol ModelInfer calls (raw contents).
   std::string api = "attention";
   bool json = false;
+  // Above 0: session mode (session_bench.h), this many sessions of
+  // shape.model with shape.dim; the load and request options are unused.
+  int sessions = 0;
+  int steps_per_session = 512;
+  int tokens_per_step = 1;
 };
 
 // Runs the load; prints the report (or only the JSON object with `json`),

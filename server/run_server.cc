@@ -33,6 +33,7 @@
 #include "grpcpp/impl/server_builder_plugin.h"
 #include "prometheus/exposer.h"
 #include "server/api/attention_api.h"
+#include "server/sessions/session_table.h"
 #include "server/api/inference_api.h"
 #include "server/api/inference_operations.h"
 #include "server/api/http_transport.h"
@@ -60,6 +61,9 @@ constexpr const char* kHealthServiceNames[] = {"attention.v1.AttentionService",
                                                "inference.GRPCInferenceService"};
 // Least time from NOT_SERVING to the end of the process (see RunServer).
 constexpr absl::Duration kFlushPause = absl::Milliseconds(100);
+// Time the streams of sessions ended after the grace period get to answer
+// their steps in flight and finish UNAVAILABLE.
+constexpr absl::Duration kSessionEndPause = absl::Seconds(5);
 
 // "0.0.0.0:0" with port 51234 bound -> "0.0.0.0:51234".
 std::string WithPort(const std::string& address, int port) {
@@ -193,6 +197,7 @@ struct RunningServer {
   RepositoryListing initial;
   std::unique_ptr<Engine> engine;
   std::unique_ptr<Dispatcher> dispatcher;
+  std::unique_ptr<SessionTable> sessions;
   // Refusals of the early token check, logged as the dispatcher logs its own
   // (at most Dispatcher::kRefusalLinesPerSecond lines a second).
   RefusalLogLimiter unauthenticated_log{Dispatcher::kRefusalLinesPerSecond};
@@ -329,7 +334,8 @@ absl::Status StartGrpc(const ServerConfig& config, RunningServer& s) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(config.address, s.credentials, &port);
-  s.attention_api = std::make_unique<AttentionApi>(s.dispatcher.get(), &s.registry);
+  s.attention_api =
+      std::make_unique<AttentionApi>(s.dispatcher.get(), &s.registry, s.sessions.get());
   s.inference_api =
       std::make_unique<InferenceApi>(s.dispatcher.get(), s.inference_operations.get());
   builder.RegisterService(s.attention_api.get());
@@ -520,9 +526,11 @@ absl::Status Start(const ServerConfig& config, RunningServer& s) {
       Dispatcher::Create(&s.registry, s.engine.get(), s.metrics.get(), s.dispatch_options);
   if (!dispatcher.ok()) return dispatcher.status();
   s.dispatcher = *std::move(dispatcher);
+  s.sessions = std::make_unique<SessionTable>(config.sessions, config.limits, s.metrics.get());
   s.inference_operations = std::make_unique<InferenceOperations>(
       s.dispatcher.get(), &s.registry,
-      config.model_control == "explicit" ? s.manager.get() : nullptr, s.metrics.get());
+      config.model_control == "explicit" ? s.manager.get() : nullptr, s.metrics.get(),
+      s.sessions.get());
   if (config.warmup) {
     s.dispatcher->SetWarmedUp(false);
     s.manager->SetWarmUp([&config, &s](const Model& model, int64_t version) {
@@ -608,6 +616,7 @@ void Shutdown(const ServerConfig& config, RunningServer& s, int signal_number) {
   // (UNAVAILABLE, and NOT_SERVING to health checks), which clients retry
   // elsewhere. The delay gives load balancers time to see NOT_SERVING before
   // the listener goes; accepted calls go on computing meanwhile.
+  s.sessions->StopOpening();
   s.dispatcher->StopAccepting();
   absl::SleepFor(absl::Seconds(config.drain_delay_seconds));
   const absl::Time grace_end = absl::Now() + absl::Seconds(config.shutdown_grace_seconds);
@@ -616,6 +625,14 @@ void Shutdown(const ServerConfig& config, RunningServer& s, int signal_number) {
   // closed their connections with answers undelivered (clients saw
   // "Connection reset by peer", 3 to 10 shutdowns in 100 under stream load).
   if (s.dispatcher->WaitForIdle(grace_end)) ExitDrained(s, not_serving_since);
+  // Sessions still open keep their streams open: they end now, UNAVAILABLE
+  // once the steps in flight are answered, and their streams finish.
+  if (const int ended = s.sessions->EndAll(); ended > 0) {
+    spdlog::info("{} sessions still open after --shutdown-grace-seconds end now", ended);
+    if (s.dispatcher->WaitForIdle(absl::Now() + kSessionEndPause)) {
+      ExitDrained(s, not_serving_since);
+    }
+  }
   CancelOpenCalls(s);
 }
 

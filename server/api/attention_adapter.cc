@@ -33,6 +33,30 @@ AttentionRequest ToAttentionRequest(const v1::AttendRequest& proto) {
   return request;
 }
 
+SessionOpen ToSessionOpen(const v1::SessionOpen& proto) {
+  SessionOpen open;
+  open.memory = proto.memory() == v1::SESSION_MEMORY_CROSS ? SessionMemory::kCross
+                                                            : SessionMemory::kSelf;
+  open.batch = proto.batch() == 0 ? 1 : proto.batch();
+  if (proto.has_keys()) open.keys = View(proto.keys());
+  if (proto.has_values()) open.values = View(proto.values());
+  open.valid_lens = std::span<const int32_t>(proto.valid_lens().data(), proto.valid_lens().size());
+  if (proto.has_scale()) open.scale = proto.scale();
+  return open;
+}
+
+SessionStep ToSessionStep(const v1::SessionStep& proto) {
+  return SessionStep{.queries = View(proto.queries()),
+                     .return_attention_weights = proto.return_attention_weights()};
+}
+
+void ToSessionResponse(const AttentionResult& result, v1::SessionResponse* response) {
+  ToProto(result.output, response->mutable_output());
+  if (!result.attention_weights.shape.empty()) {
+    ToProto(result.attention_weights, response->mutable_attention_weights());
+  }
+}
+
 void ToAttendResponse(const AttentionResult& result, v1::AttendResponse* response) {
   ToProto(result.output, response->mutable_output());
   if (!result.attention_weights.shape.empty()) {

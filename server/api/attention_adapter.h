@@ -19,6 +19,7 @@
 #include "core/engine.h"
 #include "core/model.h"
 #include "core/request.h"
+#include "core/session.h"
 #include "grpcpp/support/status.h"
 
 namespace attention::server {
@@ -27,8 +28,14 @@ namespace attention::server {
 // std::nullopt (the self-attention shorthand); `scale` keeps its presence.
 AttentionRequest ToAttentionRequest(const v1::AttendRequest& proto);
 
+// A session's opening and steps, viewing `proto` likewise. The opening's
+// `batch` 0 means 1.
+SessionOpen ToSessionOpen(const v1::SessionOpen& proto);
+SessionStep ToSessionStep(const v1::SessionStep& proto);
+
 // Fills `output` (and `attention_weights` when it is non-empty).
 void ToAttendResponse(const AttentionResult& result, v1::AttendResponse* response);
+void ToSessionResponse(const AttentionResult& result, v1::SessionResponse* response);
 
 // Same code, same message. gRPC and absl share the canonical code numbering.
 grpc::Status ToGrpcStatus(const absl::Status& status);

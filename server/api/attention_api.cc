@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "server/api/attend_session.h"
 #include "server/api/attention_adapter.h"
 #include "server/api/grpc_call.h"
 #include "server/api/repository_views.h"
@@ -110,6 +111,11 @@ grpc::ServerUnaryReactor* AttentionApi::Attend(grpc::CallbackServerContext* cont
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionApi::AttendStream(
     grpc::CallbackServerContext* context) {
   return new AttendStreamReactor(dispatcher_, context);
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionApi::AttendSession(
+    grpc::CallbackServerContext* context) {
+  return NewAttendSession(dispatcher_, registry_, sessions_, context);
 }
 
 grpc::ServerUnaryReactor* AttentionApi::ListModels(grpc::CallbackServerContext* context,

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -19,6 +20,7 @@
 #include "server/dispatch/call_origin.h"
 #include "server/dispatch/dispatcher.h"
 #include "server/security/access_policy.h"
+#include "server/sessions/session_table.h"
 
 namespace attention::server {
 
@@ -131,6 +133,20 @@ class AdmittedStream : public OrderedStream<Slot> {
   const GrpcCallOrigin origin_;
   bool open_ = false;  // set before anything can call OnDone
 };
+
+// What a session opened on a stream does when the server's shutdown ends it
+// (SessionTable::OnEnd): its stream finishes UNAVAILABLE once the answers
+// read so far are written.
+template <typename Reactor>
+SessionTable::OnEnd EndStreamAtShutdown(const std::shared_ptr<StreamEndLink<Reactor>>& link) {
+  return [weak = std::weak_ptr<StreamEndLink<Reactor>>(link)] {
+    if (auto alive = weak.lock()) {
+      alive->End(ToGrpcStatus(absl::UnavailableError(
+          "the server shut down after its grace period; its sessions' keys and values are "
+          "gone")));
+    }
+  };
+}
 
 // A unary call answered inside its handler: parses the request, runs
 // (api->*handle)(origin, request, &response), which gives the call's status,

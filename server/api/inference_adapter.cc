@@ -250,6 +250,32 @@ absl::Status ReadParameters(const inference::ModelInferRequest& proto,
   return absl::OkStatus();
 }
 
+// A sequence_id as the request gives it: an integer (int64 or uint64) or a
+// string; 0 and "" name no sequence.
+absl::StatusOr<std::optional<std::variant<int64_t, std::string>>> ReadSequenceId(
+    const inference::InferParameter& parameter) {
+  using Id = std::variant<int64_t, std::string>;
+  switch (parameter.parameter_choice_case()) {
+    case inference::InferParameter::kInt64Param:
+      if (parameter.int64_param() == 0) return std::nullopt;
+      return std::optional<Id>(parameter.int64_param());
+    case inference::InferParameter::kUint64Param:
+      if (parameter.uint64_param() == 0) return std::nullopt;
+      if (parameter.uint64_param() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return absl::InvalidArgumentError(absl::StrCat("parameters '", kSequenceIdParameter,
+                                                       "': expected at most 2^63-1, got ",
+                                                       parameter.uint64_param()));
+      }
+      return std::optional<Id>(static_cast<int64_t>(parameter.uint64_param()));
+    case inference::InferParameter::kStringParam:
+      if (parameter.string_param().empty()) return std::nullopt;
+      return std::optional<Id>(parameter.string_param());
+    default:
+      return ParameterError(kSequenceIdParameter, "int64_param, uint64_param or string_param",
+                            parameter);
+  }
+}
+
 // An empty list means the default output only; a list means exactly those.
 absl::Status ReadRequestedOutputs(const inference::ModelInferRequest& proto,
                                   DecodedInferRequest* decoded) {
@@ -392,6 +418,33 @@ absl::Status DecodeInferRequest(const inference::ModelInferRequest& proto,
   request.valid_lens = decoded->valid_lens;
   request.return_attention_weights = decoded->returns_weights;
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<SequenceParameters>> ReadSequenceParameters(
+    const inference::ModelInferRequest& proto) {
+  SequenceParameters sequence;
+  std::optional<std::variant<int64_t, std::string>> id;
+  for (const auto& [name, parameter] : proto.parameters()) {
+    if (name == kSequenceIdParameter) {
+      absl::StatusOr<std::optional<std::variant<int64_t, std::string>>> read =
+          ReadSequenceId(parameter);
+      if (!read.ok()) return read.status();
+      id = *std::move(read);
+    } else if (name == kSequenceStartParameter || name == kSequenceEndParameter) {
+      if (!parameter.has_bool_param()) return ParameterError(name, "bool_param", parameter);
+      (name == kSequenceStartParameter ? sequence.start : sequence.end) = parameter.bool_param();
+    }
+  }
+  if (!id.has_value()) {
+    if (sequence.start || sequence.end) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameters '", sequence.start ? kSequenceStartParameter : kSequenceEndParameter,
+          "': expected with a non-zero '", kSequenceIdParameter, "', got none"));
+    }
+    return std::nullopt;
+  }
+  sequence.id = *std::move(id);
+  return std::optional<SequenceParameters>(std::move(sequence));
 }
 
 void EncodeInferResponse(const inference::ModelInferRequest& proto,

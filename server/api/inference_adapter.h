@@ -19,7 +19,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -43,6 +45,24 @@ inline constexpr char kWeightsOutput[] = "attention_weights";
 inline constexpr char kCausalParameter[] = "causal";
 inline constexpr char kScaleParameter[] = "scale";
 inline constexpr char kReturnWeightsParameter[] = "return_attention_weights";
+// Triton's sequence parameters (docs/api.md, "Sequences").
+inline constexpr char kSequenceIdParameter[] = "sequence_id";
+inline constexpr char kSequenceStartParameter[] = "sequence_start";
+inline constexpr char kSequenceEndParameter[] = "sequence_end";
+
+// A request's place in a sequence.
+struct SequenceParameters {
+  std::variant<int64_t, std::string> id;
+  bool start = false;
+  bool end = false;
+};
+
+// The request's sequence: nullopt when it names none (no sequence_id, or 0
+// or "", which Triton reads as none). INVALID_ARGUMENT naming the parameter
+// when one has the wrong type, or sequence_start or sequence_end come
+// without a sequence_id.
+absl::StatusOr<std::optional<SequenceParameters>> ReadSequenceParameters(
+    const inference::ModelInferRequest& proto);
 
 // A decoded ModelInferRequest. `request` views the tensors held here, so the
 // object stays where it was decoded (no copies, no moves).

@@ -2,6 +2,7 @@
 // ModelStreamInfer reactor.
 #include "server/api/inference_api.h"
 
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -9,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/api/grpc_call.h"
 #include "server/api/inference_adapter.h"
+#include "server/api/step_chain.h"
 
 namespace attention::server {
 namespace {
@@ -117,6 +119,8 @@ struct InferSlot {
   inference::ModelStreamInferResponse response;
   grpc::ByteBuffer wire_response;
   int64_t served_version = 0;
+  absl::Status readable;  // whether wire_request parsed
+  bool chained = false;   // a sequence request, run in the stream's StepChain
   bool answered = false;  // OrderedStream's
 };
 
@@ -125,20 +129,38 @@ struct InferSlot {
 class InferenceApi::StreamReactor final : public AdmittedStream<InferSlot> {
  public:
   StreamReactor(InferenceApi* service, grpc::CallbackServerContext* context)
-      : AdmittedStream(service->dispatcher_, context), service_(service) {
+      : AdmittedStream(service->dispatcher_, context),
+        service_(service),
+        link_(std::make_shared<StreamEndLink<StreamReactor>>(this)) {
     Open(kInferenceApi, "ModelStreamInfer");
   }
+
+  void OnDone() override {
+    link_->Detach();
+    AdmittedStream::OnDone();
+  }
+
+  using AdmittedStream::End;
 
  private:
   void Submit(InferSlot& slot) override {
     // Credentials were checked once, when the stream opened.
-    absl::Status readable = ParseWire(&slot.wire_request, &slot.request);
+    slot.readable = ParseWire(&slot.wire_request, &slot.request);
+    // A sequence's requests each need the one before them done; the
+    // stream's sequence requests therefore run one after another.
+    slot.chained = slot.readable.ok() && slot.request.parameters().contains(kSequenceIdParameter);
+    if (!slot.chained) return Infer(slot);
+    chain_.Run([this, &slot] { Infer(slot); });
+  }
+
+  void Infer(InferSlot& slot) {
     service_->operations_->Infer(
-        origin(), kInferenceApi, slot.request, std::move(readable), &slot.decoded,
-        &slot.served_version, /*credentials_checked=*/true,
+        origin(), kInferenceApi, slot.request, slot.readable, &slot.decoded, &slot.served_version,
+        /*credentials_checked=*/true,
         [this, &slot](const absl::Status& status, const AttentionResult* result) {
           Answer(slot, status, result);
-        });
+        },
+        absl::OkStatus(), EndStreamAtShutdown(link_));
   }
 
   void Answer(InferSlot& slot, const absl::Status& status, const AttentionResult* result) {
@@ -153,10 +175,16 @@ class InferenceApi::StreamReactor final : public AdmittedStream<InferSlot> {
       answer.set_id(slot.request.id());
     }
     WriteWire(slot.response, &slot.wire_response);
+    // Before the answer is marked: once every answer is, the stream may
+    // finish and delete itself.
+    if (slot.chained) chain_.Done();
     Answered(slot);
   }
 
   InferenceApi* const service_;
+  StepChain chain_;
+  // The sequences this stream opens end it at shutdown.
+  const std::shared_ptr<StreamEndLink<StreamReactor>> link_;
 };
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* InferenceApi::ModelStreamInfer(

@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <variant>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -30,6 +31,52 @@ inference::StatisticDuration Duration(uint64_t count, double seconds) {
 inference::StatisticDuration FromHistogram(prometheus::Histogram& histogram) {
   const prometheus::ClientMetric sample = histogram.Collect();
   return Duration(sample.histogram.sample_count, sample.histogram.sample_sum);
+}
+
+// The session a sequence_start request opens: cross memory when it carries
+// `keys` (with `values` and `valid_lens`), self memory otherwise, whose
+// batch is the queries'; `scale` for every step.
+absl::StatusOr<SessionOpen> ToSequenceOpen(const AttentionRequest& request) {
+  SessionOpen open;
+  open.scale = request.scale;
+  if (request.keys.has_value()) {
+    open.memory = SessionMemory::kCross;
+    open.keys = request.keys;
+    open.values = request.values;
+    open.valid_lens = request.valid_lens;
+    return open;
+  }
+  if (request.values.has_value() || !request.valid_lens.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inputs: '", request.values.has_value() ? kValuesInput : kValidLensInput,
+        "' on a sequence_start without '", kKeysInput,
+        "': a self-attention sequence takes only '", kQueriesInput, "'"));
+  }
+  open.memory = SessionMemory::kSelf;
+  open.batch = request.queries.shape.size() == 3 ? request.queries.shape[0] : 1;
+  return open;
+}
+
+// A later request of a sequence brings only its queries.
+absl::Status CheckSequenceStep(const AttentionRequest& request) {
+  const char* extra = request.keys.has_value()     ? kKeysInput
+                      : request.values.has_value() ? kValuesInput
+                      : !request.valid_lens.empty() ? kValidLensInput
+                                                    : nullptr;
+  if (extra == nullptr && !request.scale.has_value()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      extra != nullptr ? absl::StrCat("inputs: '", extra, "'") : "parameters 'scale'",
+      " only on the sequence_start request (the sequence keeps what it opened with); got it "
+      "without sequence_start"));
+}
+
+// "sequence_id 7" or "sequence_id 'abc'", for messages.
+std::string SequenceName(const SequenceParameters& sequence) {
+  if (const int64_t* id = std::get_if<int64_t>(&sequence.id)) {
+    return absl::StrCat(kSequenceIdParameter, " ", *id);
+  }
+  return absl::StrCat(kSequenceIdParameter, " '", Printable(std::get<std::string>(sequence.id)),
+                      "'");
 }
 
 }  // namespace
@@ -69,23 +116,98 @@ void InferenceOperations::Infer(const CallOrigin& origin, std::string_view api,
                                 const inference::ModelInferRequest& proto, absl::Status readable,
                                 DecodedInferRequest* decoded, int64_t* served_version,
                                 bool credentials_checked, Dispatcher::Done done,
-                                absl::Status encoding) {
+                                absl::Status encoding, SessionTable::OnEnd stream_end) {
+  Dispatcher::Request request{.api = api,
+                              .model = proto.model_name(),
+                              .version = ParseModelVersion(proto.model_version()),
+                              .request_id = proto.id(),
+                              .message_bytes = static_cast<int64_t>(proto.ByteSizeLong()),
+                              .served_version = served_version,
+                              .credentials_checked = credentials_checked,
+                              .readable = std::move(readable)};
+  absl::StatusOr<std::optional<SequenceParameters>> sequence =
+      request.readable.ok() && encoding.ok() ? ReadSequenceParameters(proto)
+                                             : std::optional<SequenceParameters>();
+  if (sequence.ok() && sequence->has_value()) {
+    request.continues_session = stream_end != nullptr;
+    return InferStep(origin, request, proto, **sequence, decoded, std::move(done), encoding,
+                     stream_end);
+  }
+  if (!sequence.ok()) encoding = sequence.status();
   dispatcher_->Submit(
-      origin,
-      Dispatcher::Request{.api = api,
-                          .model = proto.model_name(),
-                          .version = ParseModelVersion(proto.model_version()),
-                          .request_id = proto.id(),
-                          .message_bytes = static_cast<int64_t>(proto.ByteSizeLong()),
-                          .served_version = served_version,
-                          .credentials_checked = credentials_checked,
-                          .readable = std::move(readable)},
+      origin, std::move(request),
       [&proto, decoded, &encoding]() -> absl::StatusOr<AttentionRequest> {
         if (!encoding.ok()) return encoding;
         if (absl::Status s = DecodeInferRequest(proto, decoded); !s.ok()) return s;
         return decoded->request;
       },
       std::move(done));
+}
+
+// What a sequence request's answer needs: the session it stepped.
+struct InferenceOperations::SequenceCall {
+  SessionTable::Handle handle;
+  bool stepping = false;
+};
+
+void InferenceOperations::InferStep(const CallOrigin& origin, const Dispatcher::Request& request,
+                                    const inference::ModelInferRequest& proto,
+                                    const SequenceParameters& sequence,
+                                    DecodedInferRequest* decoded, Dispatcher::Done done,
+                                    const absl::Status& encoding,
+                                    const SessionTable::OnEnd& stream_end) {
+  auto call = std::make_shared<SequenceCall>();
+  const bool start = sequence.start;
+  const bool end = sequence.end;
+  dispatcher_->SubmitStep(
+      origin, request,
+      [&](const absl::StatusOr<ServedModel>& resolved) -> absl::StatusOr<Dispatcher::Step> {
+        if (!encoding.ok()) return encoding;
+        if (absl::Status s = DecodeInferRequest(proto, decoded); !s.ok()) return s;
+        return BeginSequenceStep(proto, sequence, resolved, *decoded, stream_end, *call);
+      },
+      [this, call, start, end, done = std::move(done)](const absl::Status& status,
+                                                        const AttentionResult* result) {
+        if (call->stepping) {
+          const int64_t tokens =
+              result != nullptr ? result->output.shape[0] * result->output.shape[1] : 0;
+          sessions_->EndStep(call->handle, tokens);
+          // A sequence whose opening step failed is not left half open.
+          if (end || (start && !status.ok())) {
+            sessions_->Close(call->handle, status.ok() ? SessionEnd::kClosed : SessionEnd::kFailed);
+          }
+        }
+        done(sessions_->NameLimits(status), result);
+      });
+}
+
+absl::StatusOr<Dispatcher::Step> InferenceOperations::BeginSequenceStep(
+    const inference::ModelInferRequest& proto, const SequenceParameters& sequence,
+    const absl::StatusOr<ServedModel>& resolved, const DecodedInferRequest& decoded,
+    const SessionTable::OnEnd& stream_end, SequenceCall& call) {
+  const AttentionRequest& request = decoded.request;
+  const std::string key =
+      std::visit([&](const auto& id) { return SequenceKey(proto.model_name(), id); }, sequence.id);
+  absl::StatusOr<SessionTable::Handle> handle;
+  if (sequence.start) {
+    if (!resolved.ok()) return resolved.status();
+    absl::StatusOr<SessionOpen> open = ToSequenceOpen(request);
+    if (!open.ok()) return open.status();
+    handle = sessions_->Open(proto.model_name(), *resolved, *open, key, stream_end);
+  } else {
+    if (absl::Status s = CheckSequenceStep(request); !s.ok()) return s;
+    handle = sessions_->Find(key, SequenceName(sequence));
+  }
+  if (!handle.ok()) return handle.status();
+  absl::StatusOr<Session*> session = sessions_->BeginStep(*handle);
+  if (!session.ok()) return session.status();
+  call.handle = *std::move(handle);
+  call.stepping = true;
+  return Dispatcher::Step{.session = *session,
+                          .served = SessionTable::Served(call.handle),
+                          .step = SessionStep{.queries = request.queries,
+                                              .return_attention_weights =
+                                                  request.return_attention_weights}};
 }
 
 absl::Status InferenceOperations::ServerLive(const CallOrigin&, const inference::ServerLiveRequest&,

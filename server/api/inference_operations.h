@@ -24,6 +24,7 @@
 #include "server/observability/metrics.h"
 #include "server/repository/manager.h"
 #include "server/repository/registry.h"
+#include "server/sessions/session_table.h"
 
 namespace attention::server {
 
@@ -32,8 +33,12 @@ class InferenceOperations {
   // Not owned; all must outlive this. `manager`: the explicit model control
   // of RepositoryModelLoad/Unload; nullptr refuses them.
   InferenceOperations(Dispatcher* dispatcher, const ModelRegistry* registry,
-                      RepositoryManager* manager, ServerMetrics* metrics)
-      : dispatcher_(dispatcher), registry_(registry), manager_(manager), metrics_(metrics) {}
+                      RepositoryManager* manager, ServerMetrics* metrics, SessionTable* sessions)
+      : dispatcher_(dispatcher),
+        registry_(registry),
+        manager_(manager),
+        metrics_(metrics),
+        sessions_(sessions) {}
 
   absl::Status ServerLive(const CallOrigin& origin, const inference::ServerLiveRequest& request,
                           inference::ServerLiveResponse* response) const;
@@ -69,10 +74,17 @@ class InferenceOperations {
   // body into `proto` when the model is known without it (REST's path names
   // it), answered as a decoding fault once the model is found. `proto`,
   // `decoded` and `served_version` stay alive until `done` runs.
+  // A request with Triton's sequence parameters is a step of the model's
+  // session of that sequence id (SubmitStep), which sequence_start opens and
+  // sequence_end closes. `stream_end`: set when it came on a stream, which
+  // sends a sequence's requests one at a time: its steps are admitted while
+  // draining (Dispatcher::Request::continues_session), and a sequence it
+  // opens calls it when the server's shutdown ends the sequence.
   void Infer(const CallOrigin& origin, std::string_view api,
              const inference::ModelInferRequest& proto, absl::Status readable,
              DecodedInferRequest* decoded, int64_t* served_version, bool credentials_checked,
-             Dispatcher::Done done, absl::Status encoding = absl::OkStatus());
+             Dispatcher::Done done, absl::Status encoding = absl::OkStatus(),
+             SessionTable::OnEnd stream_end = nullptr);
 
   // Whether new requests are accepted (false once draining).
   bool accepting() const { return dispatcher_->accepting(); }
@@ -84,6 +96,20 @@ class InferenceOperations {
   // The same for a caller whose credentials are accepted; their error first.
   absl::StatusOr<ServedModel> FindModelFor(const CallOrigin& origin, std::string_view name,
                                            std::string_view version) const;
+  struct SequenceCall;
+  // Infer() for a request of `sequence`.
+  void InferStep(const CallOrigin& origin, const Dispatcher::Request& request,
+                 const inference::ModelInferRequest& proto, const SequenceParameters& sequence,
+                 DecodedInferRequest* decoded, Dispatcher::Done done,
+                 const absl::Status& encoding, const SessionTable::OnEnd& stream_end);
+  // The session a sequence request steps: opened by sequence_start (on
+  // `resolved`), found otherwise; busy for this step.
+  absl::StatusOr<Dispatcher::Step> BeginSequenceStep(const inference::ModelInferRequest& proto,
+                                                     const SequenceParameters& sequence,
+                                                     const absl::StatusOr<ServedModel>& resolved,
+                                                     const DecodedInferRequest& decoded,
+                                                     const SessionTable::OnEnd& stream_end,
+                                                     SequenceCall& call);
   // The ready versions of `name`, ascending.
   std::vector<int64_t> ReadyVersions(std::string_view name) const;
   // Why `origin` may not load or unload models; OK when it may.
@@ -98,6 +124,7 @@ class InferenceOperations {
   const ModelRegistry* const registry_;  // not owned
   RepositoryManager* const manager_;     // not owned; nullptr: no explicit control
   ServerMetrics* const metrics_;         // not owned
+  SessionTable* const sessions_;         // not owned
 };
 
 }  // namespace attention::server

@@ -38,7 +38,8 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     {
       absl::MutexLock lock(&mu_);
       reading_ = false;
-      if (!ok) {
+      // A stream finished by End() drops what its read in flight brought.
+      if (!ok || finished_) {
         reads_done_ = true;
         incoming_.reset();
       } else {
@@ -90,12 +91,24 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     this->Finish(status);
   }
 
+  // Stops reading and finishes the call with `status` once the answers of
+  // the requests read so far are written (a session the server ended).
+  void End(const grpc::Status& status) {
+    {
+      absl::MutexLock lock(&mu_);
+      ending_ = true;
+      end_status_ = status;
+    }
+    Progress();
+  }
+
   // Starts whatever the state allows: the next write, the next read, or
   // Finish() once every answer is out.
   void Progress() {
     const grpc::ByteBuffer* write = nullptr;
     grpc::ByteBuffer* read = nullptr;
     bool finish = false;
+    grpc::Status status;
     {
       absl::MutexLock lock(&mu_);
       if (finished_) return;
@@ -106,19 +119,24 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
           write = &slots_.front()->wire_response;
         }
       }
-      if (!reading_ && !reads_done_ && !broken_ && slots_.size() < kMaxStreamInFlight) {
+      if (!reading_ && !reads_done_ && !broken_ && !ending_ &&
+          slots_.size() < kMaxStreamInFlight) {
         reading_ = true;
         incoming_ = std::make_unique<Slot>();
         read = &incoming_->wire_request;
       }
-      if (!reading_ && !writing_ && slots_.empty() && (reads_done_ || broken_)) {
+      // An ending stream does not wait for its read in flight: its client
+      // may be waiting for answers before it sends more.
+      if ((!reading_ || ending_) && !writing_ && slots_.empty() &&
+          (reads_done_ || broken_ || ending_)) {
         finished_ = true;
         finish = true;
+        status = ending_ && !broken_ ? end_status_ : grpc::Status::OK;
       }
     }
     if (write != nullptr) this->StartWrite(write);
     if (read != nullptr) this->StartRead(read);
-    if (finish) this->Finish(grpc::Status::OK);
+    if (finish) this->Finish(status);
   }
 
  private:
@@ -132,6 +150,30 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool ending_ ABSL_GUARDED_BY(mu_) = false;  // End() was called
+  grpc::Status end_status_ ABSL_GUARDED_BY(mu_);
+};
+
+// Lets something outside a stream end it with End() (a session the server
+// ended at shutdown, SessionTable::OnEnd) without reaching a reactor that is
+// gone: the reactor calls Detach() in its OnDone, and the outside holds the
+// link by std::weak_ptr. `Reactor` exposes End().
+template <typename Reactor>
+class StreamEndLink {
+ public:
+  explicit StreamEndLink(Reactor* reactor) : reactor_(reactor) {}
+  void End(const grpc::Status& status) {
+    absl::MutexLock lock(&mu_);
+    if (reactor_ != nullptr) reactor_->End(status);
+  }
+  void Detach() {
+    absl::MutexLock lock(&mu_);
+    reactor_ = nullptr;
+  }
+
+ private:
+  absl::Mutex mu_;
+  Reactor* reactor_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace attention::server

@@ -15,6 +15,7 @@
 #include "server/api/http_transport.h"
 #include "server/dispatch/batcher.h"
 #include "server/dispatch/dispatch_options.h"
+#include "server/sessions/session_table.h"
 
 namespace attention::server {
 
@@ -56,6 +57,9 @@ struct ServerConfig {
   Limits limits;
   // Most request bytes held at once, all models together; 0: no cap.
   int64_t max_queued_bytes = DispatchOptions{}.max_queued_bytes;
+  // Decoding sessions: --session-memory-bytes, --max-sessions,
+  // --max-session-length, --session-idle-seconds.
+  SessionOptions sessions;
   // Engine worker threads; 0 = one per hardware thread.
   int threads = 0;
   // Kernel path (avx512_bf16, avx512, avx2, portable); empty = the best this

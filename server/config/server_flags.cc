@@ -111,6 +111,23 @@ void AddLimitFlags(CLI::App& app, ServerConfig* c) {
       ->check(CLI::Range(int64_t{0}, INT64_MAX));
 }
 
+// Decoding sessions (AttendSession, and sequences of the Open Inference Protocol).
+void AddSessionFlags(CLI::App& app, ServerConfig* c) {
+  Flag(app, "--session-memory-bytes", &c->sessions.memory_bytes,
+       "Bytes of keys and values all decoding sessions hold together; a session that would "
+       "pass it gets RESOURCE_EXHAUSTED")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--max-sessions", &c->sessions.max_sessions,
+       "Decoding sessions open at once (AttendSession streams and sequences together)")
+      ->check(CLI::Range(1, 1 << 24));
+  Flag(app, "--max-session-length", &c->sessions.max_length,
+       "Most tokens a self-attention session holds per example (0: no cap besides the memory)")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--session-idle-seconds", &c->sessions.idle_seconds,
+       "A session with no step for this long is freed and its next step told so (0: never)")
+      ->check(CLI::Range(0.0, 1e7));
+}
+
 // The engine's threads and kernel path.
 void AddEngineFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--threads", &c->threads, "Engine worker threads (0: one per hardware thread)")
@@ -206,6 +223,7 @@ void AddServerFlags(CLI::App& app, ServerConfig* c) {
   AddModelFlags(app, c);
   AddBatchingFlags(app, c);
   AddLimitFlags(app, c);
+  AddSessionFlags(app, c);
   AddEngineFlags(app, c);
   AddWarmupFlags(app, c);
   AddShutdownFlags(app, c);

@@ -131,12 +131,25 @@ void Dispatcher::Drain() {
 void Dispatcher::Submit(const CallOrigin& origin, Request request, Decode decode, Done done) {
   const bool credentials_checked = request.credentials_checked;
   std::unique_ptr<Task> task = NewTask(origin, std::move(request), std::move(done));
-  if (!credentials_checked) {
-    if (absl::Status auth = origin.Authenticate(access_); !auth.ok()) {
-      return Answer(*task, auth, nullptr);
-    }
-  }
-  Enqueue(std::move(task), decode);
+  absl::Status admitted = Authenticate(origin, credentials_checked);
+  if (admitted.ok()) admitted = Admit(*task, decode);
+  if (!admitted.ok()) return Answer(*task, admitted, nullptr);
+  Schedule(std::move(task));
+}
+
+void Dispatcher::SubmitStep(const CallOrigin& origin, Request request, DecodeStep decode,
+                            Done done) {
+  const bool credentials_checked = request.credentials_checked;
+  std::unique_ptr<Task> task = NewTask(origin, std::move(request), std::move(done));
+  task->is_step = true;
+  absl::Status admitted = Authenticate(origin, credentials_checked);
+  if (admitted.ok()) admitted = AdmitStep(*task, decode);
+  if (!admitted.ok()) return Answer(*task, admitted, nullptr);
+  Schedule(std::move(task));
+}
+
+absl::Status Dispatcher::Authenticate(const CallOrigin& origin, bool credentials_checked) const {
+  return credentials_checked ? absl::OkStatus() : origin.Authenticate(access_);
 }
 
 std::unique_ptr<Dispatcher::Task> Dispatcher::NewTask(const CallOrigin& origin, Request request,
@@ -151,16 +164,14 @@ std::unique_ptr<Dispatcher::Task> Dispatcher::NewTask(const CallOrigin& origin, 
   task->readable = std::move(request.readable);
   task->served_version = request.served_version;
   task->message_bytes = request.message_bytes;
+  task->continues_session = request.continues_session;
   task->deadline_at = origin.deadline();
   task->done = std::move(done);
   metrics_->inflight().Increment();
   return task;
 }
 
-void Dispatcher::Enqueue(std::unique_ptr<Task> task, Decode decode) {
-  if (absl::Status admitted = Admit(*task, decode); !admitted.ok()) {
-    return Answer(*task, admitted, nullptr);
-  }
+void Dispatcher::Schedule(std::unique_ptr<Task> task) {
   if (absl::Status held = HoldBytes(*task); !held.ok()) return Answer(*task, held, nullptr);
   ModelQueue& queue = *task->queue;
   task->enqueued = absl::Now();
@@ -171,8 +182,8 @@ void Dispatcher::Enqueue(std::unique_ptr<Task> task, Decode decode) {
   }
 }
 
-absl::Status Dispatcher::Admit(Task& task, Decode decode) {
-  if (!accepting_.load()) {
+absl::Status Dispatcher::AdmitCall(const Task& task) const {
+  if (!accepting_.load() && !task.continues_session) {
     return absl::UnavailableError("the server is shutting down and takes no new requests");
   }
   if (!task.readable.ok()) return task.readable;
@@ -181,6 +192,11 @@ absl::Status Dispatcher::Admit(Task& task, Decode decode) {
         {"request_id", task.request_id}}) {
     if (absl::Status s = CheckNameLength(field, value); !s.ok()) return s;
   }
+  return absl::OkStatus();
+}
+
+absl::Status Dispatcher::Admit(Task& task, Decode decode) {
+  if (absl::Status s = AdmitCall(task); !s.ok()) return s;
   // The name first, so that a bad version of an unknown model is NOT_FOUND
   // for its name.
   absl::StatusOr<ServedModel> served = registry_->Resolve(task.model_name, std::nullopt);
@@ -198,6 +214,27 @@ absl::Status Dispatcher::Admit(Task& task, Decode decode) {
   absl::StatusOr<AttentionDims> dims = Validate(*task.served.model, task.request, options_.limits);
   if (!dims.ok()) return dims.status();
   task.validated = ValidatedRequest{&task.request, *dims};
+  return absl::OkStatus();
+}
+
+absl::Status Dispatcher::AdmitStep(Task& task, DecodeStep decode) {
+  if (absl::Status s = AdmitCall(task); !s.ok()) return s;
+  const absl::StatusOr<ServedModel> resolved =
+      task.version.ok() ? registry_->Resolve(task.model_name, *task.version)
+                        : absl::StatusOr<ServedModel>(task.version.status());
+  absl::StatusOr<Step> step = decode(resolved);
+  if (!step.ok()) return step.status();
+  // The session exists, so its model's name was served when it opened: its
+  // queue and metric series may be made.
+  absl::StatusOr<ModelQueue*> queue = QueueFor(task.model_name);
+  if (!queue.ok()) return queue.status();
+  task.queue = *queue;
+  task.served = std::move(step->served);
+  task.step = std::move(step->step);
+  absl::StatusOr<ValidatedStep> validated =
+      ValidateStep(*step->session, task.step, options_.limits);
+  if (!validated.ok()) return validated.status();
+  task.validated_step = *std::move(validated);
   return absl::OkStatus();
 }
 

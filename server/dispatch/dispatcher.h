@@ -15,6 +15,10 @@
 // then handed to the request's completion; a computed batch's answers go out
 // on the answer threads (answer_pool.h) while its batcher forms the next.
 //
+// A session's step (core/session.h; SubmitStep) takes the same way into its
+// model's batcher, where the steps of a batch run as one Engine::RunSteps
+// beside its plain requests' Engine::Run.
+//
 // Shutdown: StopAccepting() refuses new calls and requests (UNAVAILABLE);
 // WaitForIdle() waits for the calls opened before it to be done, answers and
 // all; Drain() answers every queued request, its answer sent; the destructor
@@ -38,6 +42,7 @@
 #include "absl/time/time.h"
 #include "core/engine.h"
 #include "core/request.h"
+#include "core/session.h"
 #include "server/dispatch/answer_pool.h"
 #include "server/dispatch/batcher.h"
 #include "server/dispatch/call_origin.h"
@@ -74,6 +79,9 @@ class Dispatcher {
     // Why the API could not read the message at all (its bytes do not
     // parse); answered before anything else about the request is checked.
     absl::Status readable;
+    // A step of a session opened on a call still open (a stream): admitted
+    // while draining too, until the grace period ends the sessions.
+    bool continues_session = false;
   };
   // The request's engine form, viewing storage the API keeps until `done`
   // runs, or why the API's own decoding refused it. Called at most once,
@@ -82,6 +90,20 @@ class Dispatcher {
   // calls are never decoded; a decoding fault is answered once the model is
   // found, so a request gets the same code through every API.
   using Decode = absl::FunctionRef<absl::StatusOr<AttentionRequest>()>;
+  // A session's step, as the API's DecodeStep gives it: the session (busy
+  // for this step until `done` runs), the version it is pinned to, and the
+  // step, which views storage the API keeps until `done` runs.
+  struct Step {
+    Session* session = nullptr;
+    ServedModel served;
+    SessionStep step;
+  };
+  // Called at most once, inside SubmitStep(), once the step is admitted
+  // (credentials, server state, names): `resolved` is the model and version
+  // the Request names, or why there is none, for a step that opens its
+  // session; a step of an open session keeps the session's version.
+  using DecodeStep =
+      absl::FunctionRef<absl::StatusOr<Step>(const absl::StatusOr<ServedModel>& resolved)>;
   // Receives a request's answer exactly once; `result` is set iff status is
   // OK and valid only during the call.
   using Done = std::function<void(const absl::Status& status, const AttentionResult* result)>;
@@ -99,6 +121,10 @@ class Dispatcher {
   // is dropped from the queue. `origin`, the strings `request` views and what
   // `decode` returns must stay alive until `done` runs.
   void Submit(const CallOrigin& origin, Request request, Decode decode, Done done);
+
+  // As Submit(), for a session's step: validated by core's ValidateStep()
+  // and computed in its model's batches by Engine::RunSteps().
+  void SubmitStep(const CallOrigin& origin, Request request, DecodeStep decode, Done done);
 
   // A call counts as open from OpenCall() (an error once StopAccepting() ran:
   // UNAVAILABLE, "takes no new `what`") until CloseCall(), which its API
@@ -142,18 +168,29 @@ class Dispatcher {
   absl::StatusOr<ModelQueue*> QueueFor(std::string_view name);
   // A request, counted in flight until Answer().
   std::unique_ptr<Task> NewTask(const CallOrigin& origin, Request request, Done done);
-  // Answers `task` now when it cannot be computed, or queues it in its
-  // model's batcher.
-  void Enqueue(std::unique_ptr<Task> task, Decode decode);
+  // OK when the call's credentials are accepted or were checked before.
+  absl::Status Authenticate(const CallOrigin& origin, bool credentials_checked) const;
   // The first reason `task` cannot be queued: the server's state, its names,
   // its model and version, its decoding and validation.
   absl::Status Admit(Task& task, Decode decode);
+  // The same for a step.
+  absl::Status AdmitStep(Task& task, DecodeStep decode);
+  // The checks before the model: the server's state, readability, names.
+  absl::Status AdmitCall(const Task& task) const;
+  // Queues an admitted task in its model's batcher, or answers it now when
+  // --max-queued-bytes or the queue refuse it.
+  void Schedule(std::unique_ptr<Task> task);
   // Counts `task`'s bytes against --max-queued-bytes; RESOURCE_EXHAUSTED
   // beyond it.
   absl::Status HoldBytes(Task& task);
   void ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch);
-  // Computes `tasks`, all of one model version, in one Engine::Run.
+  // Computes `tasks`, all of one model version, in one Engine::Run (the
+  // requests) and one Engine::RunSteps (the steps).
   void RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> tasks);
+  // The engine's part of RunBatch: `results` answers `batch`, whose first
+  // `num_requests` tasks are requests and the rest steps.
+  void Compute(const Model& model, std::span<const std::unique_ptr<Task>> batch,
+               size_t num_requests, std::span<AttentionResult> results);
   // Answers the tasks of a computed batch (on an answer thread): `status`
   // when it is not OK, each task's result otherwise.
   void AnswerBatch(std::vector<std::unique_ptr<Task>> batch, const absl::Status& status,

@@ -2,6 +2,7 @@
 // batch: one engine execution per model version, then one answer per
 // request, counted, timed and logged in one place (Answer), on an answer
 // thread.
+#include <algorithm>
 #include <exception>
 #include <utility>
 
@@ -58,23 +59,43 @@ void Dispatcher::ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Tas
   }
 }
 
+void Dispatcher::Compute(const Model& model, std::span<const std::unique_ptr<Task>> batch,
+                         size_t num_requests, std::span<AttentionResult> results) {
+  std::vector<ValidatedRequest> requests;
+  std::vector<ValidatedStep> steps;
+  requests.reserve(num_requests);
+  steps.reserve(batch.size() - num_requests);
+  for (const auto& task : batch) {
+    StopCheck stop = [&t = *task] { return t.StopReason(); };
+    if (task->is_step) {
+      steps.push_back(task->validated_step);
+      steps.back().stop = std::move(stop);
+    } else {
+      requests.push_back(task->validated);
+      requests.back().stop = std::move(stop);
+    }
+  }
+  if (!requests.empty()) engine_->Run(model, requests, results.first(num_requests));
+  if (!steps.empty()) engine_->RunSteps(steps, results.subspan(num_requests));
+}
+
 void Dispatcher::RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch) {
   const absl::Time start = absl::Now();
-  std::vector<ValidatedRequest> requests;
-  requests.reserve(batch.size());
   for (auto& task : batch) {
     queue.metrics->queue_depth->Decrement();
     task->queued = start - task->enqueued;
-    requests.push_back(task->validated);
-    requests.back().stop = [&t = *task] { return t.StopReason(); };
   }
   queue.metrics->batch_size->Observe(static_cast<double>(batch.size()));
+  // Requests first, then steps, each in arrival order.
+  const auto steps_begin = std::stable_partition(batch.begin(), batch.end(),
+                                                 [](const auto& task) { return !task->is_step; });
+  const auto num_requests = static_cast<size_t>(steps_begin - batch.begin());
 
   std::vector<AttentionResult> results(batch.size());
   absl::Status status;
   try {
     if (queue.gate != nullptr) queue.gate->Pass();
-    engine_->Run(*batch.front()->served.model, requests, results);
+    Compute(*batch.front()->served.model, batch, num_requests, results);
   } catch (const std::exception& e) {
     status = absl::InternalError(absl::StrCat("the engine failed: ", e.what()));
   }

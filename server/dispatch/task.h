@@ -61,6 +61,10 @@ struct Dispatcher::Task {
   absl::Status readable;                           // see Request
   AttentionRequest request;                        // views the caller's storage
   ValidatedRequest validated;                      // points at `request`
+  bool is_step = false;                            // a session's step, not a request
+  SessionStep step;                                // a step's; views the caller's storage
+  ValidatedStep validated_step;                    // points at `step`
+  bool continues_session = false;                  // see Request
   ModelQueue* queue = nullptr;                     // null: names no served model
   ServedModel served;                              // the version that computes it
   int64_t* served_version = nullptr;               // see Request

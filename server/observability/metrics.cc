@@ -112,7 +112,30 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
                         .Name("attention_model_load_failures_total")
                         .Help("Model files that failed to load or reload, by model")
                         .Register(*registry_);
+  AddSessionMetrics();
   for (const std::string& model : models) AddModel(model);
+}
+
+void ServerMetrics::AddSessionMetrics() {
+  auto gauge = [this](const char* name, const char* help) {
+    return &prometheus::BuildGauge().Name(name).Help(help).Register(*registry_).Add({});
+  };
+  auto counter = [this](const char* name, const char* help) {
+    return &prometheus::BuildCounter().Name(name).Help(help).Register(*registry_);
+  };
+  sessions_open_ = gauge("attention_sessions_open",
+                         "Decoding sessions open now (AttendSession streams and sequences)");
+  session_pool_used_ = gauge("attention_session_pool_used_bytes",
+                             "Bytes of the session pool that sessions' keys and values hold");
+  session_pool_capacity_ = gauge("attention_session_pool_capacity_bytes",
+                                 "Bytes the session pool holds at most (--session-memory-bytes)");
+  sessions_opened_ = counter("attention_sessions_opened_total", "Sessions opened, by model");
+  sessions_ended_ = counter("attention_sessions_ended_total",
+                            "Sessions ended, by reason (closed, expired, replaced, failed, "
+                            "shutdown)");
+  session_steps_ = counter("attention_session_steps_total", "Session steps answered OK, by model");
+  session_tokens_ = counter("attention_session_tokens_total",
+                            "New token rows of the session steps answered OK, by model");
 }
 
 ModelMetrics* ServerMetrics::AddModel(std::string_view model) {
@@ -207,6 +230,26 @@ void ServerMetrics::SetBuildInfo(std::string_view isa, std::string_view detected
 void ServerMetrics::CountRefusedStream(std::string_view api, absl::StatusCode code) {
   refused_streams_->Add({{"api", std::string(api)}, {"code", absl::StatusCodeToString(code)}})
       .Increment();
+}
+
+void ServerMetrics::SetSessionGauges(int open, int64_t pool_used_bytes,
+                                     int64_t pool_capacity_bytes) {
+  sessions_open_->Set(open);
+  session_pool_used_->Set(static_cast<double>(pool_used_bytes));
+  session_pool_capacity_->Set(static_cast<double>(pool_capacity_bytes));
+}
+
+void ServerMetrics::CountSessionOpened(std::string_view model) {
+  sessions_opened_->Add({{"model", std::string(model)}}).Increment();
+}
+
+void ServerMetrics::CountSessionEnd(std::string_view reason) {
+  sessions_ended_->Add({{"reason", std::string(reason)}}).Increment();
+}
+
+ServerMetrics::SessionCounters ServerMetrics::SessionCountersFor(std::string_view model) {
+  const prometheus::Labels labels{{"model", std::string(model)}};
+  return {&session_steps_->Add(labels), &session_tokens_->Add(labels)};
 }
 
 void ServerMetrics::CountUnauthenticatedCall(std::string_view api) {

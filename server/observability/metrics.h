@@ -36,6 +36,17 @@
 //                                               series goes with the version
 //   attention_model_load_failures_total{model}  model files that failed to
 //                                               load (a failed reload included)
+//   attention_sessions_open                     decoding sessions open now
+//                                               (streams and sequences)
+//   attention_session_pool_used_bytes           keys and values they hold
+//   attention_session_pool_capacity_bytes       --session-memory-bytes
+//   attention_sessions_opened_total{model}      sessions opened
+//   attention_sessions_ended_total{reason}      sessions ended: closed,
+//                                               expired, replaced, failed,
+//                                               shutdown
+//   attention_session_steps_total{model}        steps answered OK
+//   attention_session_tokens_total{model}       their new rows (per example
+//                                               times B)
 //
 // `model` is a served model's name, or empty for a request naming no served
 // model, so clients cannot create label values at will: a model's series are
@@ -120,6 +131,18 @@ class ServerMetrics {
   void CountUnauthenticatedCall(std::string_view api);
   prometheus::Gauge& inflight() { return *inflight_; }
 
+  // Decoding sessions (server/sessions/session_table.h).
+  void SetSessionGauges(int open, int64_t pool_used_bytes, int64_t pool_capacity_bytes);
+  void CountSessionOpened(std::string_view model);
+  void CountSessionEnd(std::string_view reason);
+  // A model's step and token counters, looked up once per session so that
+  // a step builds no label map.
+  struct SessionCounters {
+    prometheus::Counter* steps;
+    prometheus::Counter* tokens;
+  };
+  SessionCounters SessionCountersFor(std::string_view model);
+
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
  private:
@@ -139,6 +162,13 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>* unauthenticated_calls_;
   prometheus::Family<prometheus::Counter>* api_requests_;
   prometheus::Gauge* inflight_;
+  prometheus::Gauge* sessions_open_;
+  prometheus::Gauge* session_pool_used_;
+  prometheus::Gauge* session_pool_capacity_;
+  prometheus::Family<prometheus::Counter>* sessions_opened_;
+  prometheus::Family<prometheus::Counter>* sessions_ended_;
+  prometheus::Family<prometheus::Counter>* session_steps_;
+  prometheus::Family<prometheus::Counter>* session_tokens_;
 
   // The request counters of a model, kept once created so that counting a
   // request builds no label map: prometheus-cpp's Family::Add (labels as a
@@ -152,6 +182,7 @@ class ServerMetrics {
     std::array<std::array<std::atomic<prometheus::Counter*>, kStatusCodes>, kApis.size()>
         api_requests{};
   };
+  void AddSessionMetrics();
   // The kept slot for (model, code), or for (api, model, code) when `api`
   // is set; nullptr for a name or code with no slot (counted the slow way).
   std::atomic<prometheus::Counter*>* Slot(std::string_view model, absl::StatusCode code,

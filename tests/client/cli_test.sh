@@ -147,6 +147,22 @@ if run "bench text" 0 "$CLIENT" --target "$T" bench --request "$request" --durat
   expect_in "bench text shows p99" "$OUT" "p99"
   expect_in "bench text names the model" "$OUT" "model mh_d2l_toy"
 fi
+# Session mode: concurrent AttendSession streams, steps/s, tokens/s and
+# step latency; every step answered (4 sessions x 20 steps x 2 tokens).
+if run "bench sessions" 0 "$CLIENT" --target "$T" bench --sessions 4 --steps-per-session 20 \
+    --tokens-per-step 2 --model mh_torch_small --json; then
+  if /usr/bin/python3 - "$OUT" <<'PY'; then pass "bench sessions counts every step"; else fail "bench sessions counts every step" "$(cat "$OUT")"; fi
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["steps"] == 80 and r["errors"] == 0, r
+assert r["tokens_per_s"] == 2 * r["steps_per_s"] > 0, r
+assert 0 < r["step_latency_ms"]["p50"] <= r["step_latency_ms"]["max"], r
+PY
+fi
+run "bench sessions text" 0 "$CLIENT" --target "$T" bench --sessions 1 --steps-per-session 3 \
+    --model mh_torch_small && expect_in "bench sessions text shows tokens/s" "$OUT" "tokens/s"
+run "bench sessions refused" 1 "$CLIENT" --target "$T" bench --sessions 1 --steps-per-session 3 \
+    --model additive_toy
 run "bench unknown model" 2 "$CLIENT" --target "$T" bench --model nope --duration 0.5 \
   && expect_in "bench unknown model lists the models" "$ERR" "additive_toy"
 code=0

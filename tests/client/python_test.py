@@ -265,6 +265,69 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(error.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+class PythonSessionTest(unittest.TestCase):
+    """client.session(): AttendSession from Python (docs/api.md section 11)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server("--model-repository", os.path.join(CONFORMANCE, "models"),
+                            "--max-session-length", "6")
+        cls.client = attention_client.AttentionClient(cls.server.address, timeout=30)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+
+    def test_self_steps_equal_causal_attend_on_the_prefix(self):
+        tokens = np.random.default_rng(1).uniform(-1, 1, (1, 6, 16)).astype(np.float32)
+        with self.client.session("mh_torch_small") as session:
+            self.assertEqual(session.length, 0)
+            self.assertEqual(session.model_version, 1)
+            length = 0
+            for n in (3, 1, 2):
+                step = session.step(tokens[:, length:length + n])
+                length += n
+                self.assertEqual(step.length, length)
+                self.assertIsNone(step.attention_weights)
+                expected = self.client.attend(tokens[:, :length], model="mh_torch_small",
+                                              causal=True).output[:, length - n:]
+                np.testing.assert_allclose(step.output, expected, atol=1e-4)
+
+    def test_cross_steps_equal_attend_with_the_memory(self):
+        rng = np.random.default_rng(2)
+        keys, values = rng.uniform(-1, 1, (1, 5, 5)), rng.uniform(-1, 1, (1, 5, 3))
+        with self.client.session("additive_small", memory="cross", keys=keys, values=values,
+                                 valid_lens=[4]) as session:
+            self.assertEqual(session.length, 5)
+            queries = rng.uniform(-1, 1, (1, 2, 6))
+            step = session.step(queries, return_attention_weights=True)
+            expected = self.client.attend(queries, keys, values, model="additive_small",
+                                          valid_lens=[4], return_attention_weights=True)
+            np.testing.assert_allclose(step.output, expected.output, atol=1e-4)
+            np.testing.assert_allclose(step.attention_weights, expected.attention_weights,
+                                       atol=1e-4)
+
+    def test_refused_steps_raise_and_the_session_goes_on(self):
+        rows = np.ones((1, 4, 16), dtype=np.float32)
+        with self.client.session("mh_torch_small") as session:
+            session.step(rows)
+            with self.assertRaises(attention_client.AttendError) as wrong:
+                session.step(np.ones((1, 1, 5)))
+            self.assertEqual(wrong.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            with self.assertRaises(attention_client.AttendError) as too_long:
+                session.step(rows)
+            self.assertEqual(too_long.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self.assertIn("--max-session-length", too_long.exception.details())
+            self.assertEqual(session.length, 4)
+            self.assertEqual(session.step(rows[:, :2]).length, 6)
+        with self.assertRaises(attention_client.AttendError) as unknown:
+            self.client.session("no_such_model")
+        self.assertEqual(unknown.exception.code(), grpc.StatusCode.NOT_FOUND)
+        with self.assertRaises(ValueError):
+            self.client.session("mh_torch_small", memory="both")
+
+
 class ScriptedService:
     """AttentionService on 127.0.0.1 that follows the n-th script for its n-th
     AttendStream call (the last one repeats), and answers Attend with

@@ -1,6 +1,7 @@
 // dispatcher_test.cc: the request pipeline without any transport: requests
 // from a fake CallOrigin are checked, batched, computed and answered in the
-// order of checks docs/api.md section 3 gives, and drain waits for open calls.
+// order of checks docs/api.md section 3 gives, and drain waits for open calls;
+// a session's steps take the same way (SubmitStep) and batch with requests.
 #include "server/dispatch/dispatcher.h"
 
 #include <atomic>
@@ -17,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "core/engine.h"
 #include "core/model.h"
+#include "core/session.h"
 #include "server/observability/metrics.h"
 #include "server/repository/registry.h"
 #include "server/security/access_policy.h"
@@ -88,6 +90,35 @@ class DispatcherTest : public ::testing::Test {
           AttentionRequest request;
           request.queries = TensorView{{1, 2, 2}, queries_};
           return request;
+        },
+        [answer](const absl::Status& status, const AttentionResult* result) {
+          answer->status = status;
+          if (result != nullptr) answer->output = result->output.data;
+          answer->done.Notify();
+        });
+  }
+
+  // Submits a step of `session` with the (1, n, 2) `rows`; `decoded` counts
+  // the calls of its DecodeStep.
+  void SubmitStep(const FakeOrigin& origin, Answer* answer, Session& session,
+                  const std::vector<float>& rows, bool continues_session = false,
+                  int* decoded = nullptr) {
+    dispatcher_->SubmitStep(
+        origin,
+        Dispatcher::Request{.api = "test",
+                            .model = "dot_product",
+                            .request_id = "s",
+                            .message_bytes = 16,
+                            .readable = absl::OkStatus(),
+                            .continues_session = continues_session},
+        [&, decoded](const absl::StatusOr<ServedModel>& resolved)
+            -> absl::StatusOr<Dispatcher::Step> {
+          if (decoded != nullptr) ++*decoded;
+          if (!resolved.ok()) return resolved.status();
+          const int64_t n = static_cast<int64_t>(rows.size()) / 2;
+          return Dispatcher::Step{.session = &session,
+                                  .served = *resolved,
+                                  .step = SessionStep{.queries = TensorView{{1, n, 2}, rows}}};
         },
         [answer](const absl::Status& status, const AttentionResult* result) {
           answer->status = status;
@@ -184,6 +215,55 @@ TEST_F(DispatcherTest, DrainRefusesNewCallsAndWaitsForOpenOnes) {
   EXPECT_FALSE(dispatcher_->WaitForIdle(absl::Now() + absl::Milliseconds(50)));
   dispatcher_->CloseCall();
   EXPECT_TRUE(dispatcher_->WaitForIdle(absl::Now() + absl::Seconds(10)));
+}
+
+
+TEST_F(DispatcherTest, StepsGoThroughTheBatcherAndEqualCausalAttendOnThePrefix) {
+  Start();
+  KvBlockPool pool(1 << 20);
+  absl::StatusOr<std::unique_ptr<Session>> session =
+      Session::Open(std::make_shared<const Model>(DotProductModel()), pool, {});
+  ASSERT_TRUE(session.ok()) << session.status();
+  FakeOrigin origin;
+  const std::vector<float> prompt = {1.0f, 0.0f}, token = {0.0f, 1.0f};
+  Answer first, second, request;
+  SubmitStep(origin, &first, **session, prompt);
+  ASSERT_TRUE(Wait(first).ok()) << first.status;
+  // A step and a plain request of the same model, answered side by side.
+  SubmitStep(origin, &second, **session, token);
+  Submit(origin, &request);
+  ASSERT_TRUE(Wait(second).ok()) << second.status;
+  ASSERT_TRUE(Wait(request).ok()) << request.status;
+  EXPECT_EQ((*session)->length(), 2);
+  // The token attends to the prompt and itself, as Attend's last causal row.
+  EXPECT_THAT(second.output, ::testing::Pointwise(::testing::FloatNear(1e-5f),
+                                                  {request.output[2], request.output[3]}));
+}
+
+TEST_F(DispatcherTest, StepsOfOpenSessionsAreAdmittedWhileDrainingAndRefusedOnesNeverDecoded) {
+  Start({"secret"});
+  KvBlockPool pool(1 << 20);
+  absl::StatusOr<std::unique_ptr<Session>> session =
+      Session::Open(std::make_shared<const Model>(DotProductModel()), pool, {});
+  ASSERT_TRUE(session.ok()) << session.status();
+  const std::vector<float> row = {1.0f, 0.0f};
+  int decoded = 0;
+  FakeOrigin stranger("wrong");
+  Answer refused;
+  SubmitStep(stranger, &refused, **session, row, false, &decoded);
+  EXPECT_EQ(Wait(refused).code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(decoded, 0);
+
+  dispatcher_->StopAccepting();
+  FakeOrigin client("secret");
+  Answer new_call, stream_step;
+  SubmitStep(client, &new_call, **session, row, false, &decoded);
+  EXPECT_EQ(Wait(new_call).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(decoded, 0);
+  SubmitStep(client, &stream_step, **session, row, /*continues_session=*/true, &decoded);
+  EXPECT_TRUE(Wait(stream_step).ok()) << stream_step.status;
+  EXPECT_EQ(decoded, 1);
+  EXPECT_EQ((*session)->length(), 1);
 }
 
 }  // namespace

@@ -16,6 +16,13 @@
             else:
                 print(item.output.shape)
 
+        # A decoding session: the server keeps the keys and values, each step
+        # sends only its new rows (docs/api.md section 11).
+        with client.session("mh_torch_e256_h8") as session:
+            first = session.step(prompt)          # (1, n, E): a prefill
+            nxt = session.step(token)             # (1, 1, E)
+            nxt.output, nxt.length
+
 The gRPC stubs (pb2, pb2_grpc) were generated from attention.proto when the
 package was built. A failed call raises grpc.RpcError; its .code() is the
 server's status code. `python -m attention_client --help`: a small CLI.
@@ -23,9 +30,11 @@ server's status code. `python -m attention_client --help`: a small CLI.
 
 from importlib import metadata
 
-from .client import (AttendError, AttendResult, AttentionClient, attend, attend_request,
-                     from_tensor, pb2, pb2_grpc, to_tensor)
+from .client import (AttendResult, AttentionClient, attend, attend_request, from_tensor, pb2,
+                     pb2_grpc, to_tensor)
+from .errors import AttendError
+from .session import Session, StepResult
 
 __version__ = metadata.version("attention-client")
-__all__ = ["AttendError", "AttendResult", "AttentionClient", "attend", "attend_request",
-           "from_tensor", "pb2", "pb2_grpc", "to_tensor"]
+__all__ = ["AttendError", "AttendResult", "AttentionClient", "Session", "StepResult", "attend",
+           "attend_request", "from_tensor", "pb2", "pb2_grpc", "to_tensor"]

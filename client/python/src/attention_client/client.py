@@ -13,7 +13,9 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from . import session as session_module
 from . import wire
+from .errors import AttendError, status_error
 
 try:
     from . import attention_pb2 as pb2
@@ -55,39 +57,13 @@ def from_tensor(tensor):
     return wire.tensor_array(encoded, [(0, len(encoded))], "Tensor")
 
 
-class AttendError(grpc.RpcError):
-    """Why one request of an AttendStream call failed, as the server answered it
-    (the stream went on). Like the grpc.RpcError a failed attend raises:
-    .code() is a grpc.StatusCode, .details() the server's message."""
-
-    def __init__(self, code, details, request_id=""):
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-        self.request_id = request_id
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-
-_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 # grpc.health.v1.HealthCheckResponse.ServingStatus.
 _HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
 
 def _stream_error(response):
-    """A response's AttendError as an AttendError. A code that is not an error
-    code (0, or beyond the known ones) is still an error: UNKNOWN, naming it."""
-    code, message = response.error.code, response.error.message
-    status = _STATUS_CODES.get(code)
-    if status is None or status == grpc.StatusCode.OK:
-        return AttendError(grpc.StatusCode.UNKNOWN,
-                           f"the server answered with error code {code}: {message}",
-                           response.request_id)
-    return AttendError(status, message, response.request_id)
+    """A response's AttendError as an AttendError."""
+    return status_error(response.error.code, response.error.message, response.request_id)
 
 
 def _answer(data):
@@ -119,7 +95,8 @@ def _service_config(max_attempts):
     config = {"loadBalancingConfig": [{"round_robin": {}}]}
     if max_attempts > 1:
         config["methodConfig"] = [
-            {"name": [{"service": "attention.v1.AttentionService", "method": "AttendStream"}]},
+            {"name": [{"service": "attention.v1.AttentionService", "method": "AttendStream"},
+                      {"service": "attention.v1.AttentionService", "method": "AttendSession"}]},
             {"name": [{"service": "attention.v1.AttentionService"}],
              "retryPolicy": {"maxAttempts": max_attempts, "initialBackoff": "0.05s",
                              "maxBackoff": "1s", "backoffMultiplier": 2,
@@ -160,6 +137,7 @@ class AttentionClient:
         # Attend and AttendStream carry the bytes wire.py writes and reads.
         self._attend = self._channel.unary_unary(_SERVICE + "Attend")
         self._attend_stream = self._channel.stream_stream(_SERVICE + "AttendStream")
+        self._attend_session = self._channel.stream_stream(_SERVICE + "AttendSession")
         self._timeout = timeout
         self._metadata = [("authorization", f"Bearer {token}")] if token else []
 
@@ -210,6 +188,33 @@ class AttentionClient:
                               f"Attend: the server answered with an error in the message: "
                               f"{answer}")
         return answer
+
+    def session(self, model, *, memory="self", batch=1, keys=None, values=None,
+                valid_lens=None, scale=None, version=None, timeout=None):
+        """Opens a decoding session of `model` (docs/api.md section 11) over one
+        AttendSession stream and returns its Session, whose step(rows) sends
+        only the new rows: the server keeps the keys and values.
+
+        memory: "self" (multi_head, dot_product): every step's rows are
+          appended and attended causally, `batch` examples side by side;
+          "cross" (every kind): keys (B, n_k, d_k), values (omitted: keys) and
+          valid_lens (None or B values) stay, and steps bring queries.
+        scale: replaces the kind's default scale. version: None: the newest.
+        timeout: seconds for the whole session (default: no limit, since a
+          session lives as long as its decoding).
+        Raises AttendError when the server refuses to open it (its code:
+        NOT_FOUND, INVALID_ARGUMENT, RESOURCE_EXHAUSTED naming the limit).
+        """
+        if memory not in session_module.MEMORY:
+            raise ValueError(f"memory must be 'self' or 'cross'; got {memory!r}")
+        header = _with_options(pb2.SessionOpen(model=model, memory=session_module.MEMORY[memory],
+                                               batch=batch), valid_lens, scale, version)
+        request = session_module.open_request(header, [
+            wire.tensor_parts(number, _float32(array, name))
+            for name, number, array in (("keys", 5, keys), ("values", 6, values))
+            if array is not None])
+        return session_module.Session(self._attend_session, pb2, request, timeout=timeout,
+                                      metadata=self._metadata)
 
     def attend_stream(self, requests, *, timeout=None):
         """Sends every request of `requests` over one AttendStream call and
@@ -275,20 +280,27 @@ def _request_bytes(queries, keys=None, values=None, *, model="dot_product", vali
     memory (protobuf lets fields come in any order)."""
     if queries is None:
         raise ValueError("queries is required: an array (B, n_q, d_q)")
-    request = pb2.AttendRequest(model=model, causal=causal,
-                                return_attention_weights=return_attention_weights,
-                                request_id=request_id)
+    request = _with_options(pb2.AttendRequest(model=model, causal=causal,
+                                              return_attention_weights=return_attention_weights,
+                                              request_id=request_id),
+                            valid_lens, scale, version)
+    parts = [request.SerializeToString()]
+    for (name, number), array in zip(_REQUEST_TENSORS, (queries, keys, values)):
+        if array is not None:
+            parts += wire.tensor_parts(number, _float32(array, name))
+    return b"".join(parts)
+
+
+def _with_options(request, valid_lens, scale, version):
+    """`request` (an AttendRequest or a SessionOpen) with the optional fields
+    both share set."""
     if valid_lens is not None:
         request.valid_lens.extend(np.asarray(valid_lens).ravel().astype(np.int64).tolist())
     if scale is not None:
         request.scale = scale
     if version is not None:
         request.version = version
-    parts = [request.SerializeToString()]
-    for (name, number), array in zip(_REQUEST_TENSORS, (queries, keys, values)):
-        if array is not None:
-            parts += wire.tensor_parts(number, _float32(array, name))
-    return b"".join(parts)
+    return request
 
 
 def attend_request(queries, keys=None, values=None, **kwargs):

@@ -100,6 +100,13 @@ def tensor_parts(number, array):
     return [varint(number << 3 | LEN), varint(len(head) + array.nbytes), head, array]
 
 
+def message_field(number, parts):
+    """The bytes of message field `number` whose body is `parts` joined (bytes
+    and arrays, as tensor_parts gives them): a list of parts to join."""
+    size = sum(part.nbytes if isinstance(part, np.ndarray) else len(part) for part in parts)
+    return [varint(number << 3 | LEN), varint(size), *parts]
+
+
 def split_message(buf, wanted, what):
     """Splits the message `buf` (a memoryview) into the payloads of the LEN
     fields numbered in `wanted` ({number: [(start, stop), ...]}, every

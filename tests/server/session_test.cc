@@ -1,0 +1,661 @@
+// server_session_test.cc: decoding sessions (docs/api.md, "Sessions") on a
+// real attention-server: AttendSession step by step equals Attend on the
+// whole prefix with causal (self memory, both multi-head layouts and
+// dot_product, prefill then single steps across a block edge) or on the
+// fixed memory (cross, additive); many sessions at once each answer as
+// alone; errors answered in place leave the session as it was; the limits
+// (--max-sessions, --max-session-length, --session-memory-bytes) refuse with
+// RESOURCE_EXHAUSTED naming them and other sessions go on; idle expiry;
+// a session keeps its version across a reload; SIGTERM with sessions open
+// gives only OK and UNAVAILABLE; Triton's sequence parameters through
+// ModelInfer and ModelStreamInfer; memory back in the pool and RSS bounded
+// over many open/step/close cycles.
+#include <signal.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "attention.grpc.pb.h"
+#include "inference/grpc_service.grpc.pb.h"
+#include "nlohmann/json.hpp"
+#include "tests/support/http_client.h"
+#include "tests/support/metrics.h"
+#include "tests/support/probes.h"
+#include "tests/support/server_process.h"
+
+namespace attention::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using InferStub = inference::GRPCInferenceService::Stub;
+
+constexpr float kTolerance = 1e-4f;
+const std::string kModels = std::string(ATTENTION_SOURCE_DIR) + "/tests/conformance/models";
+// core/session.h's kKvBlockRows: 4 flash key tiles of 64 rows.
+constexpr int kBlockRows = 256;
+
+// (batch, n, d) values from `rng` in [-1, 1].
+v1::Tensor RandomTensor(int64_t batch, int64_t n, int64_t d, std::mt19937& rng) {
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  v1::Tensor tensor;
+  tensor.add_shape(batch);
+  tensor.add_shape(n);
+  tensor.add_shape(d);
+  for (int64_t i = 0; i < batch * n * d; ++i) tensor.add_data(uniform(rng));
+  return tensor;
+}
+
+// Rows [from, to) of every example of a (B, n, d) tensor.
+v1::Tensor Rows(const v1::Tensor& tensor, int64_t from, int64_t to) {
+  const int64_t batch = tensor.shape(0), n = tensor.shape(1), d = tensor.shape(2);
+  v1::Tensor rows;
+  rows.add_shape(batch);
+  rows.add_shape(to - from);
+  rows.add_shape(d);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = from * d; i < to * d; ++i) rows.add_data(tensor.data(b * n * d + i));
+  }
+  return rows;
+}
+
+// The largest |a - b| over two tensors of one shape; infinity otherwise.
+float MaxDifference(const v1::Tensor& a, const v1::Tensor& b) {
+  if (a.shape_size() != b.shape_size() || a.data_size() != b.data_size()) return INFINITY;
+  for (int i = 0; i < a.shape_size(); ++i) {
+    if (a.shape(i) != b.shape(i)) return INFINITY;
+  }
+  float most = 0;
+  for (int i = 0; i < a.data_size(); ++i) most = std::max(most, std::abs(a.data(i) - b.data(i)));
+  return most;
+}
+
+// One AttendSession call, message by message.
+class SessionCall {
+ public:
+  explicit SessionCall(v1::AttentionService::Stub& stub)
+      : context_(std::make_unique<grpc::ClientContext>()), stream_(stub.AttendSession(context_.get())) {}
+
+  v1::SessionResponse Send(const v1::SessionRequest& request) {
+    v1::SessionResponse response;
+    if (!stream_->Write(request) || !stream_->Read(&response)) {
+      response.mutable_error()->set_code(-1);
+      response.mutable_error()->set_message("the stream ended");
+    }
+    return response;
+  }
+  v1::SessionResponse Open(const v1::SessionOpen& open) {
+    v1::SessionRequest request;
+    *request.mutable_open() = open;
+    return Send(request);
+  }
+  v1::SessionResponse Step(const v1::Tensor& queries) {
+    v1::SessionRequest request;
+    *request.mutable_step()->mutable_queries() = queries;
+    return Send(request);
+  }
+  grpc::Status Close() {
+    stream_->WritesDone();
+    v1::SessionResponse ignored;
+    while (stream_->Read(&ignored)) {
+    }
+    return stream_->Finish();
+  }
+  grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>& stream() { return *stream_; }
+
+ private:
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream_;
+};
+
+v1::SessionOpen SelfOpen(const std::string& model, int64_t batch = 1) {
+  v1::SessionOpen open;
+  open.set_model(model);
+  open.set_batch(batch);
+  return open;
+}
+
+// Attend on `tokens` rows [0, length) with causal; the last `n_new` rows of
+// its output.
+v1::Tensor CausalPrefixAnswer(v1::AttentionService::Stub& stub, const std::string& model,
+                              const v1::Tensor& tokens, int64_t length, int64_t n_new) {
+  v1::AttendRequest request;
+  request.set_model(model);
+  *request.mutable_queries() = Rows(tokens, 0, length);
+  request.set_causal(true);
+  v1::AttendResponse response;
+  grpc::ClientContext context;
+  const grpc::Status status = stub.Attend(&context, request, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return Rows(response.output(), length - n_new, length);
+}
+
+class SessionTest : public ::testing::Test {
+ protected:
+  void StartServer(std::vector<std::string> flags = {}) {
+    flags.insert(flags.end(), {"--model-repository", kModels});
+    auto server = ServerProcess::Start(flags);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    stub_ = server_->Stub();
+  }
+  // Steps a self session of `model` (width d) through `steps` (new rows
+  // each) and checks every answer against Attend on the prefix.
+  void ExpectSelfSessionMatches(const std::string& model, int64_t d,
+                                const std::vector<int64_t>& steps, int64_t batch = 1) {
+    SCOPED_TRACE(model);
+    std::mt19937 rng(17);
+    int64_t total = 0;
+    for (int64_t n : steps) total += n;
+    const v1::Tensor tokens = RandomTensor(batch, total, d, rng);
+    SessionCall call(*stub_);
+    const v1::SessionResponse opened = call.Open(SelfOpen(model, batch));
+    ASSERT_FALSE(opened.has_error()) << opened.error().message();
+    EXPECT_EQ(opened.length(), 0);
+    int64_t length = 0;
+    for (int64_t n : steps) {
+      const v1::SessionResponse answer = call.Step(Rows(tokens, length, length + n));
+      length += n;
+      ASSERT_FALSE(answer.has_error()) << answer.error().message();
+      EXPECT_EQ(answer.length(), length);
+      EXPECT_LE(MaxDifference(answer.output(), CausalPrefixAnswer(*stub_, model, tokens, length, n)),
+                kTolerance)
+          << "length " << length;
+    }
+    EXPECT_TRUE(call.Close().ok());
+  }
+
+  void TearDown() override {
+    if (HasFailure() && server_ != nullptr) std::cerr << "server log:\n" << server_->Log();
+  }
+
+  std::unique_ptr<ServerProcess> server_;
+  std::unique_ptr<v1::AttentionService::Stub> stub_;
+};
+
+TEST_F(SessionTest, SelfSessionsEqualCausalAttendOnThePrefix) {
+  StartServer();
+  // Prefill to a block's last row, then single steps over its edge.
+  const std::vector<int64_t> steps = {kBlockRows - 2, 1, 1, 1, 3};
+  ExpectSelfSessionMatches("mh_torch_small", 16, steps);
+  ExpectSelfSessionMatches("mh_d2l_bias", 24, steps);
+  ExpectSelfSessionMatches("dot_product", 8, {5, 1, 1, 2});
+  ExpectSelfSessionMatches("mh_torch_small", 16, {3, 1, 1}, /*batch=*/2);
+}
+
+TEST_F(SessionTest, CrossSessionEqualsAttendWithTheMemory) {
+  StartServer();
+  std::mt19937 rng(5);
+  v1::SessionOpen open;
+  open.set_model("additive_small");
+  open.set_memory(v1::SESSION_MEMORY_CROSS);
+  *open.mutable_keys() = RandomTensor(2, 9, 5, rng);
+  *open.mutable_values() = RandomTensor(2, 9, 3, rng);
+  open.add_valid_lens(4);
+  open.add_valid_lens(9);
+  SessionCall call(*stub_);
+  const v1::SessionResponse opened = call.Open(open);
+  ASSERT_FALSE(opened.has_error()) << opened.error().message();
+  EXPECT_EQ(opened.length(), 9);
+  for (int step = 0; step < 4; ++step) {
+    const v1::Tensor queries = RandomTensor(2, step + 1, 6, rng);
+    const v1::SessionResponse answer = call.Step(queries);
+    ASSERT_FALSE(answer.has_error()) << answer.error().message();
+    v1::AttendRequest request;
+    request.set_model("additive_small");
+    *request.mutable_queries() = queries;
+    *request.mutable_keys() = open.keys();
+    *request.mutable_values() = open.values();
+    *request.mutable_valid_lens() = open.valid_lens();
+    v1::AttendResponse expected;
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub_->Attend(&context, request, &expected).ok());
+    EXPECT_LE(MaxDifference(answer.output(), expected.output()), kTolerance);
+    EXPECT_EQ(answer.length(), 9);
+  }
+  EXPECT_TRUE(call.Close().ok());
+}
+
+TEST_F(SessionTest, ConcurrentSessionsAnswerAsAlone) {
+  StartServer();
+  constexpr int kSessions = 12;
+  constexpr int kSteps = 12;
+  std::vector<std::thread> threads;
+  std::atomic<int> mismatches{0}, failures{0};
+  for (int s = 0; s < kSessions; ++s) {
+    threads.emplace_back([&, s] {
+      std::mt19937 rng(100 + s);
+      const v1::Tensor tokens = RandomTensor(1, kSteps + 2, 16, rng);
+      SessionCall call(*stub_);
+      if (call.Open(SelfOpen("mh_torch_small")).has_error()) ++failures;
+      int64_t length = 0;
+      for (int step = 0; step < kSteps; ++step) {
+        const int64_t n = step == 0 ? 3 : 1;
+        const v1::SessionResponse answer = call.Step(Rows(tokens, length, length + n));
+        length += n;
+        if (answer.has_error()) {
+          ++failures;
+          continue;
+        }
+        const v1::Tensor expected = CausalPrefixAnswer(*stub_, "mh_torch_small", tokens, length, n);
+        if (MaxDifference(answer.output(), expected) > kTolerance) ++mismatches;
+      }
+      if (!call.Close().ok()) ++failures;
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(mismatches.load(), 0);
+  // The server ends each session a moment after its client saw the stream end.
+  EXPECT_TRUE(WaitForMetrics(server_->metrics_address(), [&](const std::string& text) {
+    return MetricValue(text, "attention_sessions_ended_total", {{"reason", "closed"}}) ==
+           kSessions;
+  }));
+  EXPECT_EQ(MetricValue(ScrapeMetrics(server_->metrics_address()),
+                        "attention_session_steps_total", {{"model", "mh_torch_small"}}),
+            kSessions * kSteps);
+}
+
+TEST_F(SessionTest, ErrorsAreAnsweredInPlaceAndLeaveTheSessionAsItWas) {
+  StartServer();
+  std::mt19937 rng(3);
+  const v1::Tensor tokens = RandomTensor(1, 6, 16, rng);
+  SessionCall call(*stub_);
+  ASSERT_FALSE(call.Open(SelfOpen("mh_torch_small")).has_error());
+  ASSERT_FALSE(call.Step(Rows(tokens, 0, 4)).has_error());
+  // Wrong width, then a step before any opening's twin: a second opening.
+  const v1::SessionResponse wrong = call.Step(RandomTensor(1, 1, 7, rng));
+  EXPECT_EQ(wrong.error().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(wrong.error().message(), HasSubstr("queries"));
+  EXPECT_EQ(wrong.length(), 4);
+  const v1::SessionResponse twice = call.Open(SelfOpen("mh_torch_small"));
+  EXPECT_EQ(twice.error().code(), grpc::StatusCode::FAILED_PRECONDITION);
+  const v1::SessionResponse next = call.Step(Rows(tokens, 4, 5));
+  ASSERT_FALSE(next.has_error()) << next.error().message();
+  EXPECT_EQ(next.length(), 5);
+  EXPECT_LE(MaxDifference(next.output(), CausalPrefixAnswer(*stub_, "mh_torch_small", tokens, 5, 1)),
+            kTolerance);
+  EXPECT_TRUE(call.Close().ok());
+
+  SessionCall unopened(*stub_);
+  EXPECT_EQ(unopened.Step(Rows(tokens, 0, 1)).error().code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(unopened.Open(SelfOpen("no_such_model")).error().code(), grpc::StatusCode::NOT_FOUND);
+  v1::SessionOpen self_additive = SelfOpen("additive_small");
+  EXPECT_EQ(unopened.Open(self_additive).error().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(unopened.Close().ok());
+}
+
+TEST_F(SessionTest, LimitsRefuseWithTheirNameAndOtherSessionsGoOn) {
+  StartServer({"--max-sessions", "2", "--max-session-length", "8"});
+  std::mt19937 rng(9);
+  const v1::Tensor tokens = RandomTensor(1, 10, 16, rng);
+  SessionCall first(*stub_), second(*stub_), third(*stub_);
+  ASSERT_FALSE(first.Open(SelfOpen("mh_torch_small")).has_error());
+  ASSERT_FALSE(second.Open(SelfOpen("mh_torch_small")).has_error());
+  const v1::SessionResponse refused = third.Open(SelfOpen("mh_torch_small"));
+  EXPECT_EQ(refused.error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error().message(), HasSubstr("--max-sessions"));
+
+  ASSERT_FALSE(first.Step(Rows(tokens, 0, 6)).has_error());
+  const v1::SessionResponse too_long = first.Step(Rows(tokens, 6, 9));
+  EXPECT_EQ(too_long.error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(too_long.error().message(), HasSubstr("--max-session-length 8"));
+  EXPECT_EQ(too_long.length(), 6);
+  const v1::SessionResponse fits = first.Step(Rows(tokens, 6, 8));
+  ASSERT_FALSE(fits.has_error()) << fits.error().message();
+  EXPECT_LE(MaxDifference(fits.output(), CausalPrefixAnswer(*stub_, "mh_torch_small", tokens, 8, 2)),
+            kTolerance);
+  const v1::SessionResponse other = second.Step(Rows(tokens, 0, 3));
+  ASSERT_FALSE(other.has_error()) << other.error().message();
+  EXPECT_TRUE(first.Close().ok());
+  // A closed session's place is free again, once the server has seen the
+  // stream end (a moment after its client).
+  EXPECT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+    return MetricValue(text, "attention_sessions_open") == 1;
+  }));
+  const v1::SessionResponse reopened = third.Open(SelfOpen("mh_torch_small"));
+  EXPECT_FALSE(reopened.has_error()) << reopened.error().message();
+  EXPECT_TRUE(second.Close().ok());
+  EXPECT_TRUE(third.Close().ok());
+}
+
+TEST_F(SessionTest, SessionMemoryIsBoundedByThePool) {
+  // 64 KiB: one block of 256 rows x 16 floats is 16 KiB per tensor (keys
+  // and values, projected), so two blocks' worth of tokens fill it.
+  StartServer({"--session-memory-bytes", "65536"});
+  std::mt19937 rng(4);
+  SessionCall big(*stub_), small(*stub_);
+  ASSERT_FALSE(big.Open(SelfOpen("mh_torch_small")).has_error());
+  ASSERT_FALSE(small.Open(SelfOpen("mh_torch_small")).has_error());
+  ASSERT_FALSE(small.Step(RandomTensor(1, 2, 16, rng)).has_error());
+  const v1::SessionResponse refused = big.Step(RandomTensor(1, 3 * kBlockRows, 16, rng));
+  EXPECT_EQ(refused.error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error().message(), HasSubstr("--session-memory-bytes 65536"));
+  EXPECT_EQ(refused.length(), 0);
+  EXPECT_FALSE(small.Step(RandomTensor(1, 1, 16, rng)).has_error());
+  const std::string metrics = ScrapeMetrics(server_->metrics_address());
+  EXPECT_EQ(MetricValue(metrics, "attention_session_pool_capacity_bytes"), 65536);
+  EXPECT_TRUE(big.Close().ok());
+  EXPECT_TRUE(small.Close().ok());
+}
+
+TEST_F(SessionTest, IdleSessionsExpireAndTheirNextStepIsTold) {
+  StartServer({"--session-idle-seconds", "0.3"});
+  std::mt19937 rng(8);
+  SessionCall call(*stub_);
+  ASSERT_FALSE(call.Open(SelfOpen("mh_torch_small")).has_error());
+  ASSERT_FALSE(call.Step(RandomTensor(1, 2, 16, rng)).has_error());
+  std::this_thread::sleep_for(std::chrono::milliseconds(1800));
+  const v1::SessionResponse late = call.Step(RandomTensor(1, 1, 16, rng));
+  EXPECT_EQ(late.error().code(), grpc::StatusCode::ABORTED);
+  EXPECT_THAT(late.error().message(), HasSubstr("--session-idle-seconds"));
+  EXPECT_TRUE(call.Close().ok());
+  const std::string metrics = ScrapeMetrics(server_->metrics_address());
+  EXPECT_EQ(MetricValue(metrics, "attention_sessions_ended_total", {{"reason", "expired"}}), 1);
+  EXPECT_EQ(MetricValue(metrics, "attention_sessions_open"), 0);
+  EXPECT_EQ(MetricValue(metrics, "attention_session_pool_used_bytes"), 0);
+}
+
+TEST_F(SessionTest, ASessionKeepsItsVersionAcrossAReload) {
+  TempDir repository;
+  std::filesystem::create_directories(repository.path() / "m");
+  std::filesystem::copy_file(kModels + "/mh_torch_small.safetensors",
+                             repository.path() / "m" / "1.safetensors");
+  auto server = ServerProcess::Start(
+      {"--model-repository", repository.path().string(), "--repository-poll-seconds", "0.1"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = (*server)->Stub();
+  std::mt19937 rng(21);
+  const v1::Tensor tokens = RandomTensor(1, 6, 16, rng);
+  std::vector<v1::Tensor> expected;
+  for (int64_t length = 3; length <= 6; ++length) {
+    expected.push_back(CausalPrefixAnswer(*stub, "m", tokens, length, length == 3 ? 3 : 1));
+  }
+  SessionCall call(*stub);
+  ASSERT_FALSE(call.Open(SelfOpen("m")).has_error());
+  ASSERT_FALSE(call.Step(Rows(tokens, 0, 3)).has_error());
+  // Version 2: other weights of the same sizes.
+  std::filesystem::copy_file(kModels + "/mh_d2l_bf16.safetensors",
+                             repository.path() / "m" / "2.tmp");
+  std::filesystem::rename(repository.path() / "m" / "2.tmp",
+                          repository.path() / "m" / "2.safetensors");
+  bool reloaded = false;
+  for (int i = 0; i < 100 && !reloaded; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    v1::ListModelsResponse models;
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub->ListModels(&context, {}, &models).ok());
+    for (const v1::ModelInfo& info : models.models()) reloaded |= info.name() == "m" && info.version() == 2;
+  }
+  ASSERT_TRUE(reloaded);
+  for (int64_t length = 4; length <= 6; ++length) {
+    const v1::SessionResponse answer = call.Step(Rows(tokens, length - 1, length));
+    ASSERT_FALSE(answer.has_error()) << answer.error().message();
+    EXPECT_EQ(answer.model_version(), 1);
+    EXPECT_LE(MaxDifference(answer.output(), expected[length - 3]), kTolerance);
+  }
+  EXPECT_TRUE(call.Close().ok());
+  SessionCall newer(*stub);
+  EXPECT_EQ(newer.Open(SelfOpen("m")).model_version(), 2);
+  EXPECT_TRUE(newer.Close().ok());
+}
+
+// A Triton sequence request: `queries` as raw FP32 with the sequence
+// parameters.
+inference::ModelInferRequest SequenceRequest(const std::string& model, const v1::Tensor& queries,
+                                             const inference::InferParameter& id, bool start,
+                                             bool end) {
+  inference::ModelInferRequest request;
+  request.set_model_name(model);
+  auto* input = request.add_inputs();
+  input->set_name("queries");
+  input->set_datatype("FP32");
+  for (int64_t size : queries.shape()) input->add_shape(size);
+  request.add_raw_input_contents(
+      std::string(reinterpret_cast<const char*>(queries.data().data()), queries.data_size() * 4));
+  (*request.mutable_parameters())["sequence_id"] = id;
+  if (start) (*request.mutable_parameters())["sequence_start"].set_bool_param(true);
+  if (end) (*request.mutable_parameters())["sequence_end"].set_bool_param(true);
+  return request;
+}
+
+v1::Tensor OutputOf(const inference::ModelInferResponse& response) {
+  v1::Tensor tensor;
+  if (response.outputs_size() == 0 || response.raw_output_contents_size() == 0) return tensor;
+  for (int64_t size : response.outputs(0).shape()) tensor.add_shape(size);
+  const std::string& raw = response.raw_output_contents(0);
+  tensor.mutable_data()->Resize(static_cast<int>(raw.size() / 4), 0.0f);
+  std::memcpy(tensor.mutable_data()->mutable_data(), raw.data(), raw.size());
+  return tensor;
+}
+
+TEST_F(SessionTest, SigtermWithSessionsOpenGivesOnlyOkAndUnavailable) {
+  StartServer({"--shutdown-grace-seconds", "1"});
+  constexpr int kSessions = 4;
+  std::atomic<int> bad{0}, ok_steps{0}, unavailable{0};
+  std::atomic<int> opened{0};
+  std::vector<std::thread> threads;
+  for (int s = 0; s < kSessions; ++s) {
+    threads.emplace_back([&, s] {
+      std::mt19937 rng(s);
+      SessionCall call(*stub_);
+      if (call.Open(SelfOpen("mh_torch_small")).has_error()) ++bad;
+      ++opened;
+      for (int step = 0; step < 100000; ++step) {
+        const v1::SessionResponse answer = call.Step(RandomTensor(1, 1, 16, rng));
+        if (answer.error().code() == -1) break;  // the stream ended
+        if (!answer.has_error()) {
+          ++ok_steps;
+        } else if (answer.error().code() == grpc::StatusCode::UNAVAILABLE) {
+          ++unavailable;
+        } else {
+          ADD_FAILURE() << answer.error().code() << " " << answer.error().message();
+          ++bad;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      const grpc::Status status = call.stream().Finish();
+      if (status.error_code() != grpc::StatusCode::OK &&
+          status.error_code() != grpc::StatusCode::UNAVAILABLE) {
+        ADD_FAILURE() << status.error_code() << " " << status.error_message();
+        ++bad;
+      }
+    });
+  }
+  // A Triton sequence on a ModelStreamInfer stream, stepped the same way.
+  threads.emplace_back([&] {
+    std::mt19937 rng(99);
+    auto infer = InferStub(server_->Channel());
+    grpc::ClientContext context;
+    auto stream = infer.ModelStreamInfer(&context);
+    inference::InferParameter id;
+    id.set_int64_param(7);
+    ++opened;
+    for (int step = 0; step < 100000; ++step) {
+      inference::ModelStreamInferResponse response;
+      if (!stream->Write(SequenceRequest("mh_torch_small", RandomTensor(1, 1, 16, rng), id,
+                                         step == 0, false)) ||
+          !stream->Read(&response)) {
+        break;
+      }
+      if (response.error_message().empty()) {
+        ++ok_steps;
+      } else if (response.error_message().rfind("UNAVAILABLE", 0) == 0) {
+        ++unavailable;
+      } else {
+        ADD_FAILURE() << response.error_message();
+        ++bad;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    const grpc::Status status = stream->Finish();
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) {
+      ADD_FAILURE() << "ModelStreamInfer ended " << status.error_code() << " "
+                    << status.error_message();
+      ++bad;
+    }
+  });
+  while (opened.load() < kSessions + 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const int before = ok_steps.load();
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(), 0);
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_GT(before, 0);
+  // Steps went on during the grace period.
+  EXPECT_GT(ok_steps.load(), before);
+  EXPECT_THAT(server_->Log(), HasSubstr("sessions still open"));
+}
+
+TEST_F(SessionTest, TritonSequencesThroughModelInfer) {
+  StartServer();
+  auto infer = InferStub(server_->Channel());
+  std::mt19937 rng(12);
+  const v1::Tensor tokens = RandomTensor(1, 5, 16, rng);
+  for (bool string_id : {false, true}) {
+    inference::InferParameter id;
+    if (string_id) {
+      id.set_string_param("conversation-a");
+    } else {
+      id.set_int64_param(42);
+    }
+    int64_t length = 0;
+    for (int64_t n : {3, 1, 1}) {
+      inference::ModelInferResponse response;
+      grpc::ClientContext context;
+      const grpc::Status status = infer.ModelInfer(
+          &context,
+          SequenceRequest("mh_torch_small", Rows(tokens, length, length + n), id, length == 0,
+                          length + n == 5),
+          &response);
+      length += n;
+      ASSERT_TRUE(status.ok()) << status.error_message();
+      EXPECT_LE(MaxDifference(OutputOf(response),
+                              CausalPrefixAnswer(*stub_, "mh_torch_small", tokens, length, n)),
+                kTolerance);
+    }
+    // Ended: a further request without sequence_start is refused clearly.
+    inference::ModelInferResponse response;
+    grpc::ClientContext context;
+    const grpc::Status after = infer.ModelInfer(
+        &context, SequenceRequest("mh_torch_small", Rows(tokens, 0, 1), id, false, false),
+        &response);
+    EXPECT_EQ(after.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(after.error_message(), HasSubstr("sequence_start"));
+  }
+}
+
+TEST_F(SessionTest, TritonSequencesThroughModelStreamInfer) {
+  StartServer();
+  auto infer = InferStub(server_->Channel());
+  std::mt19937 rng(13);
+  const v1::Tensor a = RandomTensor(1, 4, 16, rng), b = RandomTensor(1, 4, 16, rng);
+  grpc::ClientContext context;
+  auto stream = infer.ModelStreamInfer(&context);
+  inference::InferParameter id_a, id_b;
+  id_a.set_int64_param(1);
+  id_b.set_string_param("b");
+  // Sent without waiting, the two sequences interleaved.
+  for (int64_t t = 0; t < 4; ++t) {
+    ASSERT_TRUE(stream->Write(
+        SequenceRequest("mh_torch_small", Rows(a, t, t + 1), id_a, t == 0, t == 3)));
+    ASSERT_TRUE(stream->Write(
+        SequenceRequest("mh_torch_small", Rows(b, t, t + 1), id_b, t == 0, t == 3)));
+  }
+  stream->WritesDone();
+  for (int64_t t = 0; t < 4; ++t) {
+    for (const v1::Tensor* tokens : {&a, &b}) {
+      inference::ModelStreamInferResponse response;
+      ASSERT_TRUE(stream->Read(&response));
+      ASSERT_EQ(response.error_message(), "");
+      EXPECT_LE(MaxDifference(OutputOf(response.infer_response()),
+                              CausalPrefixAnswer(*stub_, "mh_torch_small", *tokens, t + 1, 1)),
+                kTolerance);
+    }
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(SessionTest, TritonSequencesThroughRest) {
+  StartServer({"--http-address", "127.0.0.1:0"});
+  std::mt19937 rng(14);
+  const v1::Tensor tokens = RandomTensor(1, 3, 16, rng);
+  auto body = [&](int64_t from, int64_t to, nlohmann::json parameters) {
+    const v1::Tensor rows = Rows(tokens, from, to);
+    return nlohmann::json{
+        {"inputs",
+         {{{"name", "queries"},
+           {"datatype", "FP32"},
+           {"shape", {1, to - from, 16}},
+           {"data", std::vector<float>(rows.data().begin(), rows.data().end())}}}},
+        {"parameters", parameters}}
+        .dump();
+  };
+  HttpClient http(server_->http_address());
+  const std::string path = "/v2/models/mh_torch_small/infer";
+  const HttpResult unknown = http.Call("POST", path, body(0, 1, {{"sequence_id", "rest"}}));
+  EXPECT_EQ(unknown.status, 400) << unknown.body;
+  EXPECT_THAT(unknown.body, HasSubstr("sequence_start"));
+  const HttpResult first = http.Call(
+      "POST", path, body(0, 2, {{"sequence_id", "rest"}, {"sequence_start", true}}));
+  ASSERT_EQ(first.status, 200) << first.body;
+  const HttpResult next = http.Call(
+      "POST", path, body(2, 3, {{"sequence_id", "rest"}, {"sequence_end", true}}));
+  ASSERT_EQ(next.status, 200) << next.body;
+  const nlohmann::json answer = nlohmann::json::parse(next.body);
+  v1::Tensor output;
+  for (int64_t size : answer["outputs"][0]["shape"]) output.add_shape(size);
+  for (float value : answer["outputs"][0]["data"]) output.add_data(value);
+  EXPECT_LE(MaxDifference(output, CausalPrefixAnswer(*stub_, "mh_torch_small", tokens, 3, 1)),
+            kTolerance);
+}
+
+TEST_F(SessionTest, MemoryReturnsToThePoolAndRssStaysBounded) {
+  StartServer();
+  std::mt19937 rng(30);
+  const v1::Tensor prompt = RandomTensor(1, 40, 16, rng), token = RandomTensor(1, 1, 16, rng);
+  auto cycles = [&](int count) {
+    for (int i = 0; i < count; ++i) {
+      SessionCall call(*stub_);
+      ASSERT_FALSE(call.Open(SelfOpen("mh_torch_small")).has_error());
+      ASSERT_FALSE(call.Step(prompt).has_error());
+      ASSERT_FALSE(call.Step(token).has_error());
+      ASSERT_TRUE(call.Close().ok());
+    }
+  };
+  cycles(100);
+  const int64_t warm = ResidentBytes(server_->pid());
+  cycles(1000);
+  const int64_t after = ResidentBytes(server_->pid());
+  EXPECT_LT(after - warm, 16 << 20) << "RSS grew from " << warm << " to " << after;
+  // Closing is asynchronous to the client's Finish by a moment.
+  std::string metrics;
+  for (int i = 0; i < 50; ++i) {
+    metrics = ScrapeMetrics(server_->metrics_address());
+    if (MetricValue(metrics, "attention_sessions_open") == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(MetricValue(metrics, "attention_sessions_open"), 0);
+  EXPECT_EQ(MetricValue(metrics, "attention_session_pool_used_bytes"), 0);
+  EXPECT_EQ(MetricValue(metrics, "attention_sessions_opened_total", {{"model", "mh_torch_small"}}),
+            1100);
+}
+
+}  // namespace
+}  // namespace attention::testing
