@@ -58,12 +58,12 @@ function httpStatusCode(httpStatus) {
 
 // The call's status from its trailers (or trailers-only headers): null when OK.
 function trailerError(trailers, httpStatus) {
-  const metadata = Metadata.fromHttp2Headers(trailers);
   const code = trailers['grpc-status'];
+  if (code === '0') return null;
+  const metadata = Metadata.fromHttp2Headers(trailers);
   if (code === undefined) {
     return callError(httpStatusCode(httpStatus), `Received HTTP status code ${httpStatus}`, metadata);
   }
-  if (Number(code) === Status.OK) return null;
   metadata.remove('grpc-status');
   metadata.remove('grpc-message');
   const message = trailers['grpc-message'] || '';
