@@ -25,9 +25,6 @@ const WINDOW_BYTES = 16 << 20;
 // The largest DATA frame the server may send: the most grpc's C++ server
 // writes (4 MiB - 1), against HTTP/2's default of 16 KiB.
 const MAX_FRAME_BYTES = (4 << 20) - 1;
-// Memory nghttp2 may hold for a session, in MB (Node's default, 10, is less
-// than one stream's window).
-const SESSION_MEMORY_MB = 256;
 // A server whose connection failed this recently is passed over while
 // another is not failing.
 const FAILED_FOR_MS = 1000;
@@ -251,7 +248,6 @@ class UnaryTransport {
     const secure = Boolean(tls || rootCerts || certChain);
     const connectOptions = {
       settings: { initialWindowSize: WINDOW_BYTES, maxFrameSize: MAX_FRAME_BYTES, enablePush: false },
-      maxSessionMemory: SESSION_MEMORY_MB,
     };
     if (secure) Object.assign(connectOptions, { ca: rootCerts, key: privateKey, cert: certChain });
     this.connections = addresses(target).map((address) => new Connection(
