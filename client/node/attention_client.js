@@ -149,10 +149,15 @@ function loadMethods() {
   return methods;
 }
 
-// The unary calls' options as node:http2 takes them, and the token's header.
+// The unary calls' options as unary.js takes them: the token as a header,
+// maxAttempts within gRPC's 1..5.
 function unaryOptions(options) {
   const { token, maxAttempts = 4 } = options;
-  return { ...options, maxAttempts, headers: token ? { authorization: `Bearer ${token}` } : {} };
+  return {
+    ...options,
+    maxAttempts: Math.min(Math.max(maxAttempts, 1), 5),
+    headers: token ? { authorization: `Bearer ${token}` } : {},
+  };
 }
 
 // Why one request of an AttendStream call failed, as the server answered it
