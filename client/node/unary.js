@@ -89,7 +89,8 @@ function resetError(stream, session, error) {
   return callError(Status.INTERNAL, `Received RST_STREAM with code ${code}${why}`);
 }
 
-// 'grpc-timeout' for a deadline `ms` from now: at most 8 digits and a unit.
+// 'grpc-timeout' for a deadline `ms` from now: at most 8 digits and a unit
+// (99999999 hours: longer, even Infinity).
 function timeoutHeader(ms) {
   for (const [unit, factor] of [['m', 1], ['S', 1000], ['M', 60000], ['H', 3600000]]) {
     if (ms / factor < 1e8) return `${Math.max(1, Math.ceil(ms / factor))}${unit}`;
@@ -211,7 +212,9 @@ class Stop {
     this.signal = signal;
     this.onAbort = () => this.stop(callError(Status.CANCELLED, 'Cancelled on client'));
     const onDeadline = () => this.stop(callError(Status.DEADLINE_EXCEEDED, 'Deadline exceeded'));
-    this.timer = deadline > Date.now() ? setTimeout(onDeadline, deadline - Date.now()) : onDeadline();
+    const left = deadline - Date.now();
+    // setTimeout fires at once for more than 2^31 - 1 ms: no timer, as for Infinity.
+    this.timer = left <= 0 ? onDeadline() : left < 2 ** 31 ? setTimeout(onDeadline, left) : undefined;
     if (signal) {
       if (signal.aborted) this.onAbort();
       else signal.addEventListener('abort', this.onAbort, { once: true });
