@@ -1,7 +1,8 @@
 // node_unary_test.js: the Node client's unary calls over node:http2
 // (client/node/unary.js). Against a scripted HTTP/2 server in this process
 // (the real server cannot stall, fail or misbehave on demand): the headers
-// sent, one session for sequential and concurrent calls, deadlines,
+// sent, one session for sequential and concurrent calls, a new one after
+// GOAWAY, deadlines,
 // AbortSignal, statuses from trailers and from HTTP statuses, retries only
 // before the server committed, round-robin past a stopped server, close().
 // Against real attention-servers this test starts itself: an error status
@@ -166,6 +167,19 @@ test('scripted server', async (t) => {
       assert.equal(server.sessions.length, 1);
     });
   });
+
+  await t.test('a new session after GOAWAY', () => withServer((stream) => {
+    const { session } = stream;
+    echoOutput(stream);
+    stream.once('close', () => session.goaway());
+  }, { maxAttempts: 1 }, async (client, server) => {
+    for (let i = 0; i < 3; i += 1) {
+      await client.attend(SMALL);
+      // The GOAWAY follows the answer; the next call must not race it.
+      await new Promise((resolve) => setTimeout(resolve, 50));
+    }
+    assert.equal(server.sessions.length, 3);
+  }));
 
   await t.test('a passed deadline fails the call and cancels its stream', () => withServer(never,
     { timeoutMs: 200 }, async (client, server) => {
