@@ -4,7 +4,7 @@
 // wall time per call, "cpu": the process's CPU time per call}.
 // Needs client/node's dependencies (cd client/node && npm ci). CLIENT, when
 // given, is another copy of attention_client.js to time (bench/client_bench.py's
-// `node-old`).
+// `node-grpcjs` and `node-old`).
 //
 //   node bench/client_bench.js TARGET B,n,d WARMUP CALLS [CLIENT]
 'use strict';

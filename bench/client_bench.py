@@ -14,9 +14,11 @@ Paths:
   py-infer     ModelInfer with raw_input_contents from plain grpcio stubs
                generated from proto/inference/grpc_service.proto (what
                Triton's client sends), np.frombuffer on raw_output_contents
-  node         the Node package (client/node): attend with a Float32Array
-  node-old     the same at a0a89a0 (`git show`), before its request buffer
-               was reused and answers were views on the received bytes
+  node         the Node package (client/node): attend with a Float32Array,
+               over node:http2
+  node-grpcjs  the same at 2187477 (`git show`), attend over grpc-js
+  node-old     the same at a0a89a0, before its request buffer was reused
+               and answers were views on the received bytes
   torch        PyTorch in-process: bmm, softmax, bmm (no server)
 
 Each path runs in its own process, --calls calls after --warmup calls, and
@@ -51,9 +53,11 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATHS = ("cpp", "cpp-infer", "py", "py-qkv", "py-old", "py-infer", "node", "node-old", "torch")
+PATHS = ("cpp", "cpp-infer", "py", "py-qkv", "py-old", "py-infer", "node", "node-grpcjs", "node-old",
+         "torch")
 OLD_CLIENT_COMMIT = "f50c5dd"
-OLD_NODE_COMMIT = "a0a89a0"
+# The Node package at these commits: its own files; node_modules and proto are today's.
+OLD_NODE_COMMITS = {"node-grpcjs": "2187477", "node-old": "a0a89a0"}
 
 
 def queries(shape):
@@ -136,15 +140,16 @@ def infer_call(target, q, scratch):
     return attend
 
 
-def old_node_client(scratch):
-    """client/node's attention_client.js of OLD_NODE_COMMIT in `scratch`, beside
-    today's node_modules and proto copy (npm ci made them)."""
+def old_node_client(scratch, path):
+    """client/node's attention_client.js of OLD_NODE_COMMITS[path] in `scratch`,
+    beside today's node_modules and proto copy (npm ci made them)."""
     node_dir = os.path.join(REPO, "client", "node")
-    old_dir = os.path.join(scratch, "node-old")
+    old_dir = os.path.join(scratch, path)
     os.makedirs(old_dir)
     for name in ("attention_client.js", "wire.js"):
         with open(os.path.join(old_dir, name), "w") as f:
-            f.write(subprocess.run(["git", "-C", REPO, "show", f"{OLD_NODE_COMMIT}:client/node/{name}"],
+            f.write(subprocess.run(["git", "-C", REPO, "show",
+                                    f"{OLD_NODE_COMMITS[path]}:client/node/{name}"],
                                    check=True, capture_output=True, text=True).stdout)
     for name in ("node_modules", "proto"):
         os.symlink(os.path.join(node_dir, name), os.path.join(old_dir, name))
@@ -180,11 +185,11 @@ def measure(path, args, target, shape):
                                            text=True).stdout)
         calls = report["requests"] * (1 + 1 / args.seconds)  # the warm-up ran at the same rate
         return report["latency_ms"]["p50"] / 1000, (children_cpu() - cpu_start) / calls
-    if path in ("node", "node-old"):
+    if path.startswith("node"):
         command = ["node", os.path.join(REPO, "bench", "client_bench.js"), target,
                    f"{b},{n},{d}", str(args.warmup), str(args.calls)]
-        if path == "node-old":
-            command.append(args.node_old)
+        if path in OLD_NODE_COMMITS:
+            command.append(args.old_node[path])
     else:
         command = [sys.executable, __file__, "--worker", path, "--target", target,
                    "--shape", f"{b},{n},{d}", "--warmup", str(args.warmup),
@@ -267,8 +272,7 @@ def main():
           f"{open('/proc/loadavg').read().split()[0]}")
     with tempfile.TemporaryDirectory() as scratch:
         server, target = start_server(args, scratch)
-        if "node-old" in paths:
-            args.node_old = old_node_client(scratch)
+        args.old_node = {path: old_node_client(scratch, path) for path in paths if path in OLD_NODE_COMMITS}
         try:
             for shape in shapes:
                 seconds = {path: [] for path in paths}

@@ -1,5 +1,6 @@
-// attention_client.js: a small Node client for attention-server, on
-// @grpc/grpc-js with the service loaded from proto/ by @grpc/proto-loader.
+// attention_client.js: a small Node client for attention-server. Unary
+// calls (attend, listModels) go over node:http2 (unary.js), AttendStream over
+// @grpc/grpc-js; the service is loaded from proto/ by @grpc/proto-loader.
 //
 //   const { AttentionClient } = require('./attention_client');
 //   const client = new AttentionClient('127.0.0.1:50051');
@@ -16,14 +17,15 @@
 // tensor's data goes out from a Float32Array's memory as it is (an Array of
 // numbers is converted once), and answers' data are Float32Arrays, large
 // ones views on the received bytes; the wire is exactly what any protobuf
-// encoder writes (wire.js). A failed call rejects with a grpc-js error whose
-// .code is the gRPC status code.
+// encoder writes (wire.js). A failed call rejects with an error shaped like
+// grpc-js's: .code is the gRPC status code, .details the server's message.
 'use strict';
 
 const path = require('path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const wire = require('./wire');
+const { UnaryTransport, callError, PREFIX_BYTES } = require('./unary');
 
 // The proto ships in the package: `npm ci` and `npm pack` copy it there
 // (scripts/prepare.js), so nothing outside the package is read.
@@ -48,9 +50,8 @@ const SPARE_MAX_BYTES = 64 << 20;
 // The memory of a large request, kept by its client from one attend() call
 // for the next: a fresh 1 MiB Buffer costs 10-20 times a copy into one
 // already used (its pages, and the garbage collections that much new memory
-// sets off). It is free again when the call has ended: until then grpc-js may
-// resend the bytes. grpc-js still copies them into a framed Buffer of its
-// own, which no serializer can avoid (grpc-js 1.14's IdentityHandler).
+// sets off). It is free again once the call has ended and Node has written
+// it (node:http2 sends from the Buffer's memory as it is; a retry resends it).
 class SpareBuffer {
   constructor() {
     this.memory = null;
@@ -73,20 +74,11 @@ class SpareBuffer {
   }
 }
 
-// An AttendRequest for the serializer to write into `spare`'s memory; the
-// bytes it was written to, once it is.
-class SparedRequest {
-  constructor(request, spare) {
-    this.request = request;
-    this.spare = spare;
-    this.bytes = null;
-  }
-}
-
 // An AttendRequest object as bytes: the small fields through protobufjs,
 // then the tensors from their memory (protobuf lets fields come in any
-// order), joined in one Buffer from take(size).
-function encodeRequest(serialize, request, take) {
+// order), joined in one Buffer from take(size) after `headroom` bytes left
+// for the caller (a gRPC prefix).
+function encodeRequest(serialize, request, take, headroom = 0) {
   const small = { ...request };
   const parts = [];
   for (const [name, number] of REQUEST_TENSORS) {
@@ -96,8 +88,8 @@ function encodeRequest(serialize, request, take) {
     }
   }
   parts.unshift(serialize(small));
-  const bytes = take(parts.reduce((total, part) => total + part.length, 0));
-  let offset = 0;
+  const bytes = take(parts.reduce((total, part) => total + part.length, headroom));
+  let offset = headroom;
   for (const part of parts) {
     bytes.set(part, offset);
     offset += part.length;
@@ -105,14 +97,18 @@ function encodeRequest(serialize, request, take) {
   return bytes;
 }
 
-// The serializer of AttendRequest objects and SparedRequests. What it throws
+// `bytes`, holding a message after PREFIX_BYTES, with the gRPC prefix
+// written there: not compressed, the message's length.
+function framed(bytes) {
+  bytes[0] = 0;
+  bytes.writeUInt32BE(bytes.length - PREFIX_BYTES, 1);
+  return bytes;
+}
+
+// The serializer of AttendRequest objects for AttendStream. What it throws
 // fails the call with INTERNAL and this message (grpc-js).
 function requestSerializer(serialize) {
-  return (request) => {
-    if (!(request instanceof SparedRequest)) return encodeRequest(serialize, request, Buffer.allocUnsafe);
-    request.bytes = encodeRequest(serialize, request.request, (size) => request.spare.take(size));
-    return request.bytes;
-  };
+  return (request) => encodeRequest(serialize, request, Buffer.allocUnsafe);
 }
 
 // AttendResponse bytes as an object: the tensors as { shape, data:
@@ -132,9 +128,9 @@ function responseDeserializer(deserialize) {
   };
 }
 
-// The service's client class, with Attend and AttendStream carrying the
-// bytes above.
-function loadService() {
+// The service's methods (path, serializers), with Attend and AttendStream
+// carrying the bytes above.
+function loadMethods() {
   const definition = protoLoader.loadSync('attention/v1/attention.proto', {
     includeDirs: [PROTO_ROOT],
     keepCase: true, // the .proto names, as in proto JSON and the conformance cases
@@ -145,35 +141,23 @@ function loadService() {
   for (const name of ['Attend', 'AttendStream']) {
     methods[name] = {
       ...methods[name],
+      encode: methods[name].requestSerialize,
       requestSerialize: requestSerializer(methods[name].requestSerialize),
       responseDeserialize: responseDeserializer(methods[name].responseDeserialize),
     };
   }
-  return grpc.makeGenericClientConstructor(methods, SERVICE);
+  return methods;
 }
 
-// round_robin over every address; retries with backoff on UNAVAILABLE only,
-// and never for AttendStream: gRPC replaying a stream loses or duplicates
-// requests. The stream's own entry (no retry policy) wins over the
-// service-wide one, as the service config's name matching specifies.
-function serviceConfig(maxAttempts) {
-  const config = { loadBalancingConfig: [{ round_robin: {} }] };
-  if (maxAttempts > 1) {
-    config.methodConfig = [
-      { name: [{ service: 'attention.v1.AttentionService', method: 'AttendStream' }] },
-      {
-        name: [{ service: 'attention.v1.AttentionService' }],
-        retryPolicy: {
-          maxAttempts,
-          initialBackoff: '0.05s',
-          maxBackoff: '1s',
-          backoffMultiplier: 2,
-          retryableStatusCodes: ['UNAVAILABLE'],
-        },
-      },
-    ];
-  }
-  return JSON.stringify(config);
+// The unary calls' options as unary.js takes them: the token as a header,
+// maxAttempts within gRPC's 1..5.
+function unaryOptions(options) {
+  const { token, maxAttempts = 4 } = options;
+  return {
+    ...options,
+    maxAttempts: Math.min(Math.max(maxAttempts, 1), 5),
+    headers: token ? { authorization: `Bearer ${token}` } : {},
+  };
 }
 
 // Why one request of an AttendStream call failed, as the server answered it
@@ -200,7 +184,8 @@ function streamError(response) {
   return new AttendError(code, message, response.request_id);
 }
 
-// 'a:1,b:2' (IPv4 literals) -> 'ipv4:a:1,b:2', which one channel balances.
+// 'a:1,b:2' (IPv4 literals) -> 'ipv4:a:1,b:2', which one grpc-js channel
+// balances (round_robin) for streams.
 function channelTarget(target) {
   const entries = target.split(',').map((entry) => entry.trim());
   return entries.length > 1 ? `ipv4:${entries.join(',')}` : target;
@@ -210,58 +195,72 @@ class AttentionClient {
   // target: 'HOST:PORT' or a comma-separated list of IPv4 HOST:PORT.
   // options: timeoutMs (per call), token (sent as 'authorization: Bearer'),
   // rootCerts / privateKey / certChain (Buffers, PEM) or tls: true for TLS,
-  // maxAttempts (1..5).
+  // maxAttempts (1..5, unary calls only).
   constructor(target = '127.0.0.1:50051', options = {}) {
-    const { timeoutMs = 30000, token, tls = false, rootCerts, privateKey, certChain,
-      maxAttempts = 4 } = options;
+    const { timeoutMs = 30000, token, tls = false, rootCerts, privateKey, certChain } = options;
     const credentials = tls || rootCerts || certChain
       ? grpc.credentials.createSsl(rootCerts, privateKey, certChain)
       : grpc.credentials.createInsecure();
-    const AttentionService = loadService();
-    this.stub = new AttentionService(channelTarget(target), credentials, {
-      'grpc.service_config': serviceConfig(maxAttempts),
+    this.methods = loadMethods();
+    const StreamClient = grpc.makeGenericClientConstructor(
+      { AttendStream: this.methods.AttendStream }, SERVICE);
+    // grpc-js connects only once a stream is made.
+    this.stub = new StreamClient(channelTarget(target), credentials, {
+      // No retry policy: gRPC replaying a stream loses or duplicates requests.
+      'grpc.service_config': JSON.stringify({ loadBalancingConfig: [{ round_robin: {} }] }),
       'grpc.max_receive_message_length': -1,
-      // Requests up to 64 MiB stay retryable (gRPC's default: 256 KiB), with
-      // at most 256 MiB of them held for retrying at once.
+      // grpc-js holds a stream's requests for a transparent retry: up to
+      // 64 MiB of them (gRPC's default: 256 KiB), 256 MiB per channel.
       'grpc.per_rpc_retry_buffer_size': 64 << 20,
       'grpc.retry_buffer_size': 256 << 20,
       // grpc-js keeps HTTP/2's 64 KiB window unless told: the server then
       // sends a 1 MiB answer a window at a time, each waiting for this
-      // process to grant more. Answers up to 16 MiB now come in one go, for
-      // less CPU and time per call (BENCHMARKS.md, "Clients").
+      // process to grant more (BENCHMARKS.md, "Clients").
       'grpc-node.flow_control_window': 16 << 20,
     });
+    this.unary = new UnaryTransport(target, unaryOptions(options));
     this.timeoutMs = timeoutMs;
     this.spare = new SpareBuffer();
     this.metadata = new grpc.Metadata();
     if (token) this.metadata.set('authorization', `Bearer ${token}`);
   }
 
-  call(method, request) {
-    const deadline = new Date(Date.now() + this.timeoutMs);
-    return new Promise((resolve, reject) => {
-      this.stub[method](request, this.metadata, { deadline }, (error, response) => {
-        if (error) reject(error);
-        else resolve(response);
-      });
-    });
+  // One unary call of `method` with the framed request `bytes`: the answer
+  // decoded. options: timeoutMs, signal; sent as UnaryTransport.call's.
+  async call(method, bytes, options, sent) {
+    const { timeoutMs = this.timeoutMs, signal } = options;
+    const { path, responseDeserialize } = this.methods[method];
+    const message = await this.unary.call(path, bytes, { deadline: Date.now() + timeoutMs, signal, sent });
+    try {
+      return responseDeserialize(message);
+    } catch (error) {
+      throw callError(grpc.status.INTERNAL, `Response message parsing error: ${error.message}`);
+    }
   }
 
   // Resolves to the served models: [{ name, kind, num_heads, query_size, ... }].
-  async listModels() {
-    const response = await this.call('ListModels', {});
+  // options: timeoutMs (default: the client's), signal (an AbortSignal).
+  async listModels(options = {}) {
+    const { requestSerialize } = this.methods.ListModels;
+    const message = requestSerialize({});
+    const bytes = framed(Buffer.concat([Buffer.alloc(PREFIX_BYTES), message]));
+    const response = await this.call('ListModels', bytes, options);
     return response.models || [];
   }
 
   // Resolves to the AttendResponse: { output: { shape, data }, attention_weights?, ... },
-  // each data a Float32Array of its own (wire.tensorData).
-  async attend(request) {
-    const spared = new SparedRequest(request, this.spare);
+  // each data a Float32Array of its own (wire.tensorData). options: timeoutMs
+  // (default: the client's), signal (an AbortSignal: aborting it rejects
+  // with CANCELLED).
+  async attend(request, options = {}) {
+    let bytes;
     try {
-      return await this.call('Attend', spared);
-    } finally {
-      if (spared.bytes !== null) this.spare.give(spared.bytes);
+      bytes = framed(encodeRequest(this.methods.Attend.encode, request, (size) => this.spare.take(size),
+        PREFIX_BYTES));
+    } catch (error) {
+      throw callError(grpc.status.INTERNAL, `Request message serialization failure: ${error.message}`);
     }
+    return this.call('Attend', bytes, options, () => this.spare.give(bytes));
   }
 
   // Sends every request of `requests` (an array, or any iterable or async
@@ -275,7 +274,7 @@ class AttentionClient {
   // DEADLINE_EXCEEDED, UNAVAILABLE...), after the items already answered;
   // what `requests` threw, once the requests before it are answered; an
   // AttendError with code INTERNAL when the server answers more or fewer
-  // times than it was asked. A stream is never retried (see serviceConfig):
+  // times than it was asked. A stream is never retried (no retry policy):
   // resending is the caller's choice. Leaving the loop early cancels the call.
   async* attendStream(requests, options = {}) {
     const { timeoutMs = this.timeoutMs } = options;
@@ -340,7 +339,10 @@ class AttentionClient {
     }
   }
 
+  // Calls in flight finish; later ones fail with UNAVAILABLE, and no
+  // connection is left open.
   close() {
+    this.unary.close();
     this.stub.close();
   }
 }

@@ -1,7 +1,7 @@
 // index.d.ts: the TypeScript types of attention-client (attention_client.js).
 // Messages use the .proto field names of attention.v1 (docs/api.md section 1);
-// int64 fields are numbers. A failed call rejects with a grpc-js error that
-// has `code` (the gRPC status code) and `details`.
+// int64 fields are numbers. A failed call rejects with an Error shaped like
+// grpc-js's: `code` (the gRPC status code), `details`, `metadata`.
 
 /** A float32 tensor as the client sends it: row-major `data` of product(shape) values. */
 export interface TensorInput {
@@ -88,6 +88,14 @@ export interface ClientOptions {
   maxAttempts?: number;
 }
 
+/** Options of one unary call (attend, listModels). */
+export interface CallOptions {
+  /** The call's deadline, retries included (default: the client's timeoutMs). */
+  timeoutMs?: number;
+  /** Aborting it cancels the call, which rejects with CANCELLED (1). */
+  signal?: AbortSignal;
+}
+
 /** Why one request of an AttendStream call failed; the stream went on. */
 export class AttendError extends Error {
   constructor(code: number, details: string, requestId?: string);
@@ -100,8 +108,8 @@ export class AttendError extends Error {
 export class AttentionClient {
   /** target: 'HOST:PORT', or several comma-separated (IPv4), balanced round-robin. */
   constructor(target?: string, options?: ClientOptions);
-  listModels(): Promise<ModelInfo[]>;
-  attend(request: AttendRequest): Promise<AttendResponse>;
+  listModels(options?: CallOptions): Promise<ModelInfo[]>;
+  attend(request: AttendRequest, options?: CallOptions): Promise<AttendResponse>;
   /**
    * Sends every request over one AttendStream call; yields one item per
    * request, in order: its answer, or an AttendError for a refused one.

@@ -170,9 +170,10 @@ function decodeTensor(buf, ranges, what) {
 }
 
 // Whether buf's memory holds nothing but this message, past at most the
-// 5-byte gRPC frame header grpc-js reads it into: true of every message of
-// 4 KiB or more (grpc-js 1.14 joins each one into a Buffer of its own, as
-// its gzip and deflate paths do), never of Node's pooled small Buffers.
+// 5-byte gRPC frame header grpc-js reads a stream's answers into: true of
+// every message of 4 KiB or more (grpc-js 1.14 joins each one into a Buffer
+// of its own, as its gzip and deflate paths do; unary.js reads one into a
+// Buffer of its own), never of Node's pooled small Buffers.
 function ownsMemory(buf) {
   return buf.buffer.byteLength - buf.length <= 5 && buf.byteOffset + buf.length === buf.buffer.byteLength;
 }

@@ -17,6 +17,8 @@ async function use(): Promise<number> {
     return_attention_weights: true,
   };
   const response: AttendResponse = await client.attend(request);
+  const again: AttendResponse = await client.attend(request,
+    { timeoutMs: 1000, signal: new AbortController().signal });
   const output: Float32Array = response.output.data;
   const weights: Float32Array | undefined = response.attention_weights?.data;
   let refused = 0;
@@ -31,7 +33,9 @@ async function use(): Promise<number> {
   const asArray: number[] = response.output.data;
   // @ts-expect-error: no such option
   new AttentionClient('127.0.0.1:50051', { timeout: 5 });
-  return models.length + output.length + (weights ? weights.length : 0) + refused
+  // @ts-expect-error: a signal is an AbortSignal
+  client.attend(request, { signal: true });
+  return again.output.data.length + models.length + output.length + (weights ? weights.length : 0) + refused
     + (noQueries ? 0 : 1) + asArray.length;
 }
 

@@ -30,6 +30,7 @@ package/example.js
 package/index.d.ts
 package/package.json
 package/proto/attention/v1/attention.proto
+package/unary.js
 package/wire.js"
 contents=$(tar tzf "$tarball" | sort)
 if [[ $contents != "$expected" ]]; then

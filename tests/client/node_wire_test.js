@@ -27,9 +27,10 @@ const root = new protobuf.Root().loadSync(path.join(NODE_DIR, 'proto', 'attentio
 const AttendRequest = root.lookupType('attention.v1.AttendRequest');
 const AttendResponse = root.lookupType('attention.v1.AttendResponse');
 const TO_OBJECT = { longs: Number, arrays: true };
-// The client's serializers, as grpc-js calls them.
+// The client's serializers: AttendStream's requests (attend's are the same
+// bytes behind a gRPC prefix), and every AttendResponse.
 const client = new AttentionClient('127.0.0.1:1');
-const { requestSerialize, responseDeserialize } = client.stub.constructor.service.Attend;
+const { requestSerialize, responseDeserialize } = client.methods.Attend;
 client.close();
 
 const field = (number, wireType, payload) => Buffer.concat([
@@ -40,8 +41,9 @@ const field = (number, wireType, payload) => Buffer.concat([
 const floats = (values) => Buffer.from(Float32Array.from(values).buffer);
 const tensor = (shape, values) => Buffer.concat([
   field(1, wire.LEN, Buffer.from(shape.flatMap((size) => wire.varint(size)))), field(2, wire.LEN, floats(values))]);
-// A message as grpc-js hands it to a deserializer: in memory of its own,
-// behind the 5-byte gRPC frame header.
+// A message as grpc-js hands an AttendStream answer to a deserializer: in
+// memory of its own, behind the 5-byte gRPC frame header (unary.js's have
+// no header before them).
 const received = (message) => {
   const framed = Buffer.allocUnsafeSlow(message.length + 5);
   message.copy(framed, 5);
