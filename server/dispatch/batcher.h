@@ -9,6 +9,11 @@
 // the default: tasks wait only behind the batch in flight), or once its
 // oldest task has waited `max_queue_delay_us` (kFixed).
 //
+// RunIfIdle() lets a caller skip the thread hand-off: with kWhileBusy, a
+// task that finds the batcher idle (nothing queued, no batch in flight) runs
+// as a batch of one on the caller's thread, and the tasks that arrive
+// meanwhile queue behind it as behind any batch in flight.
+//
 // Use one Batcher per model when concurrent requests are cheaper to compute
 // together than one by one. With max_batch_size = 1 it is a plain bounded FIFO.
 //
@@ -106,10 +111,12 @@ class Batcher {
   using Options = BatcherOptions;
 
   // Computes one batch of 1..max_batch_size tasks, in arrival order. Runs on
-  // the batcher's thread; the next batch fills meanwhile.
+  // the batcher's thread (or RunIfIdle()'s caller); the next batch fills
+  // meanwhile. One batch at a time.
   using ProcessBatch = std::function<void(std::vector<std::unique_ptr<Task>> batch)>;
   // Answers a task that will never be processed; `why` is DEADLINE_EXCEEDED or
-  // CANCELLED. Runs on the batcher's thread or inside Schedule().
+  // CANCELLED. Runs on the batcher's thread or inside Schedule() or
+  // RunIfIdle().
   using DropTask = std::function<void(std::unique_ptr<Task> task, absl::Status why)>;
 
   // INVALID_ARGUMENT naming the option when one is out of range.
@@ -126,6 +133,12 @@ class Batcher {
   // (and `*task` becomes null) iff the result is OK. Otherwise the caller keeps
   // it: RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE once draining.
   absl::Status Schedule(std::unique_ptr<Task>* task);
+
+  // With kWhileBusy, when nothing is queued, no batch is in flight and the
+  // batcher is not draining: processes (or drops) `*task` as a batch of one
+  // on the calling thread before returning, and returns true (`*task` is
+  // null). Otherwise false, `*task` untouched: Schedule() it.
+  bool RunIfIdle(std::unique_ptr<Task>* task);
 
   // Tasks waiting in the queue now.
   int queue_depth() const;
@@ -151,14 +164,15 @@ class Batcher {
   Batcher(Options options, ProcessBatch process_batch, DropTask drop_task);
 
   void Loop();
+  // A batch may start (or the thread end): none is in flight.
   bool HasWorkOrDraining() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !queue_.empty() || draining_;
+    return !busy_ && (!queue_.empty() || draining_);
   }
   bool BatchFullOrDraining() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return static_cast<int>(queue_.size()) >= options_.max_batch_size || draining_;
   }
-  // Why `entry` must not run at `now`; OK when it may.
-  static absl::Status Unrunnable(const Entry& entry, absl::Time now);
+  // Why `task`, queued at `enqueued`, must not run at `now`; OK when it may.
+  static absl::Status Unrunnable(const Task& task, absl::Time enqueued, absl::Time now);
   // Moves every queued task that must not run into `dropped`.
   void PurgeUnrunnable(std::vector<Dropped>* dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AnswerDropped(std::vector<Dropped> dropped);
@@ -172,6 +186,7 @@ class Batcher {
   // Invariant: every entry was accepted and is answered by Loop() exactly once.
   std::deque<Entry> queue_ ABSL_GUARDED_BY(mu_);
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // a batch is in flight
 
   absl::Mutex join_mu_;  // serialises Drain() callers around the join
   std::thread thread_;   // runs Loop(); joined by Drain(); started last
@@ -238,6 +253,30 @@ absl::Status Batcher<Task>::Schedule(std::unique_ptr<Task>* task) {
 }
 
 template <typename Task>
+bool Batcher<Task>::RunIfIdle(std::unique_ptr<Task>* task) {
+  absl::Status why;
+  {
+    absl::MutexLock lock(&mu_);
+    if (options_.delay != BatchingDelay::kWhileBusy || draining_ || busy_ || !queue_.empty()) {
+      return false;
+    }
+    const absl::Time now = clock_->Now();
+    why = Unrunnable(**task, now, now);
+    busy_ = why.ok();
+  }
+  if (!why.ok()) {
+    drop_task_(std::move(*task), std::move(why));
+    return true;
+  }
+  std::vector<std::unique_ptr<Task>> batch;
+  batch.push_back(std::move(*task));
+  process_batch_(std::move(batch));
+  absl::MutexLock lock(&mu_);
+  busy_ = false;
+  return true;
+}
+
+template <typename Task>
 int Batcher<Task>::queue_depth() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(queue_.size());
@@ -254,13 +293,13 @@ void Batcher<Task>::Drain() {
 }
 
 template <typename Task>
-absl::Status Batcher<Task>::Unrunnable(const Entry& entry, absl::Time now) {
-  if (now >= entry.task->deadline()) {
+absl::Status Batcher<Task>::Unrunnable(const Task& task, absl::Time enqueued, absl::Time now) {
+  if (now >= task.deadline()) {
     return absl::DeadlineExceededError(
-        absl::StrCat("the deadline passed after ", absl::ToInt64Microseconds(now - entry.enqueued),
+        absl::StrCat("the deadline passed after ", absl::ToInt64Microseconds(now - enqueued),
                      " us in the queue, before the request was computed"));
   }
-  if (entry.task->cancelled()) {
+  if (task.cancelled()) {
     return absl::CancelledError("the call was cancelled while its request was queued");
   }
   return absl::OkStatus();
@@ -271,7 +310,7 @@ void Batcher<Task>::PurgeUnrunnable(std::vector<Dropped>* dropped) {
   const absl::Time now = clock_->Now();
   std::deque<Entry> kept;
   for (Entry& entry : queue_) {
-    absl::Status why = Unrunnable(entry, now);
+    absl::Status why = Unrunnable(*entry.task, entry.enqueued, now);
     if (why.ok()) {
       kept.push_back(std::move(entry));
     } else {
@@ -288,11 +327,12 @@ void Batcher<Task>::AnswerDropped(std::vector<Dropped> dropped) {
 
 template <typename Task>
 void Batcher<Task>::Loop() {
-  for (;;) {
+  for (bool ran = false;; ran = true) {
     std::vector<std::unique_ptr<Task>> batch;
     std::vector<Dropped> dropped;
     {
       absl::MutexLock lock(&mu_);
+      if (ran) busy_ = false;
       mu_.Await(absl::Condition(this, &Batcher::HasWorkOrDraining));
       if (queue_.empty()) return;  // draining and every task answered
       if (options_.delay == BatchingDelay::kFixed) {
@@ -305,13 +345,14 @@ void Batcher<Task>::Loop() {
       while (static_cast<int>(batch.size()) < options_.max_batch_size && !queue_.empty()) {
         Entry entry = std::move(queue_.front());
         queue_.pop_front();
-        absl::Status why = Unrunnable(entry, now);
+        absl::Status why = Unrunnable(*entry.task, entry.enqueued, now);
         if (why.ok()) {
           batch.push_back(std::move(entry.task));
         } else {
           dropped.push_back(Dropped{std::move(entry.task), std::move(why)});
         }
       }
+      busy_ = true;
     }
     AnswerDropped(std::move(dropped));
     if (!batch.empty()) process_batch_(std::move(batch));

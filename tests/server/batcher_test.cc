@@ -335,6 +335,52 @@ TEST_F(BatcherTest, WhileBusyPartialBatchRunsAsSoonAsTheOneInFlightEnds) {
   EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(1, 2)));
 }
 
+TEST_F(BatcherTest, RunIfIdleProcessesOnTheCallingThreadBeforeReturning) {
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
+                      /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
+  auto task = std::make_unique<TestTask>(0);
+  ASSERT_TRUE(batcher->RunIfIdle(&task));
+  EXPECT_EQ(task, nullptr);
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0)));
+}
+
+TEST_F(BatcherTest, RunIfIdleRefusesWhileABatchIsInFlightAndTasksQueueBehindIt) {
+  recorder_.HoldFirstBatch();
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
+                      /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
+  ScheduleOk(*batcher, 0);
+  recorder_.WaitUntilFirstBatchStarted();
+  auto task = std::make_unique<TestTask>(1);
+  EXPECT_FALSE(batcher->RunIfIdle(&task));
+  ASSERT_NE(task, nullptr) << "a refused task must stay the caller's";
+  ASSERT_TRUE(batcher->Schedule(&task).ok());
+  auto queued_behind = std::make_unique<TestTask>(2);
+  EXPECT_FALSE(batcher->RunIfIdle(&queued_behind)) << "a task must not pass a queued one";
+  recorder_.ReleaseFirstBatch();
+  ASSERT_TRUE(recorder_.WaitForAnswered(2));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(1)));
+}
+
+TEST_F(BatcherTest, RunIfIdleDropsATaskWhoseDeadlinePassed) {
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
+                      /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
+  auto task = std::make_unique<TestTask>(0, clock_.Now());
+  ASSERT_TRUE(batcher->RunIfIdle(&task));
+  EXPECT_THAT(recorder_.batches(), IsEmpty());
+  EXPECT_THAT(recorder_.dropped(), ElementsAre(std::pair(0, absl::StatusCode::kDeadlineExceeded)));
+}
+
+TEST_F(BatcherTest, RunIfIdleRefusesWithTheFixedDelayAndWhileDraining) {
+  auto fixed = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1000);
+  auto task = std::make_unique<TestTask>(0);
+  EXPECT_FALSE(fixed->RunIfIdle(&task));
+  auto draining = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1000, /*queue_capacity=*/100,
+                       BatchingDelay::kWhileBusy);
+  draining->Drain();
+  EXPECT_FALSE(draining->RunIfIdle(&task));
+  EXPECT_NE(task, nullptr);
+}
+
 // The contrast: kFixed holds an idle batcher's lone task for the delay.
 TEST_F(BatcherTest, FixedHoldsAnIdleBatchersTaskForTheDelay) {
   auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1000);
