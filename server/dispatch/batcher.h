@@ -10,9 +10,12 @@
 // oldest task has waited `max_queue_delay_us` (kFixed).
 //
 // RunIfIdle() lets a caller skip the thread hand-off: with kWhileBusy, a
-// task that finds the batcher idle (nothing queued, no batch in flight) runs
-// as a batch of one on the caller's thread, and the tasks that arrive
-// meanwhile queue behind it as behind any batch in flight.
+// task that finds the batcher idle (nothing queued, no batch in flight, and
+// the last batch a lone task: no load) runs as a batch of one on the
+// caller's thread, and the tasks that arrive meanwhile queue behind it as
+// behind any batch in flight. Under load, batches stay on the batcher's
+// thread: the callers' threads keep taking requests in while one computes,
+// so batches keep filling.
 //
 // Use one Batcher per model when concurrent requests are cheaper to compute
 // together than one by one. With max_batch_size = 1 it is a plain bounded FIFO.
@@ -134,10 +137,11 @@ class Batcher {
   // it: RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE once draining.
   absl::Status Schedule(std::unique_ptr<Task>* task);
 
-  // With kWhileBusy, when nothing is queued, no batch is in flight and the
-  // batcher is not draining: processes (or drops) `*task` as a batch of one
-  // on the calling thread before returning, and returns true (`*task` is
-  // null). Otherwise false, `*task` untouched: Schedule() it.
+  // With kWhileBusy, when nothing is queued, no batch is in flight, the last
+  // batch held one task and the batcher is not draining: processes (or
+  // drops) `*task` as a batch of one on the calling thread before returning,
+  // and returns true (`*task` is null). Otherwise false, `*task` untouched:
+  // Schedule() it.
   bool RunIfIdle(std::unique_ptr<Task>* task);
 
   // Tasks waiting in the queue now.
@@ -186,7 +190,8 @@ class Batcher {
   // Invariant: every entry was accepted and is answered by Loop() exactly once.
   std::deque<Entry> queue_ ABSL_GUARDED_BY(mu_);
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
-  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // a batch is in flight
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;           // a batch is in flight
+  size_t last_batch_size_ ABSL_GUARDED_BY(mu_) = 0;  // of the last batch taken
 
   absl::Mutex join_mu_;  // serialises Drain() callers around the join
   std::thread thread_;   // runs Loop(); joined by Drain(); started last
@@ -257,9 +262,11 @@ bool Batcher<Task>::RunIfIdle(std::unique_ptr<Task>* task) {
   absl::Status why;
   {
     absl::MutexLock lock(&mu_);
-    if (options_.delay != BatchingDelay::kWhileBusy || draining_ || busy_ || !queue_.empty()) {
+    if (options_.delay != BatchingDelay::kWhileBusy || draining_ || busy_ || !queue_.empty() ||
+        last_batch_size_ > 1) {
       return false;
     }
+    last_batch_size_ = 1;
     const absl::Time now = clock_->Now();
     why = Unrunnable(**task, now, now);
     busy_ = why.ok();
@@ -353,6 +360,7 @@ void Batcher<Task>::Loop() {
         }
       }
       busy_ = true;
+      last_batch_size_ = batch.size();
     }
     AnswerDropped(std::move(dropped));
     if (!batch.empty()) process_batch_(std::move(batch));

@@ -361,6 +361,30 @@ TEST_F(BatcherTest, RunIfIdleRefusesWhileABatchIsInFlightAndTasksQueueBehindIt) 
   EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(1)));
 }
 
+TEST_F(BatcherTest, RunIfIdleRefusesAfterABatchOfSeveralUntilALoneOneRuns) {
+  recorder_.HoldFirstBatch();
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
+                      /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
+  ScheduleOk(*batcher, 0);
+  recorder_.WaitUntilFirstBatchStarted();
+  ScheduleOk(*batcher, 1);
+  ScheduleOk(*batcher, 2);
+  recorder_.ReleaseFirstBatch();
+  ASSERT_TRUE(recorder_.WaitForAnswered(3));
+  auto task = std::make_unique<TestTask>(3);
+  EXPECT_FALSE(batcher->RunIfIdle(&task)) << "the last batch says the model is under load";
+  ASSERT_TRUE(batcher->Schedule(&task).ok());
+  ASSERT_TRUE(recorder_.WaitForAnswered(4));
+  // The batcher marks itself idle just after its callback returns.
+  task = std::make_unique<TestTask>(4);
+  for (int i = 0; i < 3000 && !batcher->RunIfIdle(&task); ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(task, nullptr) << "a lone batch must let the next lone task run on its caller";
+  EXPECT_THAT(recorder_.batches(),
+              ElementsAre(ElementsAre(0), ElementsAre(1, 2), ElementsAre(3), ElementsAre(4)));
+}
+
 TEST_F(BatcherTest, RunIfIdleDropsATaskWhoseDeadlinePassed) {
   auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
                       /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
