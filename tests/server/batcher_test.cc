@@ -146,6 +146,17 @@ class BatcherTest : public ::testing::Test {
     EXPECT_EQ(task, nullptr) << "an accepted task must belong to the batcher";
   }
 
+  // With HoldFirstBatch(): task 0, then tasks 1 and 2 queued while it runs;
+  // returns once all three are answered.
+  void ScheduleOneThenTwoBehindIt(TestBatcher& batcher) {
+    ScheduleOk(batcher, 0);
+    recorder_.WaitUntilFirstBatchStarted();
+    ScheduleOk(batcher, 1);
+    ScheduleOk(batcher, 2);
+    recorder_.ReleaseFirstBatch();
+    ASSERT_TRUE(recorder_.WaitForAnswered(3));
+  }
+
   // Enough real time for the batcher thread to act if it (wrongly) would.
   static void LetBatcherRun() { absl::SleepFor(absl::Milliseconds(30)); }
 
@@ -326,12 +337,7 @@ TEST_F(BatcherTest, WhileBusyPartialBatchRunsAsSoonAsTheOneInFlightEnds) {
   recorder_.HoldFirstBatch();
   auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
                       /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
-  ScheduleOk(*batcher, 0);
-  recorder_.WaitUntilFirstBatchStarted();
-  ScheduleOk(*batcher, 1);
-  ScheduleOk(*batcher, 2);
-  recorder_.ReleaseFirstBatch();
-  ASSERT_TRUE(recorder_.WaitForAnswered(3));
+  ScheduleOneThenTwoBehindIt(*batcher);
   EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(1, 2)));
 }
 
@@ -365,12 +371,7 @@ TEST_F(BatcherTest, RunIfIdleRefusesAfterABatchOfSeveralUntilALoneOneRuns) {
   recorder_.HoldFirstBatch();
   auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
                       /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
-  ScheduleOk(*batcher, 0);
-  recorder_.WaitUntilFirstBatchStarted();
-  ScheduleOk(*batcher, 1);
-  ScheduleOk(*batcher, 2);
-  recorder_.ReleaseFirstBatch();
-  ASSERT_TRUE(recorder_.WaitForAnswered(3));
+  ScheduleOneThenTwoBehindIt(*batcher);
   auto task = std::make_unique<TestTask>(3);
   EXPECT_FALSE(batcher->RunIfIdle(&task)) << "the last batch says the model is under load";
   ASSERT_TRUE(batcher->Schedule(&task).ok());
