@@ -107,9 +107,6 @@ class Engine {
   void RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionResult> results);
 
   int num_threads() const;
-  // Work (RequestWork() units) below which a group runs on the calling
-  // thread alone (EngineOptions::serial_work).
-  double serial_work() const { return serial_work_; }
 
  private:
   // The pool for `work` units: serial_ (the caller alone) below serial_work_.

@@ -361,7 +361,6 @@ SessionMemory Session::memory() const { return state_->memory; }
 int64_t Session::batch() const { return state_->batch; }
 int64_t Session::length() const { return state_->length; }
 int64_t Session::held_bytes() const { return state_->held_bytes(); }
-double Session::StepWork(const AttentionDims& dims) const { return state_->StepWork(dims); }
 
 namespace {
 

@@ -116,9 +116,6 @@ class Session {
   // Bytes of the pool this session holds. Like length(), not to be read
   // while a step of the session runs; KvBlockPool::used_bytes() may be.
   int64_t held_bytes() const;
-  // A step's work in RequestWork()'s units (the rows held are not projected
-  // again); `dims` as ValidatedStep::dims. Not while a step of it runs.
-  double StepWork(const AttentionDims& dims) const;
 
   class State;
 

@@ -9,14 +9,6 @@
 // the default: tasks wait only behind the batch in flight), or once its
 // oldest task has waited `max_queue_delay_us` (kFixed).
 //
-// RunIfIdle() lets a caller skip the thread hand-off: with kWhileBusy, a
-// task that finds the batcher idle (nothing queued, no batch in flight, and
-// the last batch a lone task: no load) runs as a batch of one on the
-// caller's thread, and the tasks that arrive meanwhile queue behind it as
-// behind any batch in flight. Under load, batches stay on the batcher's
-// thread: the callers' threads keep taking requests in while one computes,
-// so batches keep filling.
-//
 // Use one Batcher per model when concurrent requests are cheaper to compute
 // together than one by one. With max_batch_size = 1 it is a plain bounded FIFO.
 //
@@ -114,12 +106,10 @@ class Batcher {
   using Options = BatcherOptions;
 
   // Computes one batch of 1..max_batch_size tasks, in arrival order. Runs on
-  // the batcher's thread (or RunIfIdle()'s caller); the next batch fills
-  // meanwhile. One batch at a time.
+  // the batcher's thread; the next batch fills meanwhile.
   using ProcessBatch = std::function<void(std::vector<std::unique_ptr<Task>> batch)>;
   // Answers a task that will never be processed; `why` is DEADLINE_EXCEEDED or
-  // CANCELLED. Runs on the batcher's thread or inside Schedule() or
-  // RunIfIdle().
+  // CANCELLED. Runs on the batcher's thread or inside Schedule().
   using DropTask = std::function<void(std::unique_ptr<Task> task, absl::Status why)>;
 
   // INVALID_ARGUMENT naming the option when one is out of range.
@@ -136,13 +126,6 @@ class Batcher {
   // (and `*task` becomes null) iff the result is OK. Otherwise the caller keeps
   // it: RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE once draining.
   absl::Status Schedule(std::unique_ptr<Task>* task);
-
-  // With kWhileBusy, when nothing is queued, no batch is in flight, the last
-  // batch held one task and the batcher is not draining: processes (or
-  // drops) `*task` as a batch of one on the calling thread before returning,
-  // and returns true (`*task` is null). Otherwise false, `*task` untouched:
-  // Schedule() it.
-  bool RunIfIdle(std::unique_ptr<Task>* task);
 
   // Tasks waiting in the queue now.
   int queue_depth() const;
@@ -168,15 +151,14 @@ class Batcher {
   Batcher(Options options, ProcessBatch process_batch, DropTask drop_task);
 
   void Loop();
-  // A batch may start (or the thread end): none is in flight.
   bool HasWorkOrDraining() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !busy_ && (!queue_.empty() || draining_);
+    return !queue_.empty() || draining_;
   }
   bool BatchFullOrDraining() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return static_cast<int>(queue_.size()) >= options_.max_batch_size || draining_;
   }
-  // Why `task`, queued at `enqueued`, must not run at `now`; OK when it may.
-  static absl::Status Unrunnable(const Task& task, absl::Time enqueued, absl::Time now);
+  // Why `entry` must not run at `now`; OK when it may.
+  static absl::Status Unrunnable(const Entry& entry, absl::Time now);
   // Moves every queued task that must not run into `dropped`.
   void PurgeUnrunnable(std::vector<Dropped>* dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AnswerDropped(std::vector<Dropped> dropped);
@@ -190,8 +172,6 @@ class Batcher {
   // Invariant: every entry was accepted and is answered by Loop() exactly once.
   std::deque<Entry> queue_ ABSL_GUARDED_BY(mu_);
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
-  bool busy_ ABSL_GUARDED_BY(mu_) = false;           // a batch is in flight
-  size_t last_batch_size_ ABSL_GUARDED_BY(mu_) = 0;  // of the last batch taken
 
   absl::Mutex join_mu_;  // serialises Drain() callers around the join
   std::thread thread_;   // runs Loop(); joined by Drain(); started last
@@ -258,32 +238,6 @@ absl::Status Batcher<Task>::Schedule(std::unique_ptr<Task>* task) {
 }
 
 template <typename Task>
-bool Batcher<Task>::RunIfIdle(std::unique_ptr<Task>* task) {
-  absl::Status why;
-  {
-    absl::MutexLock lock(&mu_);
-    if (options_.delay != BatchingDelay::kWhileBusy || draining_ || busy_ || !queue_.empty() ||
-        last_batch_size_ > 1) {
-      return false;
-    }
-    last_batch_size_ = 1;
-    const absl::Time now = clock_->Now();
-    why = Unrunnable(**task, now, now);
-    busy_ = why.ok();
-  }
-  if (!why.ok()) {
-    drop_task_(std::move(*task), std::move(why));
-    return true;
-  }
-  std::vector<std::unique_ptr<Task>> batch;
-  batch.push_back(std::move(*task));
-  process_batch_(std::move(batch));
-  absl::MutexLock lock(&mu_);
-  busy_ = false;
-  return true;
-}
-
-template <typename Task>
 int Batcher<Task>::queue_depth() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(queue_.size());
@@ -300,13 +254,13 @@ void Batcher<Task>::Drain() {
 }
 
 template <typename Task>
-absl::Status Batcher<Task>::Unrunnable(const Task& task, absl::Time enqueued, absl::Time now) {
-  if (now >= task.deadline()) {
+absl::Status Batcher<Task>::Unrunnable(const Entry& entry, absl::Time now) {
+  if (now >= entry.task->deadline()) {
     return absl::DeadlineExceededError(
-        absl::StrCat("the deadline passed after ", absl::ToInt64Microseconds(now - enqueued),
+        absl::StrCat("the deadline passed after ", absl::ToInt64Microseconds(now - entry.enqueued),
                      " us in the queue, before the request was computed"));
   }
-  if (task.cancelled()) {
+  if (entry.task->cancelled()) {
     return absl::CancelledError("the call was cancelled while its request was queued");
   }
   return absl::OkStatus();
@@ -317,7 +271,7 @@ void Batcher<Task>::PurgeUnrunnable(std::vector<Dropped>* dropped) {
   const absl::Time now = clock_->Now();
   std::deque<Entry> kept;
   for (Entry& entry : queue_) {
-    absl::Status why = Unrunnable(*entry.task, entry.enqueued, now);
+    absl::Status why = Unrunnable(entry, now);
     if (why.ok()) {
       kept.push_back(std::move(entry));
     } else {
@@ -334,12 +288,11 @@ void Batcher<Task>::AnswerDropped(std::vector<Dropped> dropped) {
 
 template <typename Task>
 void Batcher<Task>::Loop() {
-  for (bool ran = false;; ran = true) {
+  for (;;) {
     std::vector<std::unique_ptr<Task>> batch;
     std::vector<Dropped> dropped;
     {
       absl::MutexLock lock(&mu_);
-      if (ran) busy_ = false;
       mu_.Await(absl::Condition(this, &Batcher::HasWorkOrDraining));
       if (queue_.empty()) return;  // draining and every task answered
       if (options_.delay == BatchingDelay::kFixed) {
@@ -352,15 +305,13 @@ void Batcher<Task>::Loop() {
       while (static_cast<int>(batch.size()) < options_.max_batch_size && !queue_.empty()) {
         Entry entry = std::move(queue_.front());
         queue_.pop_front();
-        absl::Status why = Unrunnable(*entry.task, entry.enqueued, now);
+        absl::Status why = Unrunnable(entry, now);
         if (why.ok()) {
           batch.push_back(std::move(entry.task));
         } else {
           dropped.push_back(Dropped{std::move(entry.task), std::move(why)});
         }
       }
-      busy_ = true;
-      last_batch_size_ = batch.size();
     }
     AnswerDropped(std::move(dropped));
     if (!batch.empty()) process_batch_(std::move(batch));

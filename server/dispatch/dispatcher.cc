@@ -176,18 +176,10 @@ void Dispatcher::Schedule(std::unique_ptr<Task> task) {
   ModelQueue& queue = *task->queue;
   task->enqueued = absl::Now();
   queue.metrics->queue_depth->Increment();
-  if (RunsOnCaller(*task) && queue.batcher->RunIfIdle(&task)) return;
   if (absl::Status scheduled = queue.batcher->Schedule(&task); !scheduled.ok()) {
     queue.metrics->queue_depth->Decrement();
     Answer(*task, scheduled, nullptr);
   }
-}
-
-bool Dispatcher::RunsOnCaller(const Task& task) const {
-  if (task.queue->gate != nullptr) return false;  // the test gate must not hold an API thread
-  const double work = task.is_step ? task.validated_step.session->StepWork(task.validated_step.dims)
-                                   : RequestWork(*task.served.model, task.validated.dims);
-  return work < engine_->serial_work();
 }
 
 absl::Status Dispatcher::AdmitCall(const Task& task) const {

@@ -14,11 +14,8 @@
 // batches. Each answer is counted, timed and logged in one place (Answer),
 // then handed to the request's completion; a computed batch's answers go out
 // on the answer threads (answer_pool.h) while its batcher forms the next.
-//
-// Small work skips the hand-offs: a request the engine would compute on one
-// thread, arriving while its model's batcher is idle, computes on the
-// submitting thread (Batcher::RunIfIdle), and a lone answer is sent by the
-// thread that computed it when the answer threads are idle.
+// A batch of one is answered by its batcher thread when the answer threads
+// are idle (nothing to overlap it with; AnswerPool::RunOrPost).
 //
 // A session's step (core/session.h; SubmitStep) takes the same way into its
 // model's batcher, where the steps of a batch run as one Engine::RunSteps
@@ -121,10 +118,9 @@ class Dispatcher {
                                                             DispatchOptions options);
   ~Dispatcher();
 
-  // Answers `request` through `done`: now (when it is refused, or when it is
-  // small, its model idle, and it computes here), from an answer thread or
-  // its batcher's thread once computed, or from the model's batcher thread
-  // when it is dropped from the queue. `origin`, the strings `request` views and what
+  // Answers `request` through `done`: now (when it is refused), from an
+  // answer thread or its batcher's thread once computed, or from the
+  // model's batcher thread when it is dropped from the queue. `origin`, the strings `request` views and what
   // `decode` returns must stay alive until `done` runs.
   void Submit(const CallOrigin& origin, Request request, Decode decode, Done done);
 
@@ -186,11 +182,6 @@ class Dispatcher {
   // Queues an admitted task in its model's batcher, or answers it now when
   // --max-queued-bytes or the queue refuse it.
   void Schedule(std::unique_ptr<Task> task);
-  // Whether `task` may compute on the thread that submits it when its
-  // model's batcher is idle: work the engine would run on one thread anyway
-  // (Engine::serial_work()), so the API's thread is held about as long as a
-  // hand-off to the batcher thread and back would cost.
-  bool RunsOnCaller(const Task& task) const;
   // Counts `task`'s bytes against --max-queued-bytes; RESOURCE_EXHAUSTED
   // beyond it.
   absl::Status HoldBytes(Task& task);

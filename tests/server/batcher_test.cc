@@ -146,17 +146,6 @@ class BatcherTest : public ::testing::Test {
     EXPECT_EQ(task, nullptr) << "an accepted task must belong to the batcher";
   }
 
-  // With HoldFirstBatch(): task 0, then tasks 1 and 2 queued while it runs;
-  // returns once all three are answered.
-  void ScheduleOneThenTwoBehindIt(TestBatcher& batcher) {
-    ScheduleOk(batcher, 0);
-    recorder_.WaitUntilFirstBatchStarted();
-    ScheduleOk(batcher, 1);
-    ScheduleOk(batcher, 2);
-    recorder_.ReleaseFirstBatch();
-    ASSERT_TRUE(recorder_.WaitForAnswered(3));
-  }
-
   // Enough real time for the batcher thread to act if it (wrongly) would.
   static void LetBatcherRun() { absl::SleepFor(absl::Milliseconds(30)); }
 
@@ -337,73 +326,13 @@ TEST_F(BatcherTest, WhileBusyPartialBatchRunsAsSoonAsTheOneInFlightEnds) {
   recorder_.HoldFirstBatch();
   auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
                       /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
-  ScheduleOneThenTwoBehindIt(*batcher);
-  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(1, 2)));
-}
-
-TEST_F(BatcherTest, RunIfIdleProcessesOnTheCallingThreadBeforeReturning) {
-  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
-                      /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
-  auto task = std::make_unique<TestTask>(0);
-  ASSERT_TRUE(batcher->RunIfIdle(&task));
-  EXPECT_EQ(task, nullptr);
-  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0)));
-}
-
-TEST_F(BatcherTest, RunIfIdleRefusesWhileABatchIsInFlightAndTasksQueueBehindIt) {
-  recorder_.HoldFirstBatch();
-  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
-                      /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
   ScheduleOk(*batcher, 0);
   recorder_.WaitUntilFirstBatchStarted();
-  auto task = std::make_unique<TestTask>(1);
-  EXPECT_FALSE(batcher->RunIfIdle(&task));
-  ASSERT_NE(task, nullptr) << "a refused task must stay the caller's";
-  ASSERT_TRUE(batcher->Schedule(&task).ok());
-  auto queued_behind = std::make_unique<TestTask>(2);
-  EXPECT_FALSE(batcher->RunIfIdle(&queued_behind)) << "a task must not pass a queued one";
+  ScheduleOk(*batcher, 1);
+  ScheduleOk(*batcher, 2);
   recorder_.ReleaseFirstBatch();
-  ASSERT_TRUE(recorder_.WaitForAnswered(2));
-  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(1)));
-}
-
-TEST_F(BatcherTest, RunIfIdleRefusesAfterABatchOfSeveralUntilALoneOneRuns) {
-  recorder_.HoldFirstBatch();
-  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
-                      /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
-  ScheduleOneThenTwoBehindIt(*batcher);
-  auto task = std::make_unique<TestTask>(3);
-  EXPECT_FALSE(batcher->RunIfIdle(&task)) << "the last batch says the model is under load";
-  ASSERT_TRUE(batcher->Schedule(&task).ok());
-  ASSERT_TRUE(recorder_.WaitForAnswered(4));
-  // The batcher marks itself idle just after its callback returns.
-  task = std::make_unique<TestTask>(4);
-  for (int i = 0; i < 3000 && !batcher->RunIfIdle(&task); ++i) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  EXPECT_EQ(task, nullptr) << "a lone batch must let the next lone task run on its caller";
-  EXPECT_THAT(recorder_.batches(),
-              ElementsAre(ElementsAre(0), ElementsAre(1, 2), ElementsAre(3), ElementsAre(4)));
-}
-
-TEST_F(BatcherTest, RunIfIdleDropsATaskWhoseDeadlinePassed) {
-  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
-                      /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
-  auto task = std::make_unique<TestTask>(0, clock_.Now());
-  ASSERT_TRUE(batcher->RunIfIdle(&task));
-  EXPECT_THAT(recorder_.batches(), IsEmpty());
-  EXPECT_THAT(recorder_.dropped(), ElementsAre(std::pair(0, absl::StatusCode::kDeadlineExceeded)));
-}
-
-TEST_F(BatcherTest, RunIfIdleRefusesWithTheFixedDelayAndWhileDraining) {
-  auto fixed = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1000);
-  auto task = std::make_unique<TestTask>(0);
-  EXPECT_FALSE(fixed->RunIfIdle(&task));
-  auto draining = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1000, /*queue_capacity=*/100,
-                       BatchingDelay::kWhileBusy);
-  draining->Drain();
-  EXPECT_FALSE(draining->RunIfIdle(&task));
-  EXPECT_NE(task, nullptr);
+  ASSERT_TRUE(recorder_.WaitForAnswered(3));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(1, 2)));
 }
 
 // The contrast: kFixed holds an idle batcher's lone task for the delay.
