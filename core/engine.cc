@@ -48,6 +48,14 @@ using internal::Stops;
 // "Memory").
 constexpr int64_t kGroupFloats = int64_t{1} << 19;
 
+// Work below which a group runs on the calling thread (EngineOptions::
+// serial_work): 2^21 units, about an eighth of kStopPollWork's millisecond.
+// A one-token step of E=512 (about 2^20 units) fits, and so does a batch of
+// trivial requests; a token of E=1024 (2^22) still spreads over the pool.
+// Each parallel phase wakes a worker and waits for it, a few microseconds
+// of CPU on each side, which below this is a large part of the compute.
+constexpr double kSerialWork = double{1 << 21};
+
 // A request's share of a group's bound: its query and key rows times the
 // widest row any stacked buffer holds for it (inputs, a projection to E or to
 // additive's h, or the output).
@@ -123,13 +131,17 @@ absl::Status CheckFinite(const Model& model, const ValidatedRequest& v,
 
 Engine::Engine(EngineOptions options)
     : pool_(std::make_unique<ThreadPool>(options.num_threads)),
-      max_group_floats_(options.max_group_floats > 0 ? options.max_group_floats : kGroupFloats) {
+      serial_(std::make_unique<ThreadPool>(1)),
+      max_group_floats_(options.max_group_floats > 0 ? options.max_group_floats : kGroupFloats),
+      serial_work_(options.serial_work != 0 ? options.serial_work : kSerialWork) {
   RunBlasOnCallingThread();
 }
 
 Engine::~Engine() = default;
 
 int Engine::num_threads() const { return pool_->num_threads(); }
+
+ThreadPool& Engine::PoolFor(double work) const { return work < serial_work_ ? *serial_ : *pool_; }
 
 absl::StatusOr<AttentionResult> Engine::Attend(const Model& model, const AttentionRequest& request,
                                                const Limits& limits) {
@@ -157,12 +169,14 @@ void Engine::Run(const Model& model, std::span<const ValidatedRequest> requests,
   // bound is a group of its own.
   for (size_t begin = 0; begin < requests.size();) {
     int64_t floats = GroupFloats(model, requests[begin].dims);
+    double work = RequestWork(model, requests[begin].dims);
     size_t end = begin + 1;
     while (end < requests.size() &&
            floats + GroupFloats(model, requests[end].dims) <= max_group_floats_) {
-      floats += GroupFloats(model, requests[end++].dims);
+      floats += GroupFloats(model, requests[end].dims);
+      work += RequestWork(model, requests[end++].dims);
     }
-    RunGroup(*pool_, model, requests.subspan(begin, end - begin),
+    RunGroup(PoolFor(work), model, requests.subspan(begin, end - begin),
              results.subspan(begin, end - begin), Stops(stops).subspan(begin, end - begin));
     begin = end;
   }

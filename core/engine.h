@@ -73,6 +73,11 @@ struct EngineOptions {
   // output's last axis and additive's hidden size); a request over it is a
   // group of its own. 0 = the default (engine.cc, kGroupFloats).
   int64_t max_group_floats = 0;
+  // A group (or RunSteps call) of less work than this, in RequestWork's
+  // units, runs on the calling thread alone: waking workers for each phase
+  // costs more CPU than a single-token step computes. 0 = the default
+  // (engine.cc, kSerialWork); negative: every group uses the whole pool.
+  double serial_work = 0;
 };
 
 class Engine {
@@ -104,8 +109,13 @@ class Engine {
   int num_threads() const;
 
  private:
+  // The pool for `work` units: serial_ (the caller alone) below serial_work_.
+  ThreadPool& PoolFor(double work) const;
+
   std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<ThreadPool> serial_;
   int64_t max_group_floats_;
+  double serial_work_;
 };
 
 }  // namespace attention

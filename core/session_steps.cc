@@ -453,6 +453,7 @@ void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionR
   std::vector<StepRun> runs;  // the steps that could begin
   runs.reserve(steps.size());
   std::unordered_set<const Session::State*> sessions;
+  double work = 0;
   for (size_t s = 0; s < steps.size(); ++s) {
     StepRun run(steps[s], *steps[s].session->state_, results[s]);
     absl::Status status = CheckRunnable(model, run.state, sessions);
@@ -462,12 +463,14 @@ void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionR
       continue;
     }
     ShapeResult(model, steps[s], results[s]);
-    if (steps[s].stop && run.state->StepWork(steps[s].dims) >= kStopPollWork) {
+    const double step_work = run.state->StepWork(steps[s].dims);
+    work += step_work;
+    if (steps[s].stop && step_work >= kStopPollWork) {
       run.stop = &stop_storage.emplace_back(steps[s].stop);
     }
     runs.push_back(std::move(run));
   }
-  RunStepsOf(*pool_, model, runs);
+  RunStepsOf(PoolFor(work), model, runs);
   for (StepRun& run : runs) FinishStep(model, run);
 }
 

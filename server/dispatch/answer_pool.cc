@@ -12,10 +12,15 @@ AnswerPool::AnswerPool(int threads) {
 
 AnswerPool::~AnswerPool() { Drain(); }
 
-void AnswerPool::Post(Job job) {
+void AnswerPool::Post(Job job) { Hand(std::move(job), /*run_if_idle=*/false); }
+
+void AnswerPool::RunOrPost(Job job) { Hand(std::move(job), /*run_if_idle=*/true); }
+
+void AnswerPool::Hand(Job job, bool run_if_idle) {
   {
     absl::MutexLock lock(&mu_);
-    if (!stopping_) {
+    const bool idle = jobs_.empty() && running_ == 0;
+    if (!stopping_ && !(run_if_idle && idle)) {
       jobs_.push_back(std::move(job));
       return;
     }
@@ -35,14 +40,16 @@ void AnswerPool::Drain() {
 }
 
 void AnswerPool::Loop() {
-  for (;;) {
+  for (bool ran = false;; ran = true) {
     Job job;
     {
       absl::MutexLock lock(&mu_);
+      if (ran) --running_;
       mu_.Await(absl::Condition(this, &AnswerPool::HasJobOrStopping));
       if (jobs_.empty()) return;  // stopping, and every job taken
       job = std::move(jobs_.front());
       jobs_.pop_front();
+      ++running_;
     }
     std::move(job)();
   }

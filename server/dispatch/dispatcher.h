@@ -14,6 +14,8 @@
 // batches. Each answer is counted, timed and logged in one place (Answer),
 // then handed to the request's completion; a computed batch's answers go out
 // on the answer threads (answer_pool.h) while its batcher forms the next.
+// A batch of one is answered by its batcher thread when the answer threads
+// are idle (nothing to overlap it with; AnswerPool::RunOrPost).
 //
 // A session's step (core/session.h; SubmitStep) takes the same way into its
 // model's batcher, where the steps of a batch run as one Engine::RunSteps
@@ -117,8 +119,8 @@ class Dispatcher {
   ~Dispatcher();
 
   // Answers `request` through `done`: now (when it is refused), from an
-  // answer thread once computed, or from the model's batcher thread when it
-  // is dropped from the queue. `origin`, the strings `request` views and what
+  // answer thread or its batcher's thread once computed, or from the
+  // model's batcher thread when it is dropped from the queue. `origin`, the strings `request` views and what
   // `decode` returns must stay alive until `done` runs.
   void Submit(const CallOrigin& origin, Request request, Decode decode, Done done);
 

@@ -18,6 +18,12 @@
 namespace attention::server {
 namespace {
 
+// A batch of at most this many tasks is answered on its batcher thread when
+// the answer pool is idle: one answer is a few microseconds, less than
+// handing it to another thread costs, and with nothing else to send there is
+// nothing to overlap.
+constexpr size_t kAnswerInlineTasks = 1;
+
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
 nlohmann::json Millis(const std::optional<absl::Duration>& d) {
@@ -104,10 +110,16 @@ void Dispatcher::RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> 
   // Moved, not copied: a copy would share the status's reference-counted
   // message with this thread, and Debian's Abseil (not built for TSan) drops
   // the answer thread's reference where TSan cannot see it.
-  answers_.Post([this, batch = std::move(batch), status = std::move(status),
-                 results = std::move(results)]() mutable {
+  const bool small = batch.size() <= kAnswerInlineTasks;
+  AnswerPool::Job job = [this, batch = std::move(batch), status = std::move(status),
+                         results = std::move(results)]() mutable {
     AnswerBatch(std::move(batch), status, std::move(results));
-  });
+  };
+  if (small) {
+    answers_.RunOrPost(std::move(job));
+  } else {
+    answers_.Post(std::move(job));
+  }
 }
 
 void Dispatcher::AnswerBatch(std::vector<std::unique_ptr<Task>> batch, const absl::Status& status,

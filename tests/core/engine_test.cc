@@ -144,7 +144,9 @@ TEST_P(EngineVsReference, RandomRequestsAtEveryThreadCount) {
   const int cores = std::max(1u, std::thread::hardware_concurrency());
   std::mt19937 rng(1234 + static_cast<int>(GetParam()));
   for (int threads = 1; threads <= cores; ++threads) {
-    Engine engine(EngineOptions{.num_threads = threads});
+    // serial_work < 0: these small cases would otherwise run on the caller
+    // alone and never exercise the parallel phases.
+    Engine engine(EngineOptions{.num_threads = threads, .serial_work = -1});
     for (int trial = 0; trial < 40; ++trial) {
       Model model;
       auto c = RandomCase(rng, GetParam(), model);
