@@ -643,7 +643,11 @@ TEST_F(SessionTest, MemoryReturnsToThePoolAndRssStaysBounded) {
   const int64_t warm = ResidentBytes(server_->pid());
   cycles(1000);
   const int64_t after = ResidentBytes(server_->pid());
-  EXPECT_LT(after - warm, 16 << 20) << "RSS grew from " << warm << " to " << after;
+  // A sanitizer holds freed memory back (ASan's quarantine), so resident
+  // sizes mean something in the plain build only; the pool is checked in both.
+  if (!kSanitizedBuild) {
+    EXPECT_LT(after - warm, 16 << 20) << "RSS grew from " << warm << " to " << after;
+  }
   // Closing is asynchronous to the client's Finish by a moment.
   std::string metrics;
   for (int i = 0; i < 50; ++i) {
