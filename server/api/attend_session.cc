@@ -10,7 +10,6 @@
 #include "server/api/attention_adapter.h"
 #include "server/api/grpc_call.h"
 #include "server/api/step_chain.h"
-#include "server/observability/request_names.h"
 
 namespace attention::server {
 namespace {
@@ -35,10 +34,9 @@ struct SessionSlot {
 
 class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
  public:
-  AttendSessionReactor(Dispatcher* dispatcher, const ModelRegistry* registry,
-                       SessionTable* sessions, grpc::CallbackServerContext* context)
+  AttendSessionReactor(Dispatcher* dispatcher, SessionTable* sessions,
+                       grpc::CallbackServerContext* context)
       : AdmittedStream(dispatcher, context),
-        registry_(registry),
         sessions_(sessions),
         context_(context),
         link_(std::make_shared<StreamEndLink<AttendSessionReactor>>(this)) {
@@ -67,7 +65,7 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
     }
     switch (slot.request.message_case()) {
       case v1::SessionRequest::kOpen:
-        return Answer(slot, OpenSession(slot.request.open()), nullptr);
+        return SubmitOpening(slot);
       case v1::SessionRequest::kStep:
         return Step(slot);
       case v1::SessionRequest::MESSAGE_NOT_SET:
@@ -77,18 +75,32 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
            nullptr);
   }
 
-  absl::Status OpenSession(const v1::SessionOpen& open) {
+  void SubmitOpening(SessionSlot& slot) {
+    const v1::SessionOpen& open = slot.request.open();
+    dispatcher()->SubmitOpening(
+        origin(),
+        Dispatcher::Request{
+            .api = kAttentionApi,
+            .model = open.model(),
+            .version = open.has_version() ? std::optional<int64_t>(open.version()) : std::nullopt,
+            .request_id = slot.request.request_id(),
+            .message_bytes = static_cast<int64_t>(slot.request.ByteSizeLong()),
+            .credentials_checked = true,
+            .readable = absl::OkStatus()},
+        [this, &open](const ServedModel& served) { return OpenSession(open, served); },
+        [this, &slot](const absl::Status& status, const AttentionResult*) {
+          Answer(slot, status, nullptr);
+        });
+  }
+
+  absl::Status OpenSession(const v1::SessionOpen& open, const ServedModel& served) {
     if (session_) {
       return absl::FailedPreconditionError(absl::StrCat(
           "open: the stream's session ", SessionTable::Id(session_),
           " is open already; a stream holds one session (open another stream)"));
     }
-    if (absl::Status s = CheckNameLength("open.model", open.model()); !s.ok()) return s;
-    absl::StatusOr<ServedModel> served = registry_->Resolve(
-        open.model(), open.has_version() ? std::optional<int64_t>(open.version()) : std::nullopt);
-    if (!served.ok()) return served.status();
     absl::StatusOr<SessionTable::Handle> handle = sessions_->Open(
-        open.model(), *served, ToSessionOpen(open), {}, EndStreamAtShutdown(link_));
+        open.model(), served, ToSessionOpen(open), {}, EndStreamAtShutdown(link_));
     if (!handle.ok()) return handle.status();
     session_ = *std::move(handle);
     model_ = open.model();
@@ -96,12 +108,6 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
   }
 
   void Step(SessionSlot& slot) {
-    if (!session_) {
-      return Answer(slot,
-                    absl::FailedPreconditionError(
-                        "step: no session is open: the stream's first message must be `open`"),
-                    nullptr);
-    }
     dispatcher()->SubmitStep(
         origin(),
         Dispatcher::Request{.api = kAttentionApi,
@@ -112,6 +118,10 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
                             .readable = absl::OkStatus(),
                             .continues_session = true},
         [this, &slot](const absl::StatusOr<ServedModel>&) -> absl::StatusOr<Dispatcher::Step> {
+          if (!session_) {
+            return absl::FailedPreconditionError(
+                "step: no session is open: the stream's first message must be `open`");
+          }
           absl::StatusOr<Session*> session = sessions_->BeginStep(session_);
           if (!session.ok()) return session.status();
           slot.stepping = *session;
@@ -149,7 +159,6 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
     Answered(slot);
   }
 
-  const ModelRegistry* const registry_;  // not owned
   SessionTable* const sessions_;         // not owned
   grpc::CallbackServerContext* const context_;
   const std::shared_ptr<StreamEndLink<AttendSessionReactor>> link_;
@@ -162,9 +171,8 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
 }  // namespace
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewAttendSession(
-    Dispatcher* dispatcher, const ModelRegistry* registry, SessionTable* sessions,
-    grpc::CallbackServerContext* context) {
-  return new AttendSessionReactor(dispatcher, registry, sessions, context);
+    Dispatcher* dispatcher, SessionTable* sessions, grpc::CallbackServerContext* context) {
+  return new AttendSessionReactor(dispatcher, sessions, context);
 }
 
 }  // namespace attention::server

@@ -115,7 +115,7 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionApi::Atten
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionApi::AttendSession(
     grpc::CallbackServerContext* context) {
-  return NewAttendSession(dispatcher_, registry_, sessions_, context);
+  return NewAttendSession(dispatcher_, sessions_, context);
 }
 
 grpc::ServerUnaryReactor* AttentionApi::ListModels(grpc::CallbackServerContext* context,

@@ -148,6 +148,16 @@ void Dispatcher::SubmitStep(const CallOrigin& origin, Request request, DecodeSte
   Schedule(std::move(task));
 }
 
+void Dispatcher::SubmitOpening(const CallOrigin& origin, Request request, OpenSession open,
+                               Done done) {
+  const bool credentials_checked = request.credentials_checked;
+  std::unique_ptr<Task> task = NewTask(origin, std::move(request), std::move(done));
+  absl::Status opened = Authenticate(origin, credentials_checked);
+  if (opened.ok()) opened = AdmitModel(*task);
+  if (opened.ok()) opened = open(task->served);
+  Answer(*task, opened, nullptr);
+}
+
 absl::Status Dispatcher::Authenticate(const CallOrigin& origin, bool credentials_checked) const {
   return credentials_checked ? absl::OkStatus() : origin.Authenticate(access_);
 }
@@ -195,7 +205,7 @@ absl::Status Dispatcher::AdmitCall(const Task& task) const {
   return absl::OkStatus();
 }
 
-absl::Status Dispatcher::Admit(Task& task, Decode decode) {
+absl::Status Dispatcher::AdmitModel(Task& task) {
   if (absl::Status s = AdmitCall(task); !s.ok()) return s;
   // The name first, so that a bad version of an unknown model is NOT_FOUND
   // for its name.
@@ -208,6 +218,11 @@ absl::Status Dispatcher::Admit(Task& task, Decode decode) {
   if (task.version->has_value()) served = registry_->Resolve(task.model_name, *task.version);
   if (!served.ok()) return served.status();
   task.served = *std::move(served);
+  return absl::OkStatus();
+}
+
+absl::Status Dispatcher::Admit(Task& task, Decode decode) {
+  if (absl::Status s = AdmitModel(task); !s.ok()) return s;
   absl::StatusOr<AttentionRequest> request = decode();
   if (!request.ok()) return request.status();
   task.request = *std::move(request);

@@ -106,6 +106,10 @@ class Dispatcher {
   // session; a step of an open session keeps the session's version.
   using DecodeStep =
       absl::FunctionRef<absl::StatusOr<Step>(const absl::StatusOr<ServedModel>& resolved)>;
+  // Opens a session on the model and version the Request names, once the
+  // opening is admitted (credentials, server state, names, model found);
+  // the session holds `served` from then on.
+  using OpenSession = absl::FunctionRef<absl::Status(const ServedModel& served)>;
   // Receives a request's answer exactly once; `result` is set iff status is
   // OK and valid only during the call.
   using Done = std::function<void(const absl::Status& status, const AttentionResult* result)>;
@@ -127,6 +131,12 @@ class Dispatcher {
   // As Submit(), for a session's step: validated by core's ValidateStep()
   // and computed in its model's batches by Engine::RunSteps().
   void SubmitStep(const CallOrigin& origin, Request request, DecodeStep decode, Done done);
+
+  // As Submit(), for a session's opening (attention.v1's `open`), which the
+  // engine computes on the calling thread (cross memory is projected once,
+  // within the request limits) and answers with no result: counted, timed
+  // and logged as any request of its model.
+  void SubmitOpening(const CallOrigin& origin, Request request, OpenSession open, Done done);
 
   // A call counts as open from OpenCall() (an error once StopAccepting() ran:
   // UNAVAILABLE, "takes no new `what`") until CloseCall(), which its API
@@ -175,6 +185,8 @@ class Dispatcher {
   // The first reason `task` cannot be queued: the server's state, its names,
   // its model and version, its decoding and validation.
   absl::Status Admit(Task& task, Decode decode);
+  // Admit()'s checks up to the model and version, which `task` then holds.
+  absl::Status AdmitModel(Task& task);
   // The same for a step.
   absl::Status AdmitStep(Task& task, DecodeStep decode);
   // The checks before the model: the server's state, readability, names.

@@ -296,6 +296,18 @@ TEST_F(SessionTest, ErrorsAreAnsweredInPlaceAndLeaveTheSessionAsItWas) {
   v1::SessionOpen self_additive = SelfOpen("additive_small");
   EXPECT_EQ(unopened.Open(self_additive).error().code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_TRUE(unopened.Close().ok());
+
+  // Openings and steps are requests like any other, refused ones included:
+  // OK are the opening, two steps and one Attend.
+  const std::string metrics = ScrapeMetrics(server_->metrics_address());
+  for (const auto& [code, count] : std::vector<std::pair<std::string, double>>{
+           {"OK", 4}, {"INVALID_ARGUMENT", 2}, {"FAILED_PRECONDITION", 2}, {"NOT_FOUND", 1}}) {
+    EXPECT_EQ(MetricValue(metrics, "attention_api_requests_total",
+                          {{"api", "attention"}, {"code", code}}),
+              count)
+        << code;
+  }
+  EXPECT_THAT(server_->Log(), HasSubstr("request failed: api=attention model='no_such_model'"));
 }
 
 TEST_F(SessionTest, LimitsRefuseWithTheirNameAndOtherSessionsGoOn) {
