@@ -65,8 +65,12 @@ constexpr absl::Duration kFlushPause = absl::Milliseconds(100);
 // their steps in flight and finish UNAVAILABLE.
 constexpr absl::Duration kSessionEndPause = absl::Seconds(5);
 
-// "0.0.0.0:0" with port 51234 bound -> "0.0.0.0:51234".
+// "0.0.0.0:0" with port 51234 bound -> "0.0.0.0:51234". A Unix socket
+// ("unix:PATH", "unix-abstract:NAME") has no port and stays as it is.
 std::string WithPort(const std::string& address, int port) {
+  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
+    return address;
+  }
   const size_t colon = address.rfind(':');
   return absl::StrCat(address.substr(0, colon == std::string::npos ? address.size() : colon), ":",
                       port);

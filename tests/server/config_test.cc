@@ -230,6 +230,23 @@ TEST(ServerConfigTest, MessageAboveMaxMessageBytesIsRefused) {
   EXPECT_EQ((*server)->Stop(), 0);
 }
 
+// A Unix socket address serves, and the port file names it as given (no
+// port to add), so a client can read it from there.
+TEST(ServerConfigTest, UnixSocketAddressServesAndIsWrittenAsGiven) {
+  TempDir dir;
+  const std::string address = "unix:" + (dir.path() / "attention.sock").string();
+  auto server = ServerProcess::Start({"--address", address});
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ((*server)->address(), address);
+  const v1::AttendRequest request = SelfAttentionRequest(1, 2, 2, 0);
+  grpc::ClientContext context;
+  v1::AttendResponse response;
+  const grpc::Status status = (*server)->Stub()->Attend(&context, request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(CheckAnswer(request, response), "");
+  EXPECT_EQ((*server)->Stop(), 0) << (*server)->Log();
+}
+
 // The channel's connection is READY after a call; true when it leaves READY
 // (the server's GOAWAY) within `wait`.
 bool ConnectionEndsWithin(grpc::Channel& channel, std::chrono::seconds wait) {

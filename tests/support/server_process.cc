@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -99,8 +100,11 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   std::unique_ptr<ServerProcess> server(new ServerProcess());
   if (server->dir_.path().empty()) return absl::InternalError("cannot make a temporary directory");
   const std::filesystem::path port_file = server->dir_.path() / "ports";
-  std::vector<std::string> args = {"--address", "127.0.0.1:0", "--metrics-address",
-                                   "127.0.0.1:0", "--port-file", port_file.string()};
+  std::vector<std::string> args = {"--metrics-address", "127.0.0.1:0", "--port-file",
+                                   port_file.string()};
+  if (std::find(flags.begin(), flags.end(), "--address") == flags.end()) {
+    args.insert(args.end(), {"--address", "127.0.0.1:0"});
+  }
   args.insert(args.end(), flags.begin(), flags.end());
   server->pid_ = Spawn(args, env, server->dir_.path() / "log");
   if (server->pid_ < 0) return absl::InternalError("cannot start attention-server");

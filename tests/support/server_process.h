@@ -43,8 +43,8 @@ class TempDir {
 
 class ServerProcess {
  public:
-  // Starts attention-server with `flags` added to the address, metrics and
-  // port-file flags, and `env` added to the environment; returns once it
+  // Starts attention-server with `flags` added to the address (unless
+  // `flags` has its own --address), metrics and port-file flags, and `env` added to the environment; returns once it
   // serves. The error holds the server's log when it exited instead.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
       const std::vector<std::string>& flags, const std::map<std::string, std::string>& env = {});
@@ -56,7 +56,7 @@ class ServerProcess {
   // Kills the process if it is still running.
   ~ServerProcess();
 
-  const std::string& address() const { return address_; }          // 127.0.0.1:PORT
+  const std::string& address() const { return address_; }  // 127.0.0.1:PORT, or as given
   const std::string& metrics_address() const { return metrics_address_; }
   // REST's; empty when the server runs without it.
   const std::string& http_address() const { return http_address_; }
