@@ -340,7 +340,9 @@ TEST(Engine, MultiHeadReadsValueRowsPastTheBoundWhenDisallowedKeysCarryWeight) {
       // The rule's answer, not the allowed keys' alone: a disallowed key of
       // the first example weighs e / (2 + 7e).
       const float masked_weight = std::exp(1.0f) / (2.0f + 7.0f * std::exp(1.0f));
-      if (weights) EXPECT_NEAR(result->attention_weights.data[kTokens - 1], masked_weight, 1e-5f);
+      if (weights) {
+        EXPECT_NEAR(result->attention_weights.data[kTokens - 1], masked_weight, 1e-5f);
+      }
     }
   }
 }
