@@ -268,7 +268,9 @@ class AttentionClient {
   // while answers are read, and yields one item per request, in order: its
   // AttendResponse, or an AttendError (yielded, not thrown) for a request the
   // server refused; the stream goes on after it. options.timeoutMs is the
-  // deadline of the whole stream (default: the client's).
+  // deadline of the whole stream (default: the client's); options.signal (an
+  // AbortSignal) cancels it: the loop then throws CANCELLED after the items
+  // already answered.
   //
   // Throws the grpc-js error when the call itself fails (UNAUTHENTICATED,
   // DEADLINE_EXCEEDED, UNAVAILABLE...), after the items already answered;
@@ -277,8 +279,11 @@ class AttentionClient {
   // times than it was asked. A stream is never retried (no retry policy):
   // resending is the caller's choice. Leaving the loop early cancels the call.
   async* attendStream(requests, options = {}) {
-    const { timeoutMs = this.timeoutMs } = options;
+    const { timeoutMs = this.timeoutMs, signal } = options;
+    if (signal?.aborted) throw callError(grpc.status.CANCELLED, 'Cancelled on client');
     const call = this.stub.AttendStream(this.metadata, { deadline: new Date(Date.now() + timeoutMs) });
+    const abort = () => call.cancel();
+    signal?.addEventListener('abort', abort, { once: true });
     // The reader below gets the call's error through its iterator; once it
     // has stopped, a late error (CANCELLED) must not become an uncaught one.
     call.on('error', () => {});
@@ -326,6 +331,7 @@ class AttentionClient {
         yield response.error ? streamError(response) : response;
       }
     } finally {
+      signal?.removeEventListener('abort', abort);
       if (!ended) {
         ended = true;
         call.cancel();

@@ -116,7 +116,7 @@ export class AttentionClient {
    */
   attendStream(
     requests: Iterable<AttendRequest> | AsyncIterable<AttendRequest>,
-    options?: { timeoutMs?: number },
+    options?: CallOptions,
   ): AsyncGenerator<AttendResponse | AttendError, void, undefined>;
   close(): void;
 }

@@ -158,6 +158,30 @@ test('real server', async (t) => {
     assert.ok(!(items[0] instanceof Error), items[0].message);
   });
 
+  await t.test('an abort signal cancels the stream after the answers so far', async () => {
+    const controller = new AbortController();
+    function* endless() {
+      for (;;) yield { model: 'dot_product', queries: tensor(1, 2, 0) };
+    }
+    let answers = 0;
+    let error = null;
+    try {
+      for await (const item of client.attendStream(endless(), { signal: controller.signal })) {
+        assert.ok(!(item instanceof Error), item.message);
+        answers += 1;
+        if (answers === 5) controller.abort();
+      }
+    } catch (caught) {
+      error = caught;
+    }
+    assert.ok(error, 'the aborted stream ended without an error');
+    assert.equal(error.code, grpc.status.CANCELLED, error.message);
+    assert.ok(answers >= 5, `${answers} answers`);
+    const { error: early } = await collectWithError(client.attendStream(
+      [{ model: 'dot_product', queries: tensor(1, 2, 0) }], { signal: AbortSignal.abort() }));
+    assert.equal(early?.code, grpc.status.CANCELLED);
+  });
+
   await t.test('a passed deadline fails the call', async () => {
     const { error } = await collectWithError(
       client.attendStream([{ model: 'dot_product', queries: tensor(1, 2, 0) }], { timeoutMs: 0 }));
