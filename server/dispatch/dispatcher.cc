@@ -129,33 +129,41 @@ void Dispatcher::Drain() {
 }
 
 void Dispatcher::Submit(const CallOrigin& origin, Request request, Decode decode, Done done) {
-  const bool credentials_checked = request.credentials_checked;
-  std::unique_ptr<Task> task = NewTask(origin, std::move(request), std::move(done));
-  absl::Status admitted = Authenticate(origin, credentials_checked);
-  if (admitted.ok()) admitted = Admit(*task, decode);
-  if (!admitted.ok()) return Answer(*task, admitted, nullptr);
-  Schedule(std::move(task));
+  std::unique_ptr<Task> task = AdmitTask(origin, std::move(request), std::move(done),
+                                         [&](Task& admitted) { return Admit(admitted, decode); });
+  if (task != nullptr) Schedule(std::move(task));
 }
 
 void Dispatcher::SubmitStep(const CallOrigin& origin, Request request, DecodeStep decode,
                             Done done) {
-  const bool credentials_checked = request.credentials_checked;
-  std::unique_ptr<Task> task = NewTask(origin, std::move(request), std::move(done));
-  task->is_step = true;
-  absl::Status admitted = Authenticate(origin, credentials_checked);
-  if (admitted.ok()) admitted = AdmitStep(*task, decode);
-  if (!admitted.ok()) return Answer(*task, admitted, nullptr);
-  Schedule(std::move(task));
+  std::unique_ptr<Task> task =
+      AdmitTask(origin, std::move(request), std::move(done), [&](Task& admitted) {
+        admitted.is_step = true;
+        return AdmitStep(admitted, decode);
+      });
+  if (task != nullptr) Schedule(std::move(task));
 }
 
 void Dispatcher::SubmitOpening(const CallOrigin& origin, Request request, OpenSession open,
                                Done done) {
+  std::unique_ptr<Task> task =
+      AdmitTask(origin, std::move(request), std::move(done), [&](Task& admitted) {
+        absl::Status model = AdmitModel(admitted);
+        return model.ok() ? open(admitted.served) : model;
+      });
+  if (task != nullptr) Answer(*task, absl::OkStatus(), nullptr);
+}
+
+std::unique_ptr<Dispatcher::Task> Dispatcher::AdmitTask(
+    const CallOrigin& origin, Request request, Done done,
+    absl::FunctionRef<absl::Status(Task&)> admit) {
   const bool credentials_checked = request.credentials_checked;
   std::unique_ptr<Task> task = NewTask(origin, std::move(request), std::move(done));
-  absl::Status opened = Authenticate(origin, credentials_checked);
-  if (opened.ok()) opened = AdmitModel(*task);
-  if (opened.ok()) opened = open(task->served);
-  Answer(*task, opened, nullptr);
+  absl::Status admitted = Authenticate(origin, credentials_checked);
+  if (admitted.ok()) admitted = admit(*task);
+  if (admitted.ok()) return task;
+  Answer(*task, admitted, nullptr);
+  return nullptr;
 }
 
 absl::Status Dispatcher::Authenticate(const CallOrigin& origin, bool credentials_checked) const {

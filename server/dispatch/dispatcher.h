@@ -178,6 +178,10 @@ class Dispatcher {
   // The batcher of the model `name`, started on first use; an error only
   // for out-of-range batching options.
   absl::StatusOr<ModelQueue*> QueueFor(std::string_view name);
+  // A new task of `request`, admitted by its credentials and `admit`; or,
+  // answered with why not, nullptr.
+  std::unique_ptr<Task> AdmitTask(const CallOrigin& origin, Request request, Done done,
+                                  absl::FunctionRef<absl::Status(Task&)> admit);
   // A request, counted in flight until Answer().
   std::unique_ptr<Task> NewTask(const CallOrigin& origin, Request request, Done done);
   // OK when the call's credentials are accepted or were checked before.
