@@ -1,0 +1,232 @@
+// projection_test.cc: how the engine spreads a projection over its pool
+// (core/projection.h, issue 27 item 5). A projection of few rows (a batch
+// of single tokens, a decode step) is cut by columns so every thread gets
+// work, and the answer is the same bits at every thread count, the same as
+// the whole product on one thread. Run per kernel path (ATTENTION_ISA).
+#include "core/projection.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "core/engine.h"
+#include "core/thread_pool.h"
+#include "tests/core/random_weights.h"
+
+namespace attention {
+namespace {
+
+using internal::Projection;
+using internal::ProjectionBlock;
+using testing::RandomMatrix;
+using testing::RandomVector;
+
+constexpr int kThreadCounts[] = {1, 2, 3, 4, 8, 16};
+
+// out_cols x in_cols weights and a bias, packed in `precision`, with the
+// weights as held (BF16-rounded for bf16) kept for the reference.
+struct Weights {
+  RowMatrix held;
+  Vector bias;
+  PackedWeights packed;
+};
+
+Weights RandomWeights(std::mt19937& rng, int64_t out_cols, int64_t in_cols,
+                      Precision precision) {
+  Weights w;
+  const RowMatrix weight = RandomMatrix(rng, out_cols, in_cols);
+  w.bias = RandomVector(rng, out_cols);
+  w.packed = PackedWeights::Pack(weight.data(), out_cols, in_cols, w.bias.data(), precision);
+  w.held.resize(out_cols, in_cols);
+  Vector bias(out_cols);
+  w.packed.Unpack(w.held.data(), bias.data());
+  return w;
+}
+
+std::vector<float> RandomRows(std::mt19937& rng, int64_t rows, int64_t cols) {
+  const RowMatrix m = RandomMatrix(rng, rows, cols);
+  return {m.data(), m.data() + m.size()};
+}
+
+// For shapes of 1 to 64 rows, N = 1024 and 256, and pools of 2 to 16
+// threads: the blocks cover each output element once, and there are at least
+// as many as threads (or panels, when fewer), so no thread is left idle.
+TEST(ProjectionBlocksTest, FewRowsGiveEveryThreadColumnBlocks) {
+  std::mt19937 rng(27);
+  for (const int64_t width : {256, 1024}) {
+    const Weights w = RandomWeights(rng, width, width, Precision::kFp32);
+    for (const int64_t rows : {1, 8, 24, 64}) {
+      const std::vector<float> in = RandomRows(rng, rows, width);
+      std::vector<float> out(rows * width);
+      const std::vector<Projection> projections = {
+          {in.data(), out.data(), rows, nullptr, nullptr, true, &w.packed}};
+      const Projection& p = projections[0];
+      for (const int threads : kThreadCounts) {
+        SCOPED_TRACE(::testing::Message()
+                     << "E " << width << " rows " << rows << " threads " << threads);
+        const std::vector<ProjectionBlock> blocks =
+            internal::ProjectionBlocks(projections, threads);
+        std::vector<int> covered(rows * w.packed.panels(), 0);
+        for (const ProjectionBlock& b : blocks) {
+          ASSERT_EQ(b.projection, &p);
+          for (int64_t row = b.begin; row < b.end; ++row) {
+            for (int64_t panel = b.panel_begin; panel < b.panel_end; ++panel) {
+              ++covered[row * w.packed.panels() + panel];
+            }
+          }
+        }
+        for (size_t i = 0; i < covered.size(); ++i) ASSERT_EQ(covered[i], 1) << "element " << i;
+        EXPECT_GE(static_cast<int64_t>(blocks.size()),
+                  std::min<int64_t>(threads, w.packed.panels()));
+      }
+    }
+  }
+}
+
+// out = in W^T + b in double, on the weights as held, and each element's
+// sum of |in[k] W[n][k]|, which bounds its rounding error.
+struct Expected {
+  std::vector<double> out, magnitude;
+};
+
+Expected Reference(const std::vector<float>& in, const Weights& w, int64_t rows) {
+  const int64_t out_cols = w.held.rows(), in_cols = w.held.cols();
+  Expected e{std::vector<double>(rows * out_cols), std::vector<double>(rows * out_cols)};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t n = 0; n < out_cols; ++n) {
+      double sum = w.bias[n], magnitude = 0;
+      for (int64_t k = 0; k < in_cols; ++k) {
+        const double term = static_cast<double>(in[r * in_cols + k]) * w.held(n, k);
+        sum += term;
+        magnitude += std::abs(term);
+      }
+      e.out[r * out_cols + n] = sum;
+      e.magnitude[r * out_cols + n] = magnitude;
+    }
+  }
+  return e;
+}
+
+// The products compute in FP32, the reference in double: near, not equal.
+// The avx512_bf16 path also rounds the inputs to BF16 (2^-9 of each, 2^-8
+// with the FP32 sums), which `input_rounding` allows for. The thread counts
+// must agree bitwise.
+void ExpectNearReference(const std::vector<float>& out, const Expected& expected,
+                         double input_rounding) {
+  int reported = 0;
+  for (size_t i = 0; i < expected.out.size(); ++i) {
+    const double tolerance = 1e-5 + (input_rounding + 1e-6) * expected.magnitude[i];
+    if (!(std::abs(out[i] - expected.out[i]) <= tolerance) && reported++ < 5) {
+      ADD_FAILURE() << "[" << i << "]: expected " << expected.out[i] << ", got " << out[i];
+    }
+  }
+}
+
+class ProjectionThreadsTest : public ::testing::TestWithParam<Precision> {};
+
+// Q, K and V of a few-rows self-attention (three products into one buffer
+// of stride 3 out_cols, as run_multi_head.cc runs them) on pools of every
+// size: each pool's output is the bits of the whole product on one thread.
+TEST_P(ProjectionThreadsTest, FewRowsGiveTheSameBitsAtEveryThreadCount) {
+  const Precision precision = GetParam();
+  const double input_rounding = precision == Precision::kBf16 ? 1.0 / 256 : 0.0;
+  std::mt19937 rng(5);
+  for (const auto& [out_cols, in_cols] : {std::pair<int64_t, int64_t>{1024, 1024}, {100, 67}}) {
+    const Weights qkv[3] = {RandomWeights(rng, out_cols, in_cols, precision),
+                            RandomWeights(rng, out_cols, in_cols, precision),
+                            RandomWeights(rng, out_cols, in_cols, precision)};
+    for (const int64_t rows : {1, 7, 64, 200}) {
+      SCOPED_TRACE(::testing::Message() << out_cols << "x" << in_cols << " rows " << rows);
+      const std::vector<float> in = RandomRows(rng, rows, in_cols);
+      const auto projections = [&](std::vector<float>& out) {
+        out.assign(rows * 3 * out_cols, std::numeric_limits<float>::quiet_NaN());
+        std::vector<Projection> all;
+        for (int m = 0; m < 3; ++m) {
+          all.push_back({in.data(), out.data() + m * out_cols, rows, nullptr, nullptr, true,
+                         &qkv[m].packed, 3 * out_cols});
+        }
+        return all;
+      };
+      std::vector<float> whole;
+      for (const Projection& p : projections(whole)) internal::ProjectAll(p);
+      for (int m = 0; m < 3; ++m) {
+        std::vector<float> part(rows * out_cols);
+        for (int64_t r = 0; r < rows; ++r) {
+          std::copy_n(whole.data() + r * 3 * out_cols + m * out_cols, out_cols,
+                      part.data() + r * out_cols);
+        }
+        ExpectNearReference(part, Reference(in, qkv[m], rows), input_rounding);
+      }
+      for (const int threads : kThreadCounts) {
+        ThreadPool pool(threads);
+        std::vector<float> out;
+        internal::RunProjections(pool, projections(out));
+        EXPECT_EQ(std::memcmp(out.data(), whole.data(), out.size() * sizeof(float)), 0)
+            << "threads " << threads << " differ from the whole product on one thread";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, ProjectionThreadsTest,
+                         ::testing::Values(Precision::kFp32, Precision::kBf16),
+                         [](const ::testing::TestParamInfo<Precision>& info) {
+                           return info.param == Precision::kBf16 ? "Bf16" : "Fp32";
+                         });
+
+// The service's token batch: 64 single-token self-attention requests of a
+// multi_head model (E = 1024, 16 heads) through Engine::Run, on engines of 1
+// to 16 threads: the same bits as on one thread, which matches Attend on the
+// first request alone.
+TEST(ProjectionEngineTest, BatchOfTokensGivesTheSameBitsAtEveryThreadCount) {
+  constexpr int64_t kWidth = 1024, kTokens = 64;
+  std::mt19937 rng(64);
+  Model model;
+  model.kind = Kind::kMultiHead;
+  model.name = "tokens";
+  model.num_heads = 16;
+  model.query_size = model.key_size = model.value_size = model.output_size = kWidth;
+  for (RowMatrix* w : {&model.w_q, &model.w_k, &model.w_v, &model.w_o}) {
+    *w = RandomMatrix(rng, kWidth, kWidth);
+  }
+  for (Vector* b : {&model.b_q, &model.b_k, &model.b_v, &model.b_o}) *b = RandomVector(rng, kWidth);
+  PackProjections(model);
+  const std::vector<float> tokens = RandomRows(rng, kTokens, kWidth);
+  std::vector<AttentionRequest> requests(kTokens);
+  std::vector<ValidatedRequest> batch;
+  for (int64_t t = 0; t < kTokens; ++t) {
+    requests[t].queries = {{1, 1, kWidth}, std::span(tokens).subspan(t * kWidth, kWidth)};
+    absl::StatusOr<AttentionDims> dims = Validate(model, requests[t]);
+    ASSERT_TRUE(dims.ok()) << dims.status();
+    batch.push_back({&requests[t], *dims});
+  }
+  const auto run = [&](int threads) {
+    Engine engine(EngineOptions{.num_threads = threads, .serial_work = -1});
+    std::vector<AttentionResult> results(kTokens);
+    engine.Run(model, batch, results);
+    return results;
+  };
+  const std::vector<AttentionResult> one = run(1);
+  Engine alone(EngineOptions{.num_threads = 1});
+  absl::StatusOr<AttentionResult> first = alone.Attend(model, requests[0]);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(one[0].output.data, first->output.data);
+  for (const int threads : kThreadCounts) {
+    const std::vector<AttentionResult> results = run(threads);
+    for (int64_t t = 0; t < kTokens; ++t) {
+      ASSERT_TRUE(results[t].status.ok()) << results[t].status;
+      ASSERT_EQ(results[t].output.data, one[t].output.data)
+          << "threads " << threads << ", token " << t;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attention
