@@ -2,21 +2,28 @@
 // (core/projection.h, issue 27 item 5). A projection of few rows (a batch
 // of single tokens, a decode step) is cut by columns so every thread gets
 // work, and the answer is the same bits at every thread count, the same as
-// the whole product on one thread. Run per kernel path (ATTENTION_ISA).
+// the whole product on one thread; a batch of tokens still runs while
+// another model's batch holds the pool. Run per kernel path (ATTENTION_ISA).
 #include "core/projection.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <future>
 #include <span>
+#include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "core/engine.h"
+#include "core/flash_kernel.h"
 #include "core/thread_pool.h"
 #include "tests/core/random_weights.h"
 
@@ -181,51 +188,123 @@ INSTANTIATE_TEST_SUITE_P(Precisions, ProjectionThreadsTest,
                            return info.param == Precision::kBf16 ? "Bf16" : "Fp32";
                          });
 
-// The service's token batch: 64 single-token self-attention requests of a
-// multi_head model (E = 1024, 16 heads) through Engine::Run, on engines of 1
-// to 16 threads: the same bits as on one thread, which matches Attend on the
-// first request alone.
-TEST(ProjectionEngineTest, BatchOfTokensGivesTheSameBitsAtEveryThreadCount) {
-  constexpr int64_t kWidth = 1024, kTokens = 64;
-  std::mt19937 rng(64);
+// A multi_head model of width E (E / 64 heads) with random weights, packed.
+Model RandomMultiHead(std::mt19937& rng, int64_t width) {
   Model model;
   model.kind = Kind::kMultiHead;
-  model.name = "tokens";
-  model.num_heads = 16;
-  model.query_size = model.key_size = model.value_size = model.output_size = kWidth;
+  model.name = "multi_head_" + std::to_string(width);
+  model.num_heads = width / 64;
+  model.query_size = model.key_size = model.value_size = model.output_size = width;
   for (RowMatrix* w : {&model.w_q, &model.w_k, &model.w_v, &model.w_o}) {
-    *w = RandomMatrix(rng, kWidth, kWidth);
+    *w = RandomMatrix(rng, width, width);
   }
-  for (Vector* b : {&model.b_q, &model.b_k, &model.b_v, &model.b_o}) *b = RandomVector(rng, kWidth);
+  for (Vector* b : {&model.b_q, &model.b_k, &model.b_v, &model.b_o}) *b = RandomVector(rng, width);
   PackProjections(model);
-  const std::vector<float> tokens = RandomRows(rng, kTokens, kWidth);
-  std::vector<AttentionRequest> requests(kTokens);
-  std::vector<ValidatedRequest> batch;
-  for (int64_t t = 0; t < kTokens; ++t) {
-    requests[t].queries = {{1, 1, kWidth}, std::span(tokens).subspan(t * kWidth, kWidth)};
-    absl::StatusOr<AttentionDims> dims = Validate(model, requests[t]);
-    ASSERT_TRUE(dims.ok()) << dims.status();
-    batch.push_back({&requests[t], *dims});
-  }
-  const auto run = [&](int threads) {
-    Engine engine(EngineOptions{.num_threads = threads, .serial_work = -1});
-    std::vector<AttentionResult> results(kTokens);
-    engine.Run(model, batch, results);
-    return results;
-  };
-  const std::vector<AttentionResult> one = run(1);
-  Engine alone(EngineOptions{.num_threads = 1});
-  absl::StatusOr<AttentionResult> first = alone.Attend(model, requests[0]);
-  ASSERT_TRUE(first.ok()) << first.status();
-  ASSERT_EQ(one[0].output.data, first->output.data);
-  for (const int threads : kThreadCounts) {
-    const std::vector<AttentionResult> results = run(threads);
+  return model;
+}
+
+// The service's token batch: 64 single-token self-attention requests
+// (queries only) of a model of width E = 1024.
+class TokenBatch {
+ public:
+  static constexpr int64_t kWidth = 1024, kTokens = 64;
+
+  explicit TokenBatch(std::mt19937& rng)
+      : model_(RandomMultiHead(rng, kWidth)), tokens_(RandomRows(rng, kTokens, kWidth)),
+        requests_(kTokens) {
     for (int64_t t = 0; t < kTokens; ++t) {
-      ASSERT_TRUE(results[t].status.ok()) << results[t].status;
-      ASSERT_EQ(results[t].output.data, one[t].output.data)
-          << "threads " << threads << ", token " << t;
+      requests_[t].queries = {{1, 1, kWidth}, std::span(tokens_).subspan(t * kWidth, kWidth)};
+      absl::StatusOr<AttentionDims> dims = Validate(model_, requests_[t]);
+      EXPECT_TRUE(dims.ok()) << dims.status();
+      batch_.push_back({&requests_[t], dims.value_or(AttentionDims{})});
     }
   }
+
+  const Model& model() const { return model_; }
+  const AttentionRequest& request(int64_t t) const { return requests_[t]; }
+
+  std::vector<AttentionResult> Run(Engine& engine) const {
+    std::vector<AttentionResult> results(kTokens);
+    engine.Run(model_, batch_, results);
+    return results;
+  }
+
+ private:
+  Model model_;
+  std::vector<float> tokens_;
+  std::vector<AttentionRequest> requests_;
+  std::vector<ValidatedRequest> batch_;
+};
+
+void ExpectSameOutputs(const std::vector<AttentionResult>& results,
+                       const std::vector<AttentionResult>& expected) {
+  ASSERT_EQ(results.size(), expected.size());
+  for (size_t t = 0; t < results.size(); ++t) {
+    ASSERT_TRUE(results[t].status.ok()) << results[t].status;
+    ASSERT_EQ(results[t].output.data, expected[t].output.data) << "token " << t;
+  }
+}
+
+// The token batch through Engine::Run on engines of 1 to 16 threads: the
+// same bits as on one thread, which match Attend on the first token alone.
+TEST(ProjectionEngineTest, BatchOfTokensGivesTheSameBitsAtEveryThreadCount) {
+  std::mt19937 rng(64);
+  const TokenBatch tokens(rng);
+  Engine one_thread(EngineOptions{.num_threads = 1});
+  const std::vector<AttentionResult> expected = tokens.Run(one_thread);
+  absl::StatusOr<AttentionResult> first = one_thread.Attend(tokens.model(), tokens.request(0));
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(expected[0].output.data, first->output.data);
+  for (const int threads : kThreadCounts) {
+    SCOPED_TRACE(::testing::Message() << "threads " << threads);
+    Engine engine(EngineOptions{.num_threads = threads, .serial_work = -1});
+    ExpectSameOutputs(tokens.Run(engine), expected);
+  }
+}
+
+// A second model's batch beside the token batch: while a long request of
+// another model holds the engine's threads (its StopCheck, asked before
+// each block, waits), the token batch still runs to the end, on its
+// caller, with the same bits.
+TEST(ProjectionEngineTest, BatchOfTokensRunsBesideAnotherModelsHeldBatch) {
+  std::mt19937 rng(14);
+  const TokenBatch tokens(rng);
+  Engine one_thread(EngineOptions{.num_threads = 1});
+  const std::vector<AttentionResult> expected = tokens.Run(one_thread);
+
+  const Model other = RandomMultiHead(rng, 256);
+  const std::vector<float> queries = RandomRows(rng, 256, 256);
+  AttentionRequest long_request;
+  long_request.queries = {{1, 256, 256}, queries};
+  absl::StatusOr<AttentionDims> dims = Validate(other, long_request);
+  ASSERT_TRUE(dims.ok()) << dims.status();
+  ASSERT_GE(RequestWork(other, *dims), kStopPollWork) << "the request must be polled";
+  std::atomic<int> held{0};
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  const ValidatedRequest held_request{&long_request, *dims, [&] {
+                                        ++held;
+                                        released.wait();
+                                        return absl::OkStatus();
+                                      }};
+
+  Engine engine(EngineOptions{.num_threads = 2});
+  AttentionResult held_result;
+  std::thread long_run([&] { engine.Run(other, {&held_request, 1}, {&held_result, 1}); });
+  // Both threads held when the worker joins within a second; one is enough.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (held.load() < 2 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::yield();
+  }
+  ASSERT_GE(held.load(), 1);
+  std::future<std::vector<AttentionResult>> token_run =
+      std::async(std::launch::async, [&] { return tokens.Run(engine); });
+  const bool returned = token_run.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+  release.set_value();
+  long_run.join();
+  ASSERT_TRUE(returned) << "the token batch waited for the other model's held batch";
+  ExpectSameOutputs(token_run.get(), expected);
+  EXPECT_TRUE(held_result.status.ok()) << held_result.status;
 }
 
 }  // namespace
