@@ -77,7 +77,7 @@ struct ProjectionBlock {
 // when the rows are too few to give every thread work; BLAS products in row
 // blocks. Each output element is computed by one block, and its sum runs in
 // the same order whatever the blocks, so the result does not depend on
-// `threads`.
+// `threads`. The blocks point into `projections`.
 std::vector<ProjectionBlock> ProjectionBlocks(const std::vector<Projection>& projections,
                                               int threads);
 
