@@ -27,7 +27,8 @@
 //       request against requests:1, and the memory the calls add.
 //   batch/self/multi_head/B:1/n:1/E:1024/H:16/masked:0/requests:k  the same
 //       with queries only (self-attention: Q, K and V into one buffer): issue
-//       13's single-token service request, without the service around it.
+//       13's single-token service request, without the service around it;
+//       .../threads:1 the same on an engine of one thread.
 //   decode/session/E:512/H:8/steps:512  one self session (core/session.h)
 //       decoding 512 single tokens, each step one RunSteps; against
 //   decode/prefix/E:512/H:8/steps:512  the same 512 tokens, each step the
@@ -93,6 +94,13 @@ constexpr uint32_t kSeed = 42;
 
 Engine& SharedEngine() {
   static Engine engine;
+  return engine;
+}
+
+// An engine of one thread, the other side of SharedEngine's for the batch/
+// cases' threads:1: what the engine's parallelism over its threads gives.
+Engine& OneThreadEngine() {
+  static Engine engine(EngineOptions{.num_threads = 1});
   return engine;
 }
 
@@ -402,8 +410,10 @@ constexpr int64_t kBatchCopies = 64;
 // resident memory the calls add over the inputs (VmHWM after clear_refs, as
 // in MemoryPeak); run each alone to read it.
 // With `self_attention`, keys and values are left out, as in a single-token
-// decoding step.
-void Batch(benchmark::State& state, Shape s, int64_t requests, bool self_attention) {
+// decoding step. `one_thread`: on OneThreadEngine instead of SharedEngine.
+void Batch(benchmark::State& state, Shape s, int64_t requests, bool self_attention,
+           bool one_thread) {
+  Engine& engine = one_thread ? OneThreadEngine() : SharedEngine();
   std::mt19937 rng(kSeed);
   const Model model = MultiHeadModel(s.width, s.heads, rng);
   const int64_t elements = s.batch * s.length * s.width;
@@ -434,7 +444,7 @@ void Batch(benchmark::State& state, Shape s, int64_t requests, bool self_attenti
   int64_t first = 0;
   for (auto _ : state) {
     std::vector<AttentionResult> results(requests);
-    SharedEngine().Run(model, std::span(batch).subspan(first, requests), results);
+    engine.Run(model, std::span(batch).subspan(first, requests), results);
     benchmark::DoNotOptimize(results.back().output.data.data());
     first = (first + requests) % kBatchCopies;
   }
@@ -608,14 +618,15 @@ void RegisterAll() {
   for (const Shape& s : {Shape{1, 32, 256, 8}, Shape{8, 128, 256, 8}}) {
     for (int64_t requests : {1, 8, 32, 64}) {
       Register("batch/" + ShapeName("multi_head", s, false) + "/requests:" + std::to_string(requests),
-               Batch, s, requests, false);
+               Batch, s, requests, false, false);
     }
   }
   const Shape token{1, 1, 1024, 16};
   for (int64_t requests : {1, 8, 32, 64}) {
-    Register("batch/self/" + ShapeName("multi_head", token, false) + "/requests:" +
-                 std::to_string(requests),
-             Batch, token, requests, true);
+    const std::string name = "batch/self/" + ShapeName("multi_head", token, false) +
+                             "/requests:" + std::to_string(requests);
+    Register(name, Batch, token, requests, true, false);
+    Register(name + "/threads:1", Batch, token, requests, true, true);
   }
 
   for (int64_t width : {256, 512, 1024}) {

@@ -22,6 +22,34 @@ constexpr int64_t kProjectionRows = 256;
 constexpr int64_t kPackedGemmRowBlock = 96;
 constexpr int64_t kPackedGemmPanelBlock = 4;
 
+// Blocks per pool thread that narrower panel blocks are cut for when the
+// rows are few (a batch of single tokens, a decode step): tasks are handed
+// out as threads ask, so a worker that wakes late still finds some, and a
+// pool wider than the blocks of 4 panels (8 for N = 1024) is not left idle.
+constexpr int64_t kBlocksPerThread = 2;
+
+// Packed blocks of `projections` with blocks of `panel_block` panels.
+int64_t PackedBlocks(const std::vector<Projection>& projections, int64_t panel_block) {
+  int64_t blocks = 0;
+  for (const Projection& p : projections) {
+    if (!p.UsesPackedWeights()) continue;
+    const int64_t row_blocks = (p.rows + kPackedGemmRowBlock - 1) / kPackedGemmRowBlock;
+    blocks += row_blocks * ((p.packed->panels() + panel_block - 1) / panel_block);
+  }
+  return blocks;
+}
+
+// Panels per packed block: kPackedGemmPanelBlock, or fewer (down to one
+// panel) while the packed blocks would not give each of `threads` threads
+// kBlocksPerThread. A block's panels do not change how any output element is
+// summed (over k in one panel, in order), so neither does this.
+int64_t PanelBlock(const std::vector<Projection>& projections, int threads) {
+  int64_t block = kPackedGemmPanelBlock;
+  if (threads == 1) return block;
+  while (block > 1 && PackedBlocks(projections, block) < kBlocksPerThread * threads) --block;
+  return block;
+}
+
 // Rows [begin, end) of a projection on the calling thread: on the packed
 // weights' panels [panel_begin, panel_end), or (panel_end 0) on the BLAS.
 void ProjectBlock(const Projection& p, int64_t begin, int64_t end, int64_t panel_begin,
@@ -50,15 +78,7 @@ void ProjectBlock(const Projection& p, int64_t begin, int64_t end, int64_t panel
   }
 }
 
-// A BLAS block is rows [begin, end) of every column; a packed block also
-// names its panels [panel_begin, panel_end) (panel_end 0 for the BLAS).
-struct Block {
-  const Projection* projection;
-  int64_t begin, end;
-  int64_t panel_begin = 0, panel_end = 0;
-};
-
-void AddBlocks(const Projection& p, std::vector<Block>& blocks) {
+void AddBlocks(const Projection& p, int64_t panel_block, std::vector<ProjectionBlock>& blocks) {
   if (!p.UsesPackedWeights()) {
     for (int64_t begin = 0; begin < p.rows; begin += kProjectionRows) {
       blocks.push_back({&p, begin, std::min(p.rows, begin + kProjectionRows)});
@@ -67,9 +87,9 @@ void AddBlocks(const Projection& p, std::vector<Block>& blocks) {
   }
   const int64_t panels = p.packed->panels();
   for (int64_t begin = 0; begin < p.rows; begin += kPackedGemmRowBlock) {
-    for (int64_t panel = 0; panel < panels; panel += kPackedGemmPanelBlock) {
+    for (int64_t panel = 0; panel < panels; panel += panel_block) {
       blocks.push_back({&p, begin, std::min(p.rows, begin + kPackedGemmRowBlock), panel,
-                        std::min(panels, panel + kPackedGemmPanelBlock)});
+                        std::min(panels, panel + panel_block)});
     }
   }
 }
@@ -80,13 +100,20 @@ void ProjectAll(const Projection& p) {
   ProjectBlock(p, 0, p.rows, 0, p.UsesPackedWeights() ? p.packed->panels() : 0);
 }
 
+std::vector<ProjectionBlock> ProjectionBlocks(const std::vector<Projection>& projections,
+                                              int threads) {
+  const int64_t panel_block = PanelBlock(projections, threads);
+  std::vector<ProjectionBlock> blocks;
+  for (const Projection& p : projections) AddBlocks(p, panel_block, blocks);
+  return blocks;
+}
+
 void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections,
                     WorkStop* stop) {
-  std::vector<Block> blocks;
-  for (const Projection& p : projections) AddBlocks(p, blocks);
+  const std::vector<ProjectionBlock> blocks = ProjectionBlocks(projections, pool.num_threads());
   pool.ParallelFor(static_cast<int64_t>(blocks.size()), [&](int64_t i) {
     if (stop != nullptr && stop->Stopped()) return;
-    const Block& block = blocks[i];
+    const ProjectionBlock& block = blocks[i];
     ProjectBlock(*block.projection, block.begin, block.end, block.panel_begin, block.panel_end);
   });
 }

@@ -63,6 +63,24 @@ struct Projection {
 // The whole of one projection on the calling thread.
 void ProjectAll(const Projection& p);
 
+// A unit of projection work one thread takes: rows [begin, end) of every
+// column on the BLAS (panel_end 0), or of the packed weights' panels
+// [panel_begin, panel_end) only.
+struct ProjectionBlock {
+  const Projection* projection;
+  int64_t begin, end;
+  int64_t panel_begin = 0, panel_end = 0;
+};
+
+// The blocks RunProjections hands out over a pool of `threads`: packed
+// products in row blocks times blocks of panels, the panel blocks narrower
+// when the rows are too few to give every thread work; BLAS products in row
+// blocks. Each output element is computed by one block, and its sum runs in
+// the same order whatever the blocks, so the result does not depend on
+// `threads`. The blocks point into `projections`.
+std::vector<ProjectionBlock> ProjectionBlocks(const std::vector<Projection>& projections,
+                                              int threads);
+
 // Every projection of `projections`, in blocks spread over the pool. With a
 // `stop`, each block asks it first, so a stopped request's remaining blocks
 // are skipped (a block is at most a few milliseconds of one core). Only a
