@@ -2,37 +2,73 @@
 # edge_overhead.sh: what the HTTP/2 edge (deploy/edge/run.sh, HAProxy) costs:
 # attention-client bench, dot_product B=1 n=8 d=64, closed loop at
 # concurrency 64, against a bare attention-server and through the edge, both
-# up for the whole run, alternating ROUNDS times; prints each run and the
-# median throughput and p99 of each side with their ratios (issue 22's
+# up for the whole run, alternating ROUNDS times; prints each run with the
+# CPU time per call of client, server and edge (/proc), and the median
+# throughput, p99 and CPU per call of each side with their ratios (issue 22's
 # target: through the edge >= 80% of the throughput, p99 within 1.5x).
 #
-#   bench/edge_overhead.sh [ROUNDS (5)] [SECONDS per run (10)]
+#   bench/edge_overhead.sh [--pinned] [ROUNDS (5)] [SECONDS per run (10)]
 #
+# --pinned: client and both servers on CPU 0, the edge (HAProxy) alone on
+# CPU 1, as a Kubernetes sidecar with a core of its own would run; not the
+# shared-core figure.
 # Needs build/server/attention-server, build/client/attention-client, haproxy.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+pinned=0
+if [[ "${1:-}" == --pinned ]]; then pinned=1; shift; fi
 rounds=${1:-5} seconds=${2:-10}
 client=build/client/attention-client
 export ATTENTION_SERVER_BIN=$PWD/build/server/attention-server
 work=$(mktemp -d)
 trap 'kill -TERM $(jobs -p) 2>/dev/null; wait; rm -rf "$work"' EXIT
 
+# Prefix of the commands that run on CPU 0 when pinned.
+cpu0=()
+((pinned)) && cpu0=(taskset -c 0)
+# User plus system CPU time of a process, in clock ticks.
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
 free_port() { /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 bare=127.0.0.1:$(free_port) edge=127.0.0.1:$(free_port)
-"$ATTENTION_SERVER_BIN" --address "$bare" --http-address "" --metrics-address "" > "$work/bare.log" 2>&1 &
-deploy/edge/run.sh --listen "$edge" -- --metrics-address "" > "$work/edge.log" 2>&1 &
+"${cpu0[@]}" "$ATTENTION_SERVER_BIN" --address "$bare" --http-address "" --metrics-address "" \
+  > "$work/bare.log" 2>&1 &
+bare_server_pid=$!
+"${cpu0[@]}" deploy/edge/run.sh --listen "$edge" --pid-file "$work/pids" -- --metrics-address "" \
+  > "$work/edge.log" 2>&1 &
 for target in "$bare" "$edge"; do
   until "$client" --target "$target" --timeout 1 health > /dev/null 2>&1; do sleep 0.2; done
 done
+edge_server_pid=$(awk '$1 == "server" {print $2}' "$work/pids")
+edge_pid=$(awk '$1 == "edge" {print $2}' "$work/pids")
+if ((pinned)); then taskset -a -p -c 1 "$edge_pid" > /dev/null; fi
 
 echo "$(lscpu | grep 'Model name' | tr -s ' '); load average $(cut -d' ' -f1-3 /proc/loadavg); $(date -u '+%F %H:%M UTC')"
+((pinned)) && echo "pinned: client and servers on CPU 0, the edge on CPU 1"
 for ((round = 1; round <= rounds; round++)); do
   for side in bare edge; do
     target=${!side}
+    server_pid=$bare_server_pid
+    [[ $side == edge ]] && server_pid=$edge_server_pid
+    server_before=$(cpu_ticks "$server_pid") edge_before=$(cpu_ticks "$edge_pid")
     # A run that fails is reported and counted, not retried.
-    if result=$("$client" --target "$target" bench --model dot_product --batch 1 --n 8 --dim 64 \
-                    --concurrency 64 --duration "$seconds" --json 2>&1); then
-      echo "$side $result" | tee -a "$work/results"
+    if result=$("${cpu0[@]}" /usr/bin/time -f '%U %S' -o "$work/client_time" \
+                  "$client" --target "$target" bench --model dot_product --batch 1 --n 8 \
+                  --dim 64 --concurrency 64 --duration "$seconds" --json 2>&1); then
+      server_cpu=$(($(cpu_ticks "$server_pid") - server_before))
+      edge_cpu=$(($(cpu_ticks "$edge_pid") - edge_before))
+      [[ $side == bare ]] && edge_cpu=0
+      client_cpu=$(awk '{print ($1 + $2) * 100}' "$work/client_time")
+      echo "$side $client_cpu $server_cpu $edge_cpu $result" >> "$work/results"
+      /usr/bin/python3 - "$side" "$client_cpu" "$server_cpu" "$edge_cpu" "$result" <<'PY'
+import json, sys
+side, ticks, r = sys.argv[1], [float(t) for t in sys.argv[2:5]], json.loads(sys.argv[5])
+calls = r["throughput_rps"] * (r["duration_s"] + r["warmup_s"])
+us = [t * 1e4 / calls for t in ticks]
+print(f"{side}: {r['throughput_rps']:.0f} calls/s, p99 {r['latency_ms']['p99']:.1f} ms, "
+      f"{r['errors']} errors; CPU per call: client {us[0]:.1f} us, server {us[1]:.1f} us, "
+      f"edge {us[2]:.1f} us")
+PY
     else
       echo "$side FAILED: $result" | tee -a "$work/failed"
     fi
@@ -44,13 +80,20 @@ echo "load average at the end $(cut -d' ' -f1-3 /proc/loadavg)"
 import json, statistics, sys
 runs = {"bare": [], "edge": []}
 for line in open(sys.argv[1]):
-    side, result = line.split(" ", 1)
-    runs[side].append(json.loads(result))
+    side, client, server, edge, result = line.split(" ", 4)
+    r = json.loads(result)
+    calls = r["throughput_rps"] * (r["duration_s"] + r["warmup_s"])
+    r["cpu_us"] = [float(t) * 1e4 / calls for t in (client, server, edge)]
+    runs[side].append(r)
 median = {side: (statistics.median(r["throughput_rps"] for r in rs),
                  statistics.median(r["latency_ms"]["p99"] for r in rs),
-                 sum(r["errors"] for r in rs)) for side, rs in runs.items()}
-for side, (rps, p99, errors) in median.items():
-    print(f"{side}: median {rps:.0f} calls/s, median p99 {p99:.1f} ms, {errors} errors")
+                 sum(r["errors"] for r in rs),
+                 [statistics.median(r["cpu_us"][i] for r in rs) for i in range(3)])
+          for side, rs in runs.items()}
+for side, (rps, p99, errors, cpu) in median.items():
+    print(f"{side}: median {rps:.0f} calls/s, median p99 {p99:.1f} ms, {errors} errors; "
+          f"median CPU per call: client {cpu[0]:.1f} us, server {cpu[1]:.1f} us, "
+          f"edge {cpu[2]:.1f} us, total {sum(cpu):.1f} us")
 ratio, p99_ratio = median["edge"][0] / median["bare"][0], median["edge"][1] / median["bare"][1]
 print(f"edge/bare: throughput {ratio:.2f} (target >= 0.80: {'met' if ratio >= 0.8 else 'NOT met'}), "
       f"p99 {p99_ratio:.2f}x (target <= 1.5x: {'met' if p99_ratio <= 1.5 else 'NOT met'})")
