@@ -61,10 +61,11 @@ struct FlashTile {
   float* scores = nullptr;  // scratch: kFlashKeyTile x lanes
   float* rescale = nullptr; // scratch: lanes
   // The BF16 kernel's keys and values (FlashTilePath::pair_keys and
-  // pair_values), paired once per problem rather than per query tile: key
-  // j's pairs at key_pairs + j * ((head_size + 1) / 2), the values of keys
-  // 2i and 2i + 1 at value_pairs + i * value_size. Indexed from key 0, not
-  // key_base; the fp32 kernels read `keys` and `values` instead.
+  // pair_values), paired once for all the query tiles of a FlashAttention
+  // call rather than per tile: key j's pairs at key_pairs + j * ((head_size
+  // + 1) / 2), the values of keys 2i and 2i + 1 at value_pairs + i *
+  // value_size. Indexed from key 0, not key_base; the fp32 kernels read
+  // `keys` and `values` instead.
   const uint32_t* key_pairs = nullptr;
   const uint32_t* value_pairs = nullptr;
 };
