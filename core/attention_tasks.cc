@@ -35,7 +35,38 @@ void AddTasks(const FlashProblem& problem, float* weights, std::vector<Attention
   }
 }
 
-void RunAttention(ThreadPool& pool, const std::vector<AttentionTask>& tasks) {
+namespace {
+
+// Tasks per thread that merging query tiles leaves at least: enough for the
+// dynamic hand-out (thread_pool.h) to even out uneven tiles (causal or
+// masked ones).
+constexpr int64_t kTasksPerThread = 8;
+
+// `tasks` with up to `tiles` adjacent query tiles of a problem whose keys and
+// values are paired per call (PairsKeysPerCall) in one task, so that they
+// are paired once for all of them; other tasks as they were.
+std::vector<AttentionTask> MergeTiles(const std::vector<AttentionTask>& tasks, int64_t tiles) {
+  std::vector<AttentionTask> merged;
+  merged.reserve(tasks.size());
+  int64_t tiles_in_last = 0;
+  for (const AttentionTask& task : tasks) {
+    if (!merged.empty()) {
+      AttentionTask& last = merged.back();
+      if (last.problem == task.problem && last.end == task.begin && tiles_in_last < tiles &&
+          last.weights == nullptr && task.weights == nullptr &&
+          PairsKeysPerCall(*task.problem)) {
+        last.end = task.end;
+        ++tiles_in_last;
+        continue;
+      }
+    }
+    merged.push_back(task);
+    tiles_in_last = 1;
+  }
+  return merged;
+}
+
+void RunEach(ThreadPool& pool, const std::vector<AttentionTask>& tasks) {
   pool.ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
     const AttentionTask& task = tasks[i];
     // A stopped problem's RequestStop remembers why; nothing to do here.
@@ -46,6 +77,15 @@ void RunAttention(ThreadPool& pool, const std::vector<AttentionTask>& tasks) {
       FlashAttention(*task.problem, task.begin, task.end);
     }
   });
+}
+
+}  // namespace
+
+void RunAttention(ThreadPool& pool, const std::vector<AttentionTask>& tasks) {
+  const int64_t tiles =
+      static_cast<int64_t>(tasks.size()) / (kTasksPerThread * pool.num_threads());
+  if (tiles < 2) return RunEach(pool, tasks);
+  RunEach(pool, MergeTiles(tasks, tiles));
 }
 
 }  // namespace attention::internal

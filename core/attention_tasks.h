@@ -1,5 +1,5 @@
-// attention_tasks.h: the flash kernel's problems split into tasks of one
-// query tile each and run over the pool, for the runners of the dot-product
+// attention_tasks.h: the flash kernel's problems split into tasks of query
+// tiles and run over the pool, for the runners of the dot-product
 // family and multi_head (internal to the engine).
 #pragma once
 
@@ -32,6 +32,9 @@ struct AttentionTask {
 // One task per query tile of `problem`, which must outlive the tasks.
 void AddTasks(const FlashProblem& problem, float* weights, std::vector<AttentionTask>& tasks);
 
+// Runs the tasks over the pool. Where there are many more tasks than
+// threads, adjacent query tiles of a problem whose keys the kernel pairs per
+// call (PairsKeysPerCall: bf16 on the avx512_bf16 path) run as one task.
 void RunAttention(ThreadPool& pool, const std::vector<AttentionTask>& tasks);
 
 }  // namespace internal

@@ -75,6 +75,8 @@ struct Scratch {
   // A paged problem's keys and values in contiguous rows, for the paths
   // that read them by index (Contiguous).
   std::vector<float> keys, values;
+  // The BF16 kernel's keys and values in pairs (FlashTile::key_pairs).
+  std::vector<uint32_t> key_pairs, value_pairs;
 
   void Reserve(const FlashProblem& p) {
     queries_t.Grow(p.head_size * kFlashQueryTile);
@@ -100,6 +102,11 @@ struct Scratch {
     for (std::vector<float>* rows : {&keys, &values}) {
       if (static_cast<int64_t>(rows->capacity()) > kKeptKernelScratchFloats) {
         std::vector<float>().swap(*rows);
+      }
+    }
+    for (std::vector<uint32_t>* pairs : {&key_pairs, &value_pairs}) {
+      if (static_cast<int64_t>(pairs->capacity()) > kKeptKernelScratchFloats) {
+        std::vector<uint32_t>().swap(*pairs);
       }
     }
   }
@@ -287,7 +294,33 @@ void StoreRow(const FlashTile& tile, float* output) {
   tile.rescale[0] = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
 }
 
-bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& scratch) {
+// Keys and values [0, key_end) of `p` in the BF16 kernel's pairs
+// (FlashTilePath::pair_keys), into the scratch: once for all the query tiles
+// of a FlashAttention call, where pairing them per tile was about a tenth
+// of the kernel's instructions at n_k = 512. Blocks hold an even number of
+// rows, so a paged problem's blocks are paired one by one into the same
+// rows.
+void PairKeysAndValues(const FlashProblem& p, const FlashTilePath& path, int64_t key_end,
+                       Scratch& scratch) {
+  const int64_t key_words = (p.head_size + 1) / 2;
+  scratch.key_pairs.resize(key_end * key_words);
+  scratch.value_pairs.resize((key_end + 1) / 2 * p.value_size);
+  const int64_t block_rows = p.paged() ? p.block_rows : std::max<int64_t>(key_end, 1);
+  for (int64_t first = 0; first < key_end; first += block_rows) {
+    const int64_t count = std::min(block_rows, key_end - first);
+    const float* keys = p.paged() ? p.key_blocks[first / block_rows] + p.block_column
+                                  : p.keys + first * p.key_stride;
+    const float* values = p.paged() ? p.value_blocks[first / block_rows] + p.block_column
+                                    : p.values + first * p.value_stride;
+    path.pair_keys(keys, p.key_stride, count, p.head_size,
+                   scratch.key_pairs.data() + first * key_words);
+    path.pair_values(values, p.value_stride, count, p.value_size,
+                     scratch.value_pairs.data() + first / 2 * p.value_size);
+  }
+}
+
+bool FlashQueryTile(const FlashProblem& p, const FlashTilePath& path, int64_t row, int64_t rows,
+                    Scratch& scratch) {
   const int64_t dv = p.value_size;
   FlashTile tile;
   float* bounds = scratch.lanes.data();
@@ -312,7 +345,6 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
     }
   }
   std::fill(bounds + rows, bounds + lanes, 0.0f);
-  const FlashTilePath path = FlashTilePathFor(ActiveIsa(), p.precision);
   const bool one_row = rows == 1 && path.row_kernel != nullptr;
   if (one_row) {
     const float* query = p.queries + row * p.query_stride;
@@ -334,6 +366,8 @@ bool FlashQueryTile(const FlashProblem& p, int64_t row, int64_t rows, Scratch& s
   tile.min_bound = min_bound;
   tile.accumulator_t = scratch.accumulator.data();
   tile.scores = scratch.scores.data();
+  tile.key_pairs = scratch.key_pairs.data();
+  tile.value_pairs = scratch.value_pairs.data();
   // Without a WorkStop, one call over every key, as the kernel always ran.
   const int64_t chunk = p.stop != nullptr ? KeysPerPoll(p) : std::max<int64_t>(key_end, 1);
   tile.key_begin = 0;
@@ -416,15 +450,28 @@ bool FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t qu
   if (query_begin >= query_end) return true;
   Scratch& scratch = ThreadScratch();
   scratch.Reserve(problem);
+  const FlashTilePath path = FlashTilePathFor(ActiveIsa(), problem.precision);
+  if (path.pair_keys != nullptr) {
+    int64_t key_end = 0;
+    for (int64_t row = query_begin; row < query_end; ++row) {
+      key_end = std::max(key_end, problem.AllowedKeys(row));
+    }
+    PairKeysAndValues(problem, path, key_end, scratch);
+  }
   bool completed = true;
   for (int64_t row = query_begin; row < query_end && completed; row += kFlashQueryTile) {
-    completed = !problem.Stopped() &&
-                FlashQueryTile(problem, row, std::min(kFlashQueryTile, query_end - row), scratch);
+    completed =
+        !problem.Stopped() &&
+        FlashQueryTile(problem, path, row, std::min(kFlashQueryTile, query_end - row), scratch);
   }
   // A thread keeps only what ordinary problems need: an oversized one (very
   // wide rows, or the exact path over a very long row) gives its memory back.
   scratch.Trim();
   return completed;
+}
+
+bool PairsKeysPerCall(const FlashProblem& problem) {
+  return FlashTilePathFor(ActiveIsa(), problem.precision).pair_keys != nullptr;
 }
 
 bool AttentionWithWeights(const FlashProblem& problem, int64_t query_begin, int64_t query_end,

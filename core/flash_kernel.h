@@ -119,8 +119,15 @@ struct FlashProblem {
 
 // Writes output rows [query_begin, query_end) of `problem`. Thread-safe for
 // disjoint row ranges. Returns false when the problem's WorkStop stopped it
-// (then some of those rows are unspecified).
+// (then some of those rows are unspecified). A bf16 problem on a path with
+// BF16 products has its keys and values rounded into pairs once per call
+// (flash_tile.h), so a call over many query tiles costs less than one per
+// tile (PairsKeysPerCall).
 bool FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t query_end);
+
+// Whether FlashAttention pairs `problem`'s keys and values per call on the
+// active path: then callers give each call many query tiles.
+bool PairsKeysPerCall(const FlashProblem& problem);
 
 // As FlashAttention, and also writes the attention weights of those rows into
 // `weights` (n_q x n_k, row stride weights_stride), disallowed keys included.

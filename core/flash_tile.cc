@@ -465,8 +465,10 @@ void StoreOutputImpl(const FlashTile& t, float* output, int64_t output_stride) {
 // and adds both products to an FP32 lane. Highway 1.0.3 has no target with
 // AVX512_BF16, so these functions are the AVX-512 build's, with
 // AVX512_BF16 added by a target attribute, and are only chosen where CPUID
-// reports it (core/isa_dispatch.h). Everything but the two products is the
-// fp32 kernel's: the softmax, its masking, the accumulator in FP32.
+// reports it (core/isa_dispatch.h). Everything but the two products stays
+// FP32 as in the fp32 kernel: the softmax (with an exp of its own, ExpBf16),
+// its masking, the accumulator. Keys and values come paired once per problem
+// (PairKeysImpl, PairValuesImpl; flash_kernel.cc), not once per query tile.
 //
 // Pairs run along each product's sum: for QK^T, pairs of head dimensions
 // (the queries' lanes hold (q[2i], q[2i + 1]) words, a key's pair is
@@ -478,74 +480,76 @@ void StoreOutputImpl(const FlashTile& t, float* output, int64_t output_stride) {
 // not inline the fp32 kernel's helpers into one with fewer features.
 #define ATTENTION_BF16 __attribute__((target(HWY_TARGET_STR ",avx512bf16")))
 
-// Words of (even, odd) rounded to BF16 (nearest even), even in the low half.
+// Words of (even, odd) rounded to BF16 (nearest even), even in the low half:
+// both halves converted by one instruction, then interleaved by one shuffle.
 ATTENTION_BF16 HWY_INLINE __m512i PairWords(__m512 even, __m512 odd) {
-  const __m512i low = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(even)));
-  const __m512i high = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(odd)));
-  return _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
+  // Word 2l of the result is BF16 l (even[l]), word 2l + 1 is BF16 16 + l (odd[l]).
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+      19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave,
+                                  reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even)));
 }
 
 ATTENTION_BF16 HWY_INLINE __mmask16 FirstLanes(int64_t n) {
   return static_cast<__mmask16>((1u << (n < 0 ? 0 : n > 16 ? 16 : n)) - 1u);
 }
 
-// The tile's keys [key, key + keys) and values in pairs, and P in pairs.
-struct Bf16Tile {
-  std::vector<uint32_t> keys;    // keys x key_pairs: a key's (k[2i], k[2i + 1])
-  std::vector<uint32_t> values;  // (keys + 1) / 2 x value_size
-  std::vector<uint32_t> probabilities;  // kFlashKeyTile / 2 x kFlashQueryTile
-  int64_t key_pairs = 0;
-};
-
-ATTENTION_BF16 void PairKeysAndValues(const FlashTile& t, int64_t key, int64_t keys,
-                                      Bf16Tile& b) {
-  for (int64_t j = 0; j < keys; ++j) {
-    const float* k = t.keys + (key + j - t.key_base) * t.key_stride;
-    uint32_t* out = b.keys.data() + j * b.key_pairs;
-    for (int64_t c = 0; c < t.head_size; c += 32) {
-      const int64_t left = t.head_size - c;
+ATTENTION_BF16 void PairKeysImpl(const float* keys, int64_t stride, int64_t count, int64_t width,
+                                 uint32_t* pairs) {
+  const int64_t words = (width + 1) / 2;
+  for (int64_t j = 0; j < count; ++j) {
+    const float* k = keys + j * stride;
+    uint32_t* out = pairs + j * words;
+    for (int64_t c = 0; c < width; c += 32) {
+      const int64_t left = width - c;
       const __m512 low = _mm512_maskz_loadu_ps(FirstLanes(left), k + c);
       const __m512 high = _mm512_maskz_loadu_ps(FirstLanes(left - 16), k + c + 16);
-      const __m512i words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
-      _mm512_mask_storeu_epi32(out + c / 2, FirstLanes((left + 1) / 2), words);
+      const __m512i bf16 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+      _mm512_mask_storeu_epi32(out + c / 2, FirstLanes((left + 1) / 2), bf16);
     }
   }
-  for (int64_t j = 0; j < keys; j += 2) {
-    const float* even = t.values + (key + j - t.key_base) * t.value_stride;
-    const float* odd = even + t.value_stride;
-    uint32_t* out = b.values.data() + j / 2 * t.value_size;
-    for (int64_t c = 0; c < t.value_size; c += 16) {
-      const __mmask16 live = FirstLanes(t.value_size - c);
+}
+
+ATTENTION_BF16 void PairValuesImpl(const float* values, int64_t stride, int64_t count,
+                                   int64_t width, uint32_t* pairs) {
+  for (int64_t j = 0; j < count; j += 2) {
+    const float* even = values + j * stride;
+    const float* odd = even + stride;
+    uint32_t* out = pairs + j / 2 * width;
+    for (int64_t c = 0; c < width; c += 16) {
+      const __mmask16 live = FirstLanes(width - c);
       const __m512 e = _mm512_maskz_loadu_ps(live, even + c);
-      const __m512 o = _mm512_maskz_loadu_ps(j + 1 < keys ? live : 0, odd + c);
+      const __m512 o = _mm512_maskz_loadu_ps(j + 1 < count ? live : 0, odd + c);
       _mm512_mask_storeu_epi32(out + c, live, PairWords(e, o));
     }
   }
 }
 
-// Scores of keys [j, j + R) of the tile for the 32 lanes at `lane`, as
-// ScoreKeys does in FP32.
+// Scores of keys [key, key + R) for the 32 lanes at `lane`, as ScoreKeys
+// does in FP32.
 template <int R>
-ATTENTION_BF16 HWY_INLINE void ScoreKeysBf16(const FlashTile& t, const Bf16Tile& b, int64_t key,
-                                            int64_t j, int64_t lane, float* scores) {
+ATTENTION_BF16 HWY_INLINE void ScoreKeysBf16(const FlashTile& t, int64_t key, int64_t lane,
+                                            float* scores) {
+  const int64_t words = (t.head_size + 1) / 2;
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   const uint32_t* q = reinterpret_cast<const uint32_t*>(t.queries_t) + lane;
-  const uint32_t* k = b.keys.data() + j * b.key_pairs;
-  for (int64_t i = 0; i < b.key_pairs; ++i) {
+  const uint32_t* k = t.key_pairs + key * words;
+  for (int64_t i = 0; i < words; ++i) {
     const __m512bh q0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + i * kFlashQueryTile));
     const __m512bh q1 =
         reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + i * kFlashQueryTile + 16));
     for (int r = 0; r < R; ++r) {
-      const __m512bh kr = reinterpret_cast<__m512bh>(
-          _mm512_set1_epi32(static_cast<int>(k[r * b.key_pairs + i])));
+      const __m512bh kr =
+          reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(k[r * words + i])));
       acc0[r] = _mm512_dpbf16_ps(acc0[r], kr, q0);
       acc1[r] = _mm512_dpbf16_ps(acc1[r], kr, q1);
     }
   }
   for (int r = 0; r < R; ++r) {
-    const __m512 bias = t.key_bias != nullptr ? _mm512_set1_ps(t.key_bias[key + j + r])
-                                              : _mm512_setzero_ps();
+    const __m512 bias =
+        t.key_bias != nullptr ? _mm512_set1_ps(t.key_bias[key + r]) : _mm512_setzero_ps();
     float* row = scores + r * kFlashQueryTile + lane;
     _mm512_storeu_ps(row, _mm512_add_ps(acc0[r], bias));
     _mm512_storeu_ps(row + 16, _mm512_add_ps(acc1[r], bias));
@@ -553,33 +557,105 @@ ATTENTION_BF16 HWY_INLINE void ScoreKeysBf16(const FlashTile& t, const Bf16Tile&
 }
 
 template <int R = kBlock - 1>
-ATTENTION_BF16 HWY_INLINE void ScoreTailBf16(const FlashTile& t, const Bf16Tile& b, int64_t key,
-                                            int64_t j, int64_t count, int64_t lane,
-                                            float* scores) {
+ATTENTION_BF16 HWY_INLINE void ScoreTailBf16(const FlashTile& t, int64_t key, int64_t count,
+                                            int64_t lane, float* scores) {
   if constexpr (R > 0) {
-    if (count == R) return ScoreKeysBf16<R>(t, b, key, j, lane, scores);
-    ScoreTailBf16<R - 1>(t, b, key, j, count, lane, scores);
+    if (count == R) return ScoreKeysBf16<R>(t, key, lane, scores);
+    ScoreTailBf16<R - 1>(t, key, count, lane, scores);
   }
 }
 
-// P of the 32 lanes at `lane` (SoftmaxVector's, in t.scores) in pairs of keys.
-ATTENTION_BF16 HWY_INLINE void PairProbabilities(const FlashTile& t, int64_t keys, int64_t lane,
-                                                Bf16Tile& b) {
+// exp(x) where `keep`, 0 elsewhere, for x <= 0 as ExpOfNonPositive takes
+// it (a result below the smallest normal float, x < -87, is 0, and so are
+// NaN and -inf), in about half its instructions: AVX-512's scalef puts q
+// into the exponent, and a degree-5 polynomial with exp(0) = 1 exactly
+// covers exp(r) for r = x - q ln 2, |r| <= ln 2 / 2, to 1.7e-7 relative
+// (ExpOfNonPositive's: 0.9e-7), far below the BF16 rounding (3.9e-3) that
+// P takes into P V.
+ATTENTION_BF16 HWY_INLINE __m512 ExpBf16(__m512 x, __mmask16 keep) {
+  const __mmask16 kept = _mm512_mask_cmp_ps_mask(keep, x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln 2 in two parts, so q ln 2 is exact to float precision.
+  __m512 r = _mm512_fmadd_ps(q, _mm512_set1_ps(-0.693145751953125f), x);
+  r = _mm512_fmadd_ps(q, _mm512_set1_ps(-1.428606765330187045e-6f), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(8.290314116e-3f), r, _mm512_set1_ps(4.189793020e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666763574e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999915063e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999997020e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(kept, p, q);
+}
+
+// The lanes whose bound allows `key`; every lane when the tile is not masked.
+ATTENTION_BF16 HWY_INLINE __mmask16 AllowedLanes(bool masked, int64_t key, __m512 bound) {
+  if (!masked) return 0xFFFF;
+  return _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(key)), bound, _CMP_LT_OQ);
+}
+
+// SoftmaxVector for the 16 lanes at `lane`, writing P in pairs of keys for
+// P V (in `pairs`, kFlashQueryTile words per pair of keys) instead of in
+// place, and with ExpBf16.
+ATTENTION_BF16 HWY_INLINE void SoftmaxPairs(const FlashTile& t, int64_t key, int64_t keys,
+                                           int64_t lane, bool masked, uint32_t* pairs) {
+  const __m512 old_max = _mm512_loadu_ps(t.row_max + lane);
+  const __m512 bound = _mm512_loadu_ps(t.bounds + lane);
+  const float* scores = t.scores + lane;
+  __m512 max = old_max;
+  for (int64_t j = 0; j < keys; ++j) {
+    max = _mm512_mask_max_ps(max, AllowedLanes(masked, key + j, bound), max,
+                             _mm512_loadu_ps(scores + j * kFlashQueryTile));
+  }
+  // Two sums, so the adds do not form one chain.
+  __m512 sum_even = _mm512_setzero_ps(), sum_odd = _mm512_setzero_ps();
   for (int64_t j = 0; j < keys; j += 2) {
-    const float* even = t.scores + j * kFlashQueryTile + lane;
-    uint32_t* out = b.probabilities.data() + j / 2 * kFlashQueryTile + lane;
-    for (int half = 0; half < 2; ++half) {
-      const __m512 e = _mm512_loadu_ps(even + 16 * half);
-      const __m512 o = j + 1 < keys ? _mm512_loadu_ps(even + kFlashQueryTile + 16 * half)
-                                    : _mm512_setzero_ps();
-      _mm512_storeu_si512(out + 16 * half, PairWords(e, o));
-    }
+    const float* row = scores + j * kFlashQueryTile;
+    const __m512 even = ExpBf16(_mm512_sub_ps(_mm512_loadu_ps(row), max),
+                                 AllowedLanes(masked, key + j, bound));
+    // An odd tile's last key pairs with zero.
+    const __m512 odd = j + 1 < keys
+                           ? ExpBf16(_mm512_sub_ps(_mm512_loadu_ps(row + kFlashQueryTile), max),
+                                     AllowedLanes(masked, key + j + 1, bound))
+                           : _mm512_setzero_ps();
+    _mm512_storeu_si512(pairs + j / 2 * kFlashQueryTile + lane, PairWords(even, odd));
+    sum_even = _mm512_add_ps(sum_even, even);
+    sum_odd = _mm512_add_ps(sum_odd, odd);
+  }
+  const __m512 sum = _mm512_add_ps(sum_even, sum_odd);
+  // The first key tile starts from a zero sum and output: no factor.
+  if (key == 0) {
+    _mm512_storeu_ps(t.row_sum + lane, sum);
+    _mm512_storeu_ps(t.row_max + lane, max);
+    return;
+  }
+  // As in SoftmaxVector: lanes with no allowed key yet keep the lowest float.
+  const __m512 rescale = ExpBf16(_mm512_sub_ps(old_max, max), 0xFFFF);
+  _mm512_storeu_ps(t.rescale + lane, rescale);
+  _mm512_storeu_ps(t.row_sum + lane,
+                   _mm512_fmadd_ps(_mm512_loadu_ps(t.row_sum + lane), rescale, sum));
+  _mm512_storeu_ps(t.row_max + lane, max);
+}
+
+// One pair of keys' P V: acc += P pair (per lane) . value pair of each of
+// the C columns, with `live` the pair's words that count (the second key of
+// an odd tile's last pair is another tile's, or not computed: masked out).
+template <int C>
+ATTENTION_BF16 HWY_INLINE void AddValuePair(const uint32_t* v, const uint32_t* p, uint32_t live,
+                                           __m512* acc0, __m512* acc1) {
+  const __m512bh p0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
+  const __m512bh p1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(p + 16));
+  for (int c = 0; c < C; ++c) {
+    const __m512bh vc =
+        reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(v[c] & live)));
+    acc0[c] = _mm512_dpbf16_ps(acc0[c], vc, p0);
+    acc1[c] = _mm512_dpbf16_ps(acc1[c], vc, p1);
   }
 }
 
-// AccumulateColumns with P V over pairs of keys.
+// AccumulateColumns with P V over pairs of keys; `pairs` holds
+// SoftmaxPairs' P.
 template <int C>
-ATTENTION_BF16 HWY_INLINE void AccumulateColumnsBf16(const FlashTile& t, const Bf16Tile& b,
+ATTENTION_BF16 HWY_INLINE void AccumulateColumnsBf16(const FlashTile& t, const uint32_t* pairs,
                                                     int64_t key, int64_t keys, int64_t lane,
                                                     int64_t col) {
   __m512 acc0[C], acc1[C];
@@ -594,18 +670,16 @@ ATTENTION_BF16 HWY_INLINE void AccumulateColumnsBf16(const FlashTile& t, const B
       acc1[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * kFlashQueryTile + 16), rescale1);
     }
   }
-  const uint32_t* v = b.values.data() + col;
-  const uint32_t* p = b.probabilities.data() + lane;
-  for (int64_t i = 0; i < (keys + 1) / 2; ++i) {
-    const __m512bh p0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(p + i * kFlashQueryTile));
-    const __m512bh p1 =
-        reinterpret_cast<__m512bh>(_mm512_loadu_si512(p + i * kFlashQueryTile + 16));
-    for (int c = 0; c < C; ++c) {
-      const __m512bh vc = reinterpret_cast<__m512bh>(
-          _mm512_set1_epi32(static_cast<int>(v[i * t.value_size + c])));
-      acc0[c] = _mm512_dpbf16_ps(acc0[c], vc, p0);
-      acc1[c] = _mm512_dpbf16_ps(acc1[c], vc, p1);
-    }
+  // key is even (key tiles start at multiples of kFlashKeyTile), so pair
+  // rows start at the tile's first key.
+  const uint32_t* v = t.value_pairs + key / 2 * t.value_size + col;
+  const uint32_t* p = pairs + lane;
+  int64_t i = 0;
+  for (; 2 * i + 1 < keys; ++i) {
+    AddValuePair<C>(v + i * t.value_size, p + i * kFlashQueryTile, 0xFFFFFFFFu, acc0, acc1);
+  }
+  if (keys % 2 != 0) {
+    AddValuePair<C>(v + i * t.value_size, p + i * kFlashQueryTile, 0x0000FFFFu, acc0, acc1);
   }
   for (int c = 0; c < C; ++c) {
     _mm512_storeu_ps(acc + c * kFlashQueryTile, acc0[c]);
@@ -614,19 +688,20 @@ ATTENTION_BF16 HWY_INLINE void AccumulateColumnsBf16(const FlashTile& t, const B
 }
 
 template <int C = kBlock - 1>
-ATTENTION_BF16 HWY_INLINE void AccumulateTailBf16(const FlashTile& t, const Bf16Tile& b,
+ATTENTION_BF16 HWY_INLINE void AccumulateTailBf16(const FlashTile& t, const uint32_t* pairs,
                                                  int64_t key, int64_t keys, int64_t lane,
                                                  int64_t col, int64_t count) {
   if constexpr (C > 0) {
-    if (count == C) return AccumulateColumnsBf16<C>(t, b, key, keys, lane, col);
-    AccumulateTailBf16<C - 1>(t, b, key, keys, lane, col, count);
+    if (count == C) return AccumulateColumnsBf16<C>(t, pairs, key, keys, lane, col);
+    AccumulateTailBf16<C - 1>(t, pairs, key, keys, lane, col, count);
   }
 }
 
 // FlashTileImpl with the two products in BF16; queries_t holds
-// LoadQueriesBf16Impl's pairs.
+// LoadQueriesBf16Impl's pairs, key_pairs and value_pairs PairKeysImpl's and
+// PairValuesImpl's.
 ATTENTION_BF16 void FlashTileBf16Impl(const FlashTile& t) {
-  static_assert(HWY_LANES(float) == 16);
+  static_assert(HWY_LANES(float) == 16 && kFlashKeyTile % 2 == 0);
   constexpr int64_t kGroup = 32;  // lanes per micro-kernel: two vectors
   const int64_t lanes = (t.rows + kGroup - 1) / kGroup * kGroup;
   if (t.key_begin == 0) {
@@ -635,29 +710,24 @@ ATTENTION_BF16 void FlashTileBf16Impl(const FlashTile& t) {
       t.row_sum[lane] = 0.0f;
     }
   }
-  thread_local Bf16Tile b;
-  b.key_pairs = (t.head_size + 1) / 2;
-  b.keys.resize(static_cast<size_t>(kFlashKeyTile * b.key_pairs));
-  b.values.resize(static_cast<size_t>(kFlashKeyTile / 2 * t.value_size));
-  b.probabilities.resize(static_cast<size_t>(kFlashKeyTile / 2 * kFlashQueryTile));
+  // P of one key tile in pairs of keys.
+  alignas(64) uint32_t pairs[kFlashKeyTile / 2 * kFlashQueryTile];
   for (int64_t key = t.key_begin; key < t.key_end; key += kFlashKeyTile) {
     const int64_t keys = t.key_end - key < kFlashKeyTile ? t.key_end - key : kFlashKeyTile;
     const bool masked = key + keys > t.min_bound;
-    PairKeysAndValues(t, key, keys, b);
     for (int64_t lane = 0; lane < lanes; lane += kGroup) {
       int64_t j = 0;
       for (; j + kBlock <= keys; j += kBlock) {
-        ScoreKeysBf16<kBlock>(t, b, key, j, lane, t.scores + j * kFlashQueryTile);
+        ScoreKeysBf16<kBlock>(t, key + j, lane, t.scores + j * kFlashQueryTile);
       }
-      ScoreTailBf16(t, b, key, j, keys - j, lane, t.scores + j * kFlashQueryTile);
-      SoftmaxVector(t, key, keys, lane, masked);
-      SoftmaxVector(t, key, keys, lane + 16, masked);
-      PairProbabilities(t, keys, lane, b);
+      ScoreTailBf16(t, key + j, keys - j, lane, t.scores + j * kFlashQueryTile);
+      SoftmaxPairs(t, key, keys, lane, masked, pairs);
+      SoftmaxPairs(t, key, keys, lane + 16, masked, pairs);
       int64_t col = 0;
       for (; col + kBlock <= t.value_size; col += kBlock) {
-        AccumulateColumnsBf16<kBlock>(t, b, key, keys, lane, col);
+        AccumulateColumnsBf16<kBlock>(t, pairs, key, keys, lane, col);
       }
-      AccumulateTailBf16(t, b, key, keys, lane, col, t.value_size - col);
+      AccumulateTailBf16(t, pairs, key, keys, lane, col, t.value_size - col);
     }
   }
 }
@@ -704,10 +774,10 @@ FlashTilePath FlashTilePathFor(Isa isa, Precision precision) {
       ISA_TABLE_WITH_BF16(LoadQueriesImpl, HWY_CHOOSE_AVX3(LoadQueriesBf16Impl));
   static constexpr auto kKernelBf16 =
       ISA_TABLE_WITH_BF16(FlashTileImpl, HWY_CHOOSE_AVX3(FlashTileBf16Impl));
-  if (precision == Precision::kBf16) {
-    // One-row tiles too take the BF16 products where the path has them.
-    return {kLoadQueriesBf16.For(isa), kKernelBf16.For(isa), kStoreOutput.For(isa),
-            isa == Isa::kAvx512Bf16 ? nullptr : kRowKernel.For(isa)};
+  if (precision == Precision::kBf16 && isa == Isa::kAvx512Bf16) {
+    // One-row tiles too take the BF16 products.
+    return {kLoadQueriesBf16.For(isa), kKernelBf16.For(isa), kStoreOutput.For(isa), nullptr,
+            HWY_CHOOSE_AVX3(PairKeysImpl), HWY_CHOOSE_AVX3(PairValuesImpl)};
   }
   return {kLoadQueries.For(isa), kKernel.For(isa), kStoreOutput.For(isa), kRowKernel.For(isa)};
 }

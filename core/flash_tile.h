@@ -60,6 +60,14 @@ struct FlashTile {
   float* row_sum = nullptr;
   float* scores = nullptr;  // scratch: kFlashKeyTile x lanes
   float* rescale = nullptr; // scratch: lanes
+  // The BF16 kernel's keys and values (FlashTilePath::pair_keys and
+  // pair_values), paired once for all the query tiles of a FlashAttention
+  // call rather than per tile: key j's pairs at key_pairs + j * ((head_size
+  // + 1) / 2), the values of keys 2i and 2i + 1 at value_pairs + i *
+  // value_size. Indexed from key 0, not key_base; the fp32 kernels read
+  // `keys` and `values` instead.
+  const uint32_t* key_pairs = nullptr;
+  const uint32_t* value_pairs = nullptr;
 };
 
 // One path's functions for a query tile, in the order a caller runs them.
@@ -83,6 +91,18 @@ struct FlashTilePath {
   // every key visited must be allowed. The caller normalises the output.
   // Null where one-row tiles take `kernel` (the BF16 products).
   void (*row_kernel)(const FlashTile& tile) = nullptr;
+  // Set where `kernel` takes its keys and values as BF16 pairs (FlashTile's
+  // key_pairs and value_pairs), null elsewhere. pair_keys: rows [0, count)
+  // of `keys` (row stride `stride`, `width` floats each) as (k[2i],
+  // k[2i + 1]) words, (width + 1) / 2 per row, the last one's second half
+  // zero for an odd width. pair_values: row i of `pairs` holds the words
+  // (v[2i][c], v[2i + 1][c]) for the width columns, the second half zero
+  // past `count`. Both round to BF16 (nearest even), the first in the low
+  // half.
+  void (*pair_keys)(const float* keys, int64_t stride, int64_t count, int64_t width,
+                    uint32_t* pairs) = nullptr;
+  void (*pair_values)(const float* values, int64_t stride, int64_t count, int64_t width,
+                      uint32_t* pairs) = nullptr;
 };
 
 // The functions built for `isa`, for a model computing in `precision`: for

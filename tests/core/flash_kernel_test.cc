@@ -14,6 +14,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace attention {
@@ -468,13 +469,16 @@ TEST(FlashKernelTest, EmptyRangeWritesNothing) {
 
 // Keys and values in blocks (FlashProblem::key_blocks, a decoding session's
 // memory) give what the same rows give contiguous, bit for bit: the tile
-// kernel visits the same key tiles either way. Rows of every kind are
-// covered: allowed keys, none allowed (value mean), allowed scores near
-// -1e6 (the exact path, here from key biases) and the weights path.
+// kernel visits the same key tiles either way, and a bf16 problem pairs
+// them block by block into the same rows. Rows of every kind are covered:
+// allowed keys, none allowed (value mean), allowed scores near -1e6 (the
+// exact path, here from key biases) and the weights path.
 TEST(FlashKernelTest, KeysInBlocksMatchContiguousKeys) {
   constexpr int64_t kBlockRows = 2 * kFlashKeyTile;
   std::mt19937 rng(23);
-  for (const bool near_masked : {false, true}) {
+  for (const auto& [near_masked, precision] :
+       {std::pair{false, Precision::kFp32}, std::pair{true, Precision::kFp32},
+        std::pair{false, Precision::kBf16}, std::pair{true, Precision::kBf16}}) {
     Case c{.num_queries = 70,
            .num_keys = 2 * kBlockRows + 37,
            .head_size = 13,
@@ -502,7 +506,9 @@ TEST(FlashKernelTest, KeysInBlocksMatchContiguousKeys) {
       key_pointers.push_back(keys.data());
       value_pointers.push_back(values.data());
     }
-    FlashProblem paged = in.Problem(nullptr);
+    FlashProblem contiguous = in.Problem(nullptr);
+    contiguous.precision = precision;
+    FlashProblem paged = contiguous;
     paged.keys = paged.values = nullptr;
     paged.key_blocks = key_pointers.data();
     paged.value_blocks = value_pointers.data();
@@ -515,9 +521,10 @@ TEST(FlashKernelTest, KeysInBlocksMatchContiguousKeys) {
                        got = untouched;
     std::vector<float> want_weights(c.num_queries * in.WeightsStride(), kUntouched);
     std::vector<float> got_weights = want_weights;
-    FlashAttention(in.Problem(want_flash.data()), 0, c.num_queries);
-    AttentionWithWeights(in.Problem(want.data()), 0, c.num_queries, want_weights.data(),
-                         in.WeightsStride());
+    contiguous.output = want_flash.data();
+    FlashAttention(contiguous, 0, c.num_queries);
+    contiguous.output = want.data();
+    AttentionWithWeights(contiguous, 0, c.num_queries, want_weights.data(), in.WeightsStride());
     paged.output = got_flash.data();
     FlashAttention(paged, 0, c.num_queries);
     paged.output = got.data();
@@ -525,6 +532,39 @@ TEST(FlashKernelTest, KeysInBlocksMatchContiguousKeys) {
     EXPECT_EQ(got_flash, want_flash) << c.Describe();
     EXPECT_EQ(got, want) << c.Describe();
     EXPECT_EQ(got_weights, want_weights) << c.Describe();
+  }
+}
+
+// A bf16 problem's keys and values are paired once per FlashAttention call
+// (flash_kernel.h), up to the largest bound of the call's rows: one call
+// over every query tile gives what one call per tile gives, bit for bit.
+// Also where a tile's keys end at an odd count and the next key, which the
+// pairing of a longer call puts beside the tile's last one, has values that
+// round to inf in BF16: they must weigh nothing in that tile, not 0 * inf.
+TEST(FlashKernelTest, OneCallOverQueryTilesMatchesOneCallPerTile) {
+  std::mt19937 rng(41);
+  const Case c{.num_queries = 3 * kFlashQueryTile + 5, .num_keys = 250, .head_size = 13,
+               .value_size = 9, .mask = Mask::kPerQuery, .pad = 3};
+  Inputs in = RandomInputs(c, rng);
+  constexpr int32_t kFirstTileKeys = 101;
+  for (int64_t i = 0; i < kFlashQueryTile; ++i) {
+    in.valid_lens[i] = std::min(in.valid_lens[i], kFirstTileKeys);
+  }
+  in.valid_lens[0] = kFirstTileKeys;
+  std::fill_n(in.values.begin() + kFirstTileKeys * in.ValueStride(), c.value_size,
+              std::numeric_limits<float>::max());
+  for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
+    std::vector<float> one_call(c.num_queries * in.OutputStride(), kUntouched);
+    std::vector<float> per_tile = one_call;
+    FlashProblem problem = in.Problem(one_call.data());
+    problem.precision = precision;
+    ASSERT_TRUE(FlashAttention(problem, 0, c.num_queries));
+    problem.output = per_tile.data();
+    for (int64_t row = 0; row < c.num_queries; row += kFlashQueryTile) {
+      ASSERT_TRUE(FlashAttention(problem, row, std::min(c.num_queries, row + kFlashQueryTile)));
+    }
+    EXPECT_EQ(one_call, per_tile) << "precision " << static_cast<int>(precision);
+    for (int64_t t = 0; t < c.value_size; ++t) ASSERT_TRUE(std::isfinite(one_call[t]));
   }
 }
 
