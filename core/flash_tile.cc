@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/isa_dispatch.h"
+#include "core/packed_gemm.h"
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "core/flash_tile.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -468,7 +469,8 @@ void StoreOutputImpl(const FlashTile& t, float* output, int64_t output_stride) {
 // reports it (core/isa_dispatch.h). Everything but the two products stays
 // FP32 as in the fp32 kernel: the softmax (with an exp of its own, ExpBf16),
 // its masking, the accumulator. Keys and values come paired once per problem
-// (PairKeysImpl, PairValuesImpl; flash_kernel.cc), not once per query tile.
+// (internal::RoundToBf16Pairs, as the packed GEMM rounds its inputs, and
+// PairValuesImpl; flash_kernel.cc), not once per query tile.
 //
 // Pairs run along each product's sum: for QK^T, pairs of head dimensions
 // (the queries' lanes hold (q[2i], q[2i + 1]) words, a key's pair is
@@ -493,22 +495,6 @@ ATTENTION_BF16 HWY_INLINE __m512i PairWords(__m512 even, __m512 odd) {
 
 ATTENTION_BF16 HWY_INLINE __mmask16 FirstLanes(int64_t n) {
   return static_cast<__mmask16>((1u << (n < 0 ? 0 : n > 16 ? 16 : n)) - 1u);
-}
-
-ATTENTION_BF16 void PairKeysImpl(const float* keys, int64_t stride, int64_t count, int64_t width,
-                                 uint32_t* pairs) {
-  const int64_t words = (width + 1) / 2;
-  for (int64_t j = 0; j < count; ++j) {
-    const float* k = keys + j * stride;
-    uint32_t* out = pairs + j * words;
-    for (int64_t c = 0; c < width; c += 32) {
-      const int64_t left = width - c;
-      const __m512 low = _mm512_maskz_loadu_ps(FirstLanes(left), k + c);
-      const __m512 high = _mm512_maskz_loadu_ps(FirstLanes(left - 16), k + c + 16);
-      const __m512i bf16 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
-      _mm512_mask_storeu_epi32(out + c / 2, FirstLanes((left + 1) / 2), bf16);
-    }
-  }
 }
 
 ATTENTION_BF16 void PairValuesImpl(const float* values, int64_t stride, int64_t count,
@@ -698,7 +684,7 @@ ATTENTION_BF16 HWY_INLINE void AccumulateTailBf16(const FlashTile& t, const uint
 }
 
 // FlashTileImpl with the two products in BF16; queries_t holds
-// LoadQueriesBf16Impl's pairs, key_pairs and value_pairs PairKeysImpl's and
+// LoadQueriesBf16Impl's pairs, key_pairs and value_pairs RoundToBf16Pairs's and
 // PairValuesImpl's.
 ATTENTION_BF16 void FlashTileBf16Impl(const FlashTile& t) {
   static_assert(HWY_LANES(float) == 16 && kFlashKeyTile % 2 == 0);
@@ -777,7 +763,7 @@ FlashTilePath FlashTilePathFor(Isa isa, Precision precision) {
   if (precision == Precision::kBf16 && isa == Isa::kAvx512Bf16) {
     // One-row tiles too take the BF16 products.
     return {kLoadQueriesBf16.For(isa), kKernelBf16.For(isa), kStoreOutput.For(isa), nullptr,
-            HWY_CHOOSE_AVX3(PairKeysImpl), HWY_CHOOSE_AVX3(PairValuesImpl)};
+            internal::RoundToBf16Pairs, HWY_CHOOSE_AVX3(PairValuesImpl)};
   }
   return {kLoadQueries.For(isa), kKernel.For(isa), kStoreOutput.For(isa), kRowKernel.For(isa)};
 }

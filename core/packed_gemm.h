@@ -54,5 +54,14 @@ namespace internal {
 void Bf16DotProduct(const PackedProduct& product, int64_t row_begin, int64_t row_end,
                     int64_t panel_begin, int64_t panel_end);
 
+// Rows [0, count) of `rows` (row stride `stride`, `width` floats each)
+// rounded to BF16 (nearest even) as pairs (x[2i], x[2i + 1]) in 32-bit words,
+// the first in the low half, (width + 1) / 2 words per row, the last one's
+// second half zero for an odd width: the form vdpbf16ps reads, for the
+// inputs of Bf16DotProduct and the BF16 tile kernel's keys
+// (FlashTilePath::pair_keys). Only for a CPU with AVX512_BF16.
+void RoundToBf16Pairs(const float* rows, int64_t stride, int64_t count, int64_t width,
+                      uint32_t* pairs);
+
 }  // namespace internal
 }  // namespace attention

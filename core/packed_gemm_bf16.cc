@@ -33,26 +33,6 @@ ATTENTION_BF16_TARGET inline __mmask16 FirstLanes(int64_t n) {
   return static_cast<__mmask16>((1u << std::clamp<int64_t>(n, 0, 16)) - 1u);
 }
 
-// Rows [row_begin, row_end) of the input rounded to BF16 (nearest even),
-// as pairs of k in 32-bit words, `pairs` words per row; the second half of
-// the last word is zero when in_cols is odd.
-ATTENTION_BF16_TARGET void RoundRows(const PackedProduct& p, int64_t row_begin, int64_t row_end,
-                                     uint32_t* out) {
-  const int64_t in_cols = p.weights->in_cols(), pairs = p.weights->k_pairs();
-  for (int64_t row = row_begin; row < row_end; ++row) {
-    const float* x = p.in + row * p.in_stride;
-    uint32_t* words = out + (row - row_begin) * pairs;
-    for (int64_t k = 0; k < in_cols; k += 32) {
-      const int64_t left = in_cols - k;
-      const __m512 low = _mm512_maskz_loadu_ps(FirstLanes(left), x + k);
-      const __m512 high = _mm512_maskz_loadu_ps(FirstLanes(left - 16), x + k + 16);
-      // The second operand gives the lower 16 BF16 values.
-      const __m512i rounded = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
-      _mm512_mask_storeu_epi32(words + k / 2, FirstLanes((left + 1) / 2), rounded);
-    }
-  }
-}
-
 // Rows [0, R) of `words` (input rows from `row`) times panel `panel`, plus
 // its bias, stored.
 template <int R>
@@ -97,6 +77,23 @@ ATTENTION_BF16_TARGET inline void PanelTileOf(const PackedProduct& p, const uint
 
 }  // namespace
 
+ATTENTION_BF16_TARGET void RoundToBf16Pairs(const float* rows, int64_t stride, int64_t count,
+                                            int64_t width, uint32_t* pairs) {
+  const int64_t words = (width + 1) / 2;
+  for (int64_t row = 0; row < count; ++row) {
+    const float* x = rows + row * stride;
+    uint32_t* out = pairs + row * words;
+    for (int64_t k = 0; k < width; k += 32) {
+      const int64_t left = width - k;
+      const __m512 low = _mm512_maskz_loadu_ps(FirstLanes(left), x + k);
+      const __m512 high = _mm512_maskz_loadu_ps(FirstLanes(left - 16), x + k + 16);
+      // The second operand gives the lower 16 BF16 values.
+      const __m512i rounded = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+      _mm512_mask_storeu_epi32(out + k / 2, FirstLanes((left + 1) / 2), rounded);
+    }
+  }
+}
+
 // Rows in chunks of kConvertRows, each rounded once and then, panel outer
 // and rows inner as in the fp32 kernel, read by every panel of the block.
 ATTENTION_BF16_TARGET void Bf16DotProduct(const PackedProduct& p, int64_t row_begin,
@@ -107,7 +104,8 @@ ATTENTION_BF16_TARGET void Bf16DotProduct(const PackedProduct& p, int64_t row_be
   for (int64_t chunk = row_begin; chunk < row_end; chunk += kConvertRows) {
     const int64_t chunk_end = std::min(row_end, chunk + kConvertRows);
     words.resize(static_cast<size_t>((chunk_end - chunk) * pairs));
-    RoundRows(p, chunk, chunk_end, words.data());
+    RoundToBf16Pairs(p.in + chunk * p.in_stride, p.in_stride, chunk_end - chunk,
+                     p.weights->in_cols(), words.data());
     for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
       for (int64_t row = chunk; row < chunk_end; row += kRows) {
         PanelTileOf<kRows>(p, words.data() + (row - chunk) * pairs, row,
