@@ -114,6 +114,8 @@ class SessionCall {
     return stream_->Finish();
   }
   grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>& stream() { return *stream_; }
+  // Breaks the stream as a client that goes away does.
+  void Cancel() { context_->TryCancel(); }
 
  private:
   std::unique_ptr<grpc::ClientContext> context_;
@@ -636,6 +638,23 @@ TEST_F(SessionTest, TritonSequencesThroughRest) {
   for (float value : answer["outputs"][0]["data"]) output.add_data(value);
   EXPECT_LE(MaxDifference(output, CausalPrefixAnswer(*stub_, "mh_torch_small", tokens, 3, 1)),
             kTolerance);
+}
+
+TEST_F(SessionTest, ABrokenStreamReturnsItsSessionsMemory) {
+  StartServer();
+  std::mt19937 rng(31);
+  SessionCall call(*stub_);
+  ASSERT_FALSE(call.Open(SelfOpen("mh_torch_small")).has_error());
+  ASSERT_FALSE(call.Step(RandomTensor(1, 300, 16, rng)).has_error());
+  EXPECT_GT(MetricValue(ScrapeMetrics(server_->metrics_address()),
+                        "attention_session_pool_used_bytes"),
+            0);
+  call.Cancel();
+  EXPECT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+    return MetricValue(text, "attention_sessions_ended_total", {{"reason", "failed"}}) == 1 &&
+           MetricValue(text, "attention_session_pool_used_bytes") == 0 &&
+           MetricValue(text, "attention_sessions_open") == 0;
+  }));
 }
 
 TEST_F(SessionTest, MemoryReturnsToThePoolAndRssStaysBounded) {
