@@ -19,7 +19,12 @@ workload also against the bare server), modes and workloads alternated
 inside each round, so every ratio compares numbers
 taken seconds apart; each ratio is computed per round and the median over
 rounds is reported. Then the open loop with batching on at half of the
-median batched peak of the token and small workloads. Then a lone client
+median batched peak of the token and small workloads (and, at the token's
+rate, the bare server with trivial calls: the tail this client and machine
+give a server that does nothing), with the CPU the server and the client
+kept busy, after bench/host-stalls has measured the machine's own pauses
+for 5 s (a spinning thread per CPU: kernel threads and the hypervisor take
+the CPU for milliseconds at a time, which floors every p99). Then a lone client
 (concurrency 1) of the small workload, batching on and off alternated, whose
 p50 shows what batching costs a caller who never has company. Beside the client's
 numbers each measurement records the server's CPU time per answer (/proc),
@@ -260,6 +265,73 @@ def fmt_list(values, spec=".0f"):
     return ", ".join(format(v, spec) for v in values)
 
 
+
+def host_stalls(build, seconds=5):
+    """bench/host-stalls' view of the machine, taken while nothing of ours runs."""
+    out = subprocess.run([str(build / "bench/host-stalls"), str(seconds), "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def run_open(client, servers, runs, args):
+    """The open loop at half of each workload's median batched peak; for the
+    token's rate also the bare server with trivial calls (what a server that
+    does nothing gets from the same client and machine)."""
+    open_runs = []
+    for workload in ("token", "small"):
+        rate = round(statistics.median(pick(runs, workload, "on")) / 2)
+        targets = [(workload, servers["on"])]
+        if workload == "token":
+            targets.append(("trivial", servers[BARE]))
+        for _ in range(args.rounds):
+            for measured, server in targets:
+                meter = ClientCpu()
+                r = bench(client, server, measured, ["--rate", str(rate)], args.warmup,
+                          args.open_duration)
+                r["client_cpu_us"] = meter.per_answer_us(r, args.warmup, args.open_duration)
+                r["rate"] = rate
+                open_runs.append(r)
+                print(f"  open loop {measured:7s} {server.mode} at {rate}/s: "
+                      f"{r['throughput_rps']:.1f}/s  p50 {r['latency_ms']['p50']:.2f} ms  "
+                      f"p99 {r['latency_ms']['p99']:.2f} ms  batch {r['mean_batch']:.1f}  "
+                      f"load {r['load_average']}", file=sys.stderr, flush=True)
+    return open_runs
+
+
+def open_ratio(open_runs, workload):
+    """Median over the rounds of p99 / p50 of `workload` on attention-server."""
+    return statistics.median(r["latency_ms"]["p99"] / r["latency_ms"]["p50"]
+                             for r in open_runs if (r["workload"], r["mode"]) == (workload, "on"))
+
+
+def print_open(open_runs, stalls, cpus):
+    """The open-loop table: CPU busy is the server's and the client's CPU time
+    per answer times the rate, over the machine's CPUs."""
+    print("Open loop at half of the median batched peak above (batching on; the bare server "
+          "with trivial calls at the token's rate, for the floor of this client and machine):")
+    print()
+    print("| request | server | rate/s | answers/s | p50 ms | p99 ms | p99/p50 per run "
+          "| median p99/p50 | mean batch | CPU busy |")
+    print("|---|---|---:|---|---|---|---|---:|---:|---:|")
+    for workload, mode in (("token", "on"), ("trivial", BARE), ("small", "on")):
+        rs = [r for r in open_runs if (r["workload"], r["mode"]) == (workload, mode)]
+        ratios = [r["latency_ms"]["p99"] / r["latency_ms"]["p50"] for r in rs]
+        busy = statistics.median(r["rate"] * (r["server_cpu_us"] + r["client_cpu_us"]) / 1e4
+                                 / int(cpus) for r in rs)
+        print(f"| {workload} | {mode} | {rs[0]['rate']} | "
+              f"{fmt_list(r['throughput_rps'] for r in rs)} | "
+              f"{fmt_list((r['latency_ms']['p50'] for r in rs), '.2f')} | "
+              f"{fmt_list((r['latency_ms']['p99'] for r in rs), '.2f')} | "
+              f"{fmt_list(ratios, '.2f')} | {statistics.median(ratios):.2f} | "
+              f"{statistics.median(r['mean_batch'] for r in rs):.1f} | {busy:.0f}% |")
+    print()
+    print(f"The machine's own stalls (bench/host-stalls, {stalls['seconds']:g} s, one spinning "
+          "thread per CPU, before the open loop):")
+    for c in stalls["cpus"]:
+        print(f"cpu {c['cpu']}: {c['above_0_5_ms']} gaps > 0.5 ms, {c['above_1_ms']} > 1 ms, "
+              f"{c['above_2_ms']} > 2 ms, longest {c['longest_ms']:.2f} ms  ")
+    print()
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", type=pathlib.Path, default=REPO / "build")
@@ -272,7 +344,7 @@ def main():
     args = parser.parse_args()
     client = args.build / "client/attention-client"
     for binary in (client, args.build / "server/attention-server",
-                   args.build / "bench/bare-attention-server"):
+                   args.build / "bench/bare-attention-server", args.build / "bench/host-stalls"):
         if not binary.exists():
             sys.exit(f"{binary} is missing: build attention-server and attention-client first")
 
@@ -296,20 +368,8 @@ def main():
               f"{args.warmup:g} s warm-up + {args.duration:g} s", file=sys.stderr)
         runs = run_closed(client, servers, args.rounds, args)
 
-        open_runs = []
-        for workload in ("token", "small"):
-            rate = round(statistics.median(pick(runs, workload, "on")) / 2)
-            for _ in range(args.rounds):
-                meter = ClientCpu()
-                r = bench(client, servers["on"], workload, ["--rate", str(rate)], args.warmup,
-                          args.open_duration)
-                r["client_cpu_us"] = meter.per_answer_us(r, args.warmup, args.open_duration)
-                r["rate"] = rate
-                open_runs.append(r)
-                print(f"  open loop {workload:7s} on at {rate}/s: {r['throughput_rps']:.1f}/s  "
-                      f"p50 {r['latency_ms']['p50']:.2f} ms  p99 {r['latency_ms']['p99']:.2f} ms"
-                      f"  batch {r['mean_batch']:.1f}  load {r['load_average']}",
-                      file=sys.stderr, flush=True)
+        stalls = host_stalls(args.build)
+        open_runs = run_open(client, servers, runs, args)
         lone_runs = run_lone(client, servers, args.rounds, args)
         load_end = load_average()
         finished = time.strftime("%H:%M UTC", time.gmtime())
@@ -348,22 +408,7 @@ def main():
                   f"{med('mean_batch'):.1f} | {med('server_cpu_us'):.0f} | "
                   f"{med('client_cpu_us'):.0f} |")
     print()
-    print("Open loop, batching on, at half of the median batched peak above:")
-    print()
-    print("| request | rate/s | answers/s | p50 ms | p99 ms | p99/p50 per run | median p99/p50 "
-          "| mean batch |")
-    print("|---|---:|---|---|---|---|---:|---:|")
-    open_ratio = {}
-    for workload in ("token", "small"):
-        rs = [r for r in open_runs if r["workload"] == workload]
-        ratios = [r["latency_ms"]["p99"] / r["latency_ms"]["p50"] for r in rs]
-        open_ratio[workload] = statistics.median(ratios)
-        print(f"| {workload} | {rs[0]['rate']} | {fmt_list(r['throughput_rps'] for r in rs)} | "
-              f"{fmt_list((r['latency_ms']['p50'] for r in rs), '.2f')} | "
-              f"{fmt_list((r['latency_ms']['p99'] for r in rs), '.2f')} | "
-              f"{fmt_list(ratios, '.2f')} | {open_ratio[workload]:.2f} | "
-              f"{statistics.median(r['mean_batch'] for r in rs):.1f} |")
-    print()
+    print_open(open_runs, stalls, cpus)
     print("Lone client (concurrency 1), small workload:")
     print()
     print("| batching | answers/s per round | p50 ms per round | p99 ms per round |")
@@ -397,7 +442,7 @@ def main():
             if unit == "%" else (fmt_list(ratios, ".2f"), f"{median:.2f}x")
         print(f"| {name} | {shown[0]} | {shown[1]} | {'met' if median >= bound else 'NOT met'} |")
     for workload in ("token", "small"):
-        ratio = open_ratio[workload]
+        ratio = open_ratio(open_runs, workload)
         print(f"| {workload}: open loop at half peak, p99 <= 2.5x p50 (batching on) | "
               f"{fmt_list(([r['latency_ms']['p99'] / r['latency_ms']['p50'] for r in open_runs if r['workload'] == workload]), '.2f')} | "
               f"{ratio:.2f}x | {'met' if ratio <= 2.5 else 'NOT met'} |")
@@ -410,7 +455,8 @@ def main():
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(
             {"cpu": model, "cpus": cpus, "flags": flags, "build_info": info, "commit": commit,
-             "started": started, "closed": runs, "open": open_runs, "lone": lone_runs},
+             "started": started, "closed": runs, "open": open_runs, "lone": lone_runs,
+             "host_stalls": stalls},
             indent=1))
 
 
