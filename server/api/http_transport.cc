@@ -16,6 +16,7 @@
 #include "boost/asio.hpp"
 #include "boost/beast/core.hpp"
 #include "boost/beast/http.hpp"
+#include "core/thread_name.h"
 #include "server/api/rest_codec.h"
 
 namespace attention::server {
@@ -353,7 +354,10 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions&
   state->transport = transport;
   state->work.emplace(transport->io.get_executor());
   for (int i = 0; i < std::max(1, options.threads); ++i) {
-    state->threads.emplace_back([transport] { transport->io.run(); });
+    state->threads.emplace_back([transport] {
+      NameCurrentThread("http");
+      transport->io.run();
+    });
   }
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(state)));
 }

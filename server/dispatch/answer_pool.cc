@@ -3,11 +3,18 @@
 
 #include <utility>
 
+#include "core/thread_name.h"
+
 namespace attention::server {
 
 AnswerPool::AnswerPool(int threads) {
   threads_.reserve(threads);
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
+  for (int i = 0; i < threads; ++i) {
+    threads_.emplace_back([this] {
+      NameCurrentThread("answer");
+      Loop();
+    });
+  }
 }
 
 AnswerPool::~AnswerPool() { Drain(); }

@@ -31,6 +31,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -42,6 +43,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "core/thread_name.h"
 
 namespace attention::server {
 
@@ -113,9 +115,11 @@ class Batcher {
   using DropTask = std::function<void(std::unique_ptr<Task> task, absl::Status why)>;
 
   // INVALID_ARGUMENT naming the option when one is out of range.
+  // `thread_name` names the batcher's thread (core/thread_name.h).
   static absl::StatusOr<std::unique_ptr<Batcher>> Create(Options options,
                                                          ProcessBatch process_batch,
-                                                         DropTask drop_task);
+                                                         DropTask drop_task,
+                                                         std::string thread_name = "batcher");
 
   // Drains (see Drain()).
   ~Batcher();
@@ -148,7 +152,8 @@ class Batcher {
     absl::Status why;
   };
 
-  Batcher(Options options, ProcessBatch process_batch, DropTask drop_task);
+  Batcher(Options options, ProcessBatch process_batch, DropTask drop_task,
+          std::string thread_name);
 
   void Loop();
   bool HasWorkOrDraining() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -180,7 +185,8 @@ class Batcher {
 template <typename Task>
 absl::StatusOr<std::unique_ptr<Batcher<Task>>> Batcher<Task>::Create(Options options,
                                                                      ProcessBatch process_batch,
-                                                                     DropTask drop_task) {
+                                                                     DropTask drop_task,
+                                                                     std::string thread_name) {
   if (options.max_batch_size < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_batch_size must be >= 1; was ", options.max_batch_size));
@@ -196,17 +202,21 @@ absl::StatusOr<std::unique_ptr<Batcher<Task>>> Batcher<Task>::Create(Options opt
   if (!process_batch || !drop_task) {
     return absl::InvalidArgumentError("process_batch and drop_task must be set");
   }
-  return std::unique_ptr<Batcher>(
-      new Batcher(options, std::move(process_batch), std::move(drop_task)));
+  return std::unique_ptr<Batcher>(new Batcher(options, std::move(process_batch),
+                                              std::move(drop_task), std::move(thread_name)));
 }
 
 template <typename Task>
-Batcher<Task>::Batcher(Options options, ProcessBatch process_batch, DropTask drop_task)
+Batcher<Task>::Batcher(Options options, ProcessBatch process_batch, DropTask drop_task,
+                       std::string thread_name)
     : options_(options),
       clock_(options.clock != nullptr ? options.clock : RealBatcherClock()),
       process_batch_(std::move(process_batch)),
       drop_task_(std::move(drop_task)),
-      thread_([this] { Loop(); }) {}
+      thread_([this, thread_name = std::move(thread_name)] {
+        NameCurrentThread(thread_name);
+        Loop();
+      }) {}
 
 template <typename Task>
 Batcher<Task>::~Batcher() {

@@ -68,7 +68,8 @@ absl::StatusOr<Dispatcher::ModelQueue*> Dispatcher::QueueFor(std::string_view na
       [this, q](std::vector<std::unique_ptr<Task>> batch) { ProcessBatch(*q, std::move(batch)); },
       [this, q](std::unique_ptr<Task> task, absl::Status why) {
         DropTask(*q, std::move(task), why);
-      });
+      },
+      absl::StrCat("batch:", queue->name));
   if (!batcher.ok()) return batcher.status();
   queue->batcher = *std::move(batcher);
   queues_.emplace(queue->name, std::move(queue));

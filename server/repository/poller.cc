@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "core/thread_name.h"
 #include "spdlog/spdlog.h"
 
 namespace attention::server {
@@ -29,7 +30,10 @@ RepositoryPoller::RepositoryPoller(std::filesystem::path directory, absl::Durati
       interval_(interval),
       apply_(std::move(apply)),
       stable_(std::move(initial)),
-      thread_([this] { Loop(); }) {}
+      thread_([this] {
+        NameCurrentThread("repo-poll");
+        Loop();
+      }) {}
 
 RepositoryPoller::~RepositoryPoller() {
   {

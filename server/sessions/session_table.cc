@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/thread_name.h"
 
 namespace attention::server {
 namespace {
@@ -79,7 +80,10 @@ std::string SequenceKey(std::string_view model, std::string_view id) {
 SessionTable::SessionTable(SessionOptions options, Limits limits, ServerMetrics* metrics)
     : options_(options), limits_(limits), metrics_(metrics), pool_(options.memory_bytes) {
   UpdateGauges();
-  sweeper_ = std::thread([this] { SweepLoop(); });
+  sweeper_ = std::thread([this] {
+    NameCurrentThread("session-sweep");
+    SweepLoop();
+  });
 }
 
 SessionTable::~SessionTable() {

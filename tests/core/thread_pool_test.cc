@@ -2,20 +2,59 @@
 // pool fairly (issue 14). A call must not wait for a worker that is busy
 // with another call's long tasks: the batcher of one model used to wait
 // until another model's budget-sized batch finished (p99 of small requests
-// 2.4 s instead of 8 ms, RELIABILITY.md section 9).
+// 2.4 s instead of 8 ms, RELIABILITY.md section 9). Its workers carry the
+// name "engine", for profiles (core/thread_name.h).
 #include <gtest/gtest.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <mutex>
+#include <set>
+#include <string>
 #include <thread>
 
+#include "core/thread_name.h"
 #include "core/thread_pool.h"
 
 namespace attention {
 namespace {
 
 using std::chrono::seconds;
+
+std::string CurrentThreadName() {
+  char name[16] = {};
+  pthread_getname_np(pthread_self(), name, sizeof(name));
+  return name;
+}
+
+TEST(ThreadName, NamesTheCallingThreadCutToFifteenBytes) {
+  std::thread([] {
+    NameCurrentThread("batch:a-model-with-a-long-name");
+    EXPECT_EQ(CurrentThreadName(), "batch:a-model-w");
+    NameCurrentThread("answer");
+    EXPECT_EQ(CurrentThreadName(), "answer");
+  }).join();
+}
+
+TEST(ThreadPool, WorkersAreNamedEngine) {
+  ThreadPool pool(2);
+  std::thread([&] {
+    NameCurrentThread("caller");
+    std::atomic<int> started{0};
+    std::mutex mu;
+    std::set<std::string> names;
+    // Each task waits for the other, so one runs on the caller, one on the worker.
+    pool.ParallelFor(2, [&](int64_t) {
+      ++started;
+      while (started.load() < 2) std::this_thread::yield();
+      std::lock_guard<std::mutex> lock(mu);
+      names.insert(CurrentThreadName());
+    });
+    EXPECT_EQ(names, (std::set<std::string>{"caller", "engine"}));
+  }).join();
+}
 
 TEST(ThreadPool, CallReturnsWhileWorkersAreBusyWithAnotherCall) {
   ThreadPool pool(2);  // the caller and one worker
