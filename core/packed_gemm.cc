@@ -39,26 +39,28 @@ constexpr int kRows = 1;
 #endif
 static_assert(kVectors * HWY_LANES(float) == kPanelWidth);
 
-// Accumulators of rows [row, row + R) plus panel `panel`'s bias, stored.
-template <int R>
+// Accumulators of rows [row, row + R), vectors [v0, v0 + NV) of panel
+// `panel`, plus its bias, stored.
+template <int R, int NV = kVectors>
 HWY_INLINE void StoreTile(const PackedProduct& p, int64_t row, int64_t panel,
-                          const V (&acc)[R][kVectors]) {
+                          const V (&acc)[R][NV], int v0 = 0) {
   const D d;
   constexpr size_t kLanes = HWY_LANES(float);
-  const float* bias = p.weights->bias(panel);
-  const int64_t column = panel * kPanelWidth;
-  const int64_t columns = std::min(kPanelWidth, p.weights->out_cols() - column);
+  const float* bias = p.weights->bias(panel) + v0 * kLanes;
+  const int64_t column = panel * kPanelWidth + v0 * static_cast<int64_t>(kLanes);
+  const int64_t columns =
+      std::min<int64_t>(NV * kLanes, p.weights->out_cols() - column);
   for (int r = 0; r < R; ++r) {
     float* out = p.out + (row + r) * p.out_stride + column;
-    if (columns == kPanelWidth) {
-      for (int v = 0; v < kVectors; ++v) {
+    if (columns == NV * static_cast<int64_t>(kLanes)) {
+      for (int v = 0; v < NV; ++v) {
         hn::StoreU(hn::Add(acc[r][v], hn::Load(d, bias + v * kLanes)), d, out + v * kLanes);
       }
-    } else {
+    } else if (columns > 0) {
       // The last panel of a width that is not a multiple of kPanelWidth:
       // only its live columns reach the output.
       HWY_ALIGN float tail[kPanelWidth];
-      for (int v = 0; v < kVectors; ++v) {
+      for (int v = 0; v < NV; ++v) {
         hn::Store(hn::Add(acc[r][v], hn::Load(d, bias + v * kLanes)), d, tail + v * kLanes);
       }
       std::copy_n(tail, columns, out);
@@ -67,13 +69,13 @@ HWY_INLINE void StoreTile(const PackedProduct& p, int64_t row, int64_t panel,
 }
 
 // acc[r] += x[r][k] * wk for the R rows of x, in_stride apart.
-template <int R>
-HWY_INLINE void AddColumn(const float* x, int64_t in_stride, int64_t k, const V (&wk)[kVectors],
-                          V (&acc)[R][kVectors]) {
+template <int R, int NV = kVectors>
+HWY_INLINE void AddColumn(const float* x, int64_t in_stride, int64_t k, const V (&wk)[NV],
+                          V (&acc)[R][NV]) {
   const D d;
   for (int r = 0; r < R; ++r) {
     const V xr = hn::Set(d, x[r * in_stride + k]);
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = hn::MulAdd(xr, wk[v], acc[r][v]);
+    for (int v = 0; v < NV; ++v) acc[r][v] = hn::MulAdd(xr, wk[v], acc[r][v]);
   }
 }
 
@@ -115,45 +117,69 @@ HWY_INLINE void PanelRows(const PackedProduct& p, int64_t row_begin, int64_t row
   }
 }
 
-// Rows [row, row + R) times bf16 panel `panel`, widened to FP32 as it is
-// read (WidenPanel's two steps per pair word, in registers), plus its bias,
-// stored.
+// Input rows per widening micro-kernel, and panel vectors per pass of its k
+// loop: the accumulators, the widened vectors, the broadcast and the mask
+// in registers, and enough accumulators to hide the FMA's latency.
+// AVX-512: 8 x 2 + 2 + 2 of 32, the whole panel row at once. AVX2: 4 x 2 +
+// 2 + 2 of 16, the panel in two passes (its whole row of 4 vectors with 2
+// or 3 rows spills: twice as slow); a lone row takes the whole panel row
+// (1 x 4 + 4 + 2), since 2 accumulators would wait on each other.
+#if HWY_TARGET == HWY_AVX2
+constexpr int kWidenRows = 4;
+constexpr int kWidenVectors = 2;
+#else
+constexpr int kWidenRows = kRows;
+constexpr int kWidenVectors = kVectors;
+#endif
 template <int R>
-HWY_INLINE void WideningPanelTile(const PackedProduct& p, int64_t row, int64_t panel) {
+constexpr int kWidenVectorsFor = R == 1 ? kVectors : kWidenVectors;
+static_assert(kVectors % kWidenVectors == 0);
+
+// Rows [row, row + R) times vectors [v0, v0 + kWidenVectorsFor<R>) of bf16 panel
+// `panel`, widened to FP32 as it is read (WidenPanel's two steps per pair
+// word, in registers), plus its bias, stored. Each output is summed over k
+// in order, as by the fp32 kernel on a widened panel: the same bits.
+template <int R>
+HWY_INLINE void WideningPanelTile(const PackedProduct& p, int64_t row, int64_t panel, int v0) {
   const D d;
   const hn::RebindToUnsigned<D> du;
   constexpr size_t kLanes = HWY_LANES(float);
-  V acc[R][kVectors];
+  constexpr int NV = kWidenVectorsFor<R>;
+  V acc[R][NV];
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = hn::Zero(d);
+    for (int v = 0; v < NV; ++v) acc[r][v] = hn::Zero(d);
   }
   const float* x = p.in + row * p.in_stride;
-  const uint32_t* pairs = p.weights->bf16_panel(panel);
+  const uint32_t* pairs = p.weights->bf16_panel(panel) + v0 * kLanes;
   const auto high_half = hn::Set(du, 0xffff0000u);
   const int64_t in_cols = p.weights->in_cols();
   for (int64_t i = 0; 2 * i < in_cols; ++i) {
-    V wk[kVectors];
-    for (int v = 0; v < kVectors; ++v) {
+    V wk[NV];
+    for (int v = 0; v < NV; ++v) {
       wk[v] = hn::BitCast(d, hn::ShiftLeft<16>(hn::Load(du, pairs + i * kPanelWidth + v * kLanes)));
     }
-    AddColumn<R>(x, p.in_stride, 2 * i, wk, acc);
+    AddColumn<R, NV>(x, p.in_stride, 2 * i, wk, acc);
     if (2 * i + 1 == in_cols) break;
-    for (int v = 0; v < kVectors; ++v) {
+    for (int v = 0; v < NV; ++v) {
       const auto pair = hn::Load(du, pairs + i * kPanelWidth + v * kLanes);
       wk[v] = hn::BitCast(d, hn::And(pair, high_half));
     }
-    AddColumn<R>(x, p.in_stride, 2 * i + 1, wk, acc);
+    AddColumn<R, NV>(x, p.in_stride, 2 * i + 1, wk, acc);
   }
-  StoreTile<R>(p, row, panel, acc);
+  StoreTile<R, NV>(p, row, panel, acc, v0);
 }
 
+// The tile of the last `rows` (< kWidenRows) rows of a block, in passes
+// over the panel's vectors.
 template <int R>
 HWY_INLINE void WideningPanelTileOf(const PackedProduct& p, int64_t row, int64_t rows,
                                     int64_t panel) {
   if constexpr (R > 1) {
     if (rows < R) return WideningPanelTileOf<R - 1>(p, row, rows, panel);
   }
-  WideningPanelTile<R>(p, row, panel);
+  for (int v0 = 0; v0 < kVectors; v0 += kWidenVectorsFor<R>) {
+    WideningPanelTile<R>(p, row, panel, v0);
+  }
 }
 
 // Panel outer, rows inner: a panel (in_cols x 128 bytes, 128 KiB at
@@ -186,12 +212,12 @@ HWY_INLINE void WidenPanel(const PackedWeights& w, int64_t panel, float* HWY_RES
   }
 }
 
-// Blocks of fewer rows than this widen in registers: on avx512 below the
-// rows where widening a panel costs less, never on avx2 (16 registers: they
-// spill), always on the portable path (its one-lane widening of a panel
-// cost more than widening in the k loop).
+// Blocks of fewer rows than this widen in registers: on avx512 and avx2
+// below the rows where widening a panel costs less, always on the portable
+// path (its one-lane widening of a panel cost more than widening in the k
+// loop).
 #if HWY_TARGET == HWY_AVX2
-constexpr int64_t kWidenInRegistersBelow = 0;
+constexpr int64_t kWidenInRegistersBelow = 32;
 #elif HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 constexpr int64_t kWidenInRegistersBelow = 32;
 #else
@@ -202,15 +228,17 @@ constexpr int64_t kWidenInRegistersBelow = INT64_MAX;
 // a lower path). The inputs stay FP32, so the answer is the fp32 model's on
 // the held weights. Each panel is widened to FP32 once per block, into a
 // buffer that stays in L2 like an fp32 panel, and the fp32 kernel reads it:
-// that costs about 3/rows of the block's time on avx512 (Zen 4), so blocks
-// of few rows widen in registers instead, a constant 10% there (twice as
-// slow on avx2, whose registers spill) (BENCHMARKS.md, "BF16").
+// that costs about 3/rows of the block's time (Zen 4), so blocks of few
+// rows widen in registers instead: from half the bytes of an fp32 panel,
+// faster than fp32 for a lone row, 0-10% slower for more (BENCHMARKS.md,
+// "BF16").
 void WidenedBf16ProductImpl(const PackedProduct& p, int64_t row_begin, int64_t row_end,
                             int64_t panel_begin, int64_t panel_end) {
   if (row_end - row_begin < kWidenInRegistersBelow) {
     for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
-      for (int64_t row = row_begin; row < row_end; row += kRows) {
-        WideningPanelTileOf<kRows>(p, row, std::min<int64_t>(kRows, row_end - row), panel);
+      for (int64_t row = row_begin; row < row_end; row += kWidenRows) {
+        WideningPanelTileOf<kWidenRows>(p, row, std::min<int64_t>(kWidenRows, row_end - row),
+                                        panel);
       }
     }
     return;

@@ -144,6 +144,38 @@ TEST_P(PackedGemmPrecisionTest, MatchesDoubleReferenceWithAndWithoutBias) {
   }
 }
 
+// A block's rows choose its kernel (a bf16 block of few rows widens the
+// panel in registers, in tiles of 1 to 8 rows and one or two passes over
+// the panel's vectors; a larger one widens it into a buffer first), but
+// every output is summed over k in order: the same bits for any block,
+// which batching relies on (a request's answer is the same alone and in a
+// batch).
+TEST_P(PackedGemmPrecisionTest, BlockRowsDoNotChangeTheBits) {
+  const Precision precision = GetParam();
+  std::mt19937 rng(11);
+  // 100 columns: the last panel holds 4, so a pass over its second half
+  // stores nothing.
+  const Shape s{100, 100, 67};
+  const std::vector<float> in = Random(s.rows * s.in_cols, rng);
+  const std::vector<float> weight = Random(s.out_cols * s.in_cols, rng);
+  const std::vector<float> bias = Random(s.out_cols, rng);
+  const PackedWeights packed =
+      PackedWeights::Pack(weight.data(), s.out_cols, s.in_cols, bias.data(), precision);
+  const auto run = [&](int64_t row_block) {
+    std::vector<float> out(s.rows * s.out_cols);
+    RunBlocks({in.data(), s.in_cols, out.data(), s.out_cols, &packed}, s.rows, row_block, 1);
+    return out;
+  };
+  const std::vector<float> whole = run(s.rows);
+  for (int64_t row_block : {1, 2, 3, 4, 5, 7, 8, 9, 16, 31, 32, 33, 64}) {
+    const std::vector<float> blocks = run(row_block);
+    for (size_t i = 0; i < whole.size(); ++i) {
+      ASSERT_EQ(blocks[i], whole[i]) << "blocks of " << row_block << " rows, row "
+                                     << i / s.out_cols << " column " << i % s.out_cols;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Precisions, PackedGemmPrecisionTest,
                          ::testing::Values(Precision::kFp32, Precision::kBf16),
                          [](const auto& info) {
