@@ -94,21 +94,26 @@ ATTENTION_BF16_TARGET void RoundToBf16Pairs(const float* rows, int64_t stride, i
   }
 }
 
-// Rows in chunks of kConvertRows, each rounded once and then, panel outer
-// and rows inner as in the fp32 kernel, read by every panel of the block.
+// Rows in chunks of kConvertRows, each rounded once (or, given the input's
+// pairs, read from them) and then, panel outer and rows inner as in the fp32
+// kernel, read by every panel of the block.
 ATTENTION_BF16_TARGET void Bf16DotProduct(const PackedProduct& p, int64_t row_begin,
                                           int64_t row_end, int64_t panel_begin,
                                           int64_t panel_end) {
-  thread_local std::vector<uint32_t> words;
+  thread_local std::vector<uint32_t> rounded;
   const int64_t pairs = p.weights->k_pairs();
   for (int64_t chunk = row_begin; chunk < row_end; chunk += kConvertRows) {
     const int64_t chunk_end = std::min(row_end, chunk + kConvertRows);
-    words.resize(static_cast<size_t>((chunk_end - chunk) * pairs));
-    RoundToBf16Pairs(p.in + chunk * p.in_stride, p.in_stride, chunk_end - chunk,
-                     p.weights->in_cols(), words.data());
+    const uint32_t* words = p.in_pairs != nullptr ? p.in_pairs + chunk * pairs : nullptr;
+    if (words == nullptr) {
+      rounded.resize(static_cast<size_t>((chunk_end - chunk) * pairs));
+      RoundToBf16Pairs(p.in + chunk * p.in_stride, p.in_stride, chunk_end - chunk,
+                       p.weights->in_cols(), rounded.data());
+      words = rounded.data();
+    }
     for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
       for (int64_t row = chunk; row < chunk_end; row += kRows) {
-        PanelTileOf<kRows>(p, words.data() + (row - chunk) * pairs, row,
+        PanelTileOf<kRows>(p, words + (row - chunk) * pairs, row,
                            std::min<int64_t>(kRows, chunk_end - row), panel);
       }
     }

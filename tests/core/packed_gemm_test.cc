@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <random>
 #include <string>
 #include <vector>
@@ -142,6 +143,34 @@ TEST_P(PackedGemmPrecisionTest, MatchesDoubleReferenceWithAndWithoutBias) {
       }
     }
   }
+}
+
+// A product given its input's pairs (PackedProduct::in_pairs) reads them on
+// the path whose kernel multiplies pairs, so pairs rounded from other rows
+// give those rows' product, bit for bit; on the other paths it reads `in`
+// and is given words it must not read.
+TEST_P(PackedGemmPrecisionTest, ReadsGivenInputPairsOnlyWhereItMultipliesPairs) {
+  const Precision precision = GetParam();
+  const bool reads_pairs = PackedKernelReadsPairs(ActiveIsa(), precision);
+  EXPECT_EQ(reads_pairs, precision == Precision::kBf16 && ActiveIsa() == Isa::kAvx512Bf16);
+  std::mt19937 rng(11);
+  const Shape s{200, 97, 65};
+  const std::vector<float> in = Random(s.rows * s.in_cols, rng);
+  const std::vector<float> other = Random(s.rows * s.in_cols, rng);
+  const std::vector<float> weight = Random(s.out_cols * s.in_cols, rng);
+  const PackedWeights packed =
+      PackedWeights::Pack(weight.data(), s.out_cols, s.in_cols, nullptr, precision);
+  std::vector<uint32_t> pairs(s.rows * packed.k_pairs(), 0xffffffffu);
+  if (reads_pairs) {
+    internal::RoundToBf16Pairs(other.data(), s.in_cols, s.rows, s.in_cols, pairs.data());
+  }
+  std::vector<float> given(s.rows * s.out_cols), expected(s.rows * s.out_cols);
+  RunBlocks({in.data(), s.in_cols, given.data(), s.out_cols, &packed, pairs.data()}, s.rows, 96,
+            2);
+  RunBlocks({reads_pairs ? other.data() : in.data(), s.in_cols, expected.data(), s.out_cols,
+             &packed},
+            s.rows, 96, 2);
+  EXPECT_EQ(given, expected);
 }
 
 INSTANTIATE_TEST_SUITE_P(Precisions, PackedGemmPrecisionTest,
