@@ -83,6 +83,32 @@ TEST(PackedGemmTest, RoundsToNearestEvenBf16) {
   EXPECT_EQ(Bf16ToFloat(RoundToBf16(1.0f + 1.5f / 256)), 1.0f + 2.0f / 256);
 }
 
+// Each pair word is the two floats rounded one by one (RoundToBf16), the
+// first in the low half, an odd row's last high half zero, and nothing past
+// a row's words written: at widths below, at and past whole vectors of 32.
+TEST(PackedGemmTest, RoundsInputPairsAsEachFloatAlone) {
+  if (DetectedIsa() < Isa::kAvx512Bf16) GTEST_SKIP() << "rounds with AVX512_BF16 only";
+  std::mt19937 rng(32);
+  for (const int64_t width : {1, 7, 16, 31, 32, 33, 64, 67, 96, 255}) {
+    SCOPED_TRACE("width " + std::to_string(width));
+    constexpr int64_t kRows = 3;
+    constexpr uint32_t kUnwritten = 0x5a5a5a5a;
+    const int64_t stride = width + 5, words = (width + 1) / 2;
+    const std::vector<float> in = Random(kRows * stride, rng);
+    std::vector<uint32_t> pairs(kRows * words + 1, kUnwritten);
+    internal::RoundToBf16Pairs(in.data(), stride, kRows, width, pairs.data());
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t i = 0; i < words; ++i) {
+        const float* x = in.data() + r * stride + 2 * i;
+        const uint32_t high = 2 * i + 1 < width ? RoundToBf16(x[1]) : 0;
+        ASSERT_EQ(pairs[r * words + i], high << 16 | RoundToBf16(x[0]))
+            << "row " << r << " word " << i;
+      }
+    }
+    EXPECT_EQ(pairs.back(), kUnwritten);
+  }
+}
+
 TEST(PackedGemmTest, UnpackGivesBackTheWeightsAsHeld) {
   std::mt19937 rng(3);
   const Shape s{1, 45, 13};
