@@ -10,21 +10,19 @@
 // aligned panel row and broadcasts one input value per row (the layout:
 // core/packed_weights.h). The bias is packed beside the panels and added as
 // the results are stored, and the input rows are read where they are (no
-// copy).
+// copy; the BF16 products read them rounded, below).
 //
 // One Highway source (packed_gemm.cc) builds the kernel per path, like
 // flash_tile.cc, for fp32 panels and for bf16 ones widened to FP32; the
 // avx512_bf16 path's bf16 kernel multiplies in BF16 with vdpbf16ps
-// (packed_gemm_bf16.cc), on its inputs rounded to BF16 pairs: by the
-// kernel, once per 96-row chunk of each task, or once per projection by the
-// caller (PackedProduct::in_pairs; core/projection.cc rounds the inputs of
-// all the products of a RunProjections call before they run, so the panel
-// blocks of a row block do not each round it again). PackedKernelFor picks
-// one (core/isa_dispatch.h).
-// The engine runs every packed projection on it, on every path: a model
-// holds its projection weights only packed (core/model.h). On the avx512
-// and avx2 paths it measured as fast as the BLAS or faster (BENCHMARKS.md,
-// "Projections").
+// (packed_gemm_bf16.cc), on its input rows rounded to BF16 pairs: given by
+// the caller (PackedProduct::in_pairs: RunProjections, core/projection.cc,
+// rounds each input row once for all the products and blocks of a call),
+// or else rounded by the kernel once per 96-row chunk of each call.
+// PackedKernelFor picks one (core/isa_dispatch.h). The engine runs every
+// packed projection on it, on every path: a model holds its projection
+// weights only packed (core/model.h). On the avx512 and avx2 paths it
+// measured as fast as the BLAS or faster (BENCHMARKS.md, "Projections").
 #pragma once
 
 #include <cstdint>
