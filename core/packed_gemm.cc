@@ -269,5 +269,9 @@ PackedKernel PackedKernelFor(Isa isa, Precision precision) {
   return precision == Precision::kBf16 ? kBf16Product.For(isa) : kPackedProduct.For(isa);
 }
 
+bool PackedKernelReadsPairs(Isa isa, Precision precision) {
+  return PackedKernelFor(isa, precision) == &internal::Bf16DotProduct;
+}
+
 }  // namespace attention
 #endif  // HWY_ONCE

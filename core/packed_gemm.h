@@ -10,16 +10,19 @@
 // aligned panel row and broadcasts one input value per row (the layout:
 // core/packed_weights.h). The bias is packed beside the panels and added as
 // the results are stored, and the input rows are read where they are (no
-// copy).
+// copy; the BF16 products read them rounded, below).
 //
 // One Highway source (packed_gemm.cc) builds the kernel per path, like
 // flash_tile.cc, for fp32 panels and for bf16 ones widened to FP32; the
 // avx512_bf16 path's bf16 kernel multiplies in BF16 with vdpbf16ps
-// (packed_gemm_bf16.cc). PackedKernelFor picks one (core/isa_dispatch.h).
-// The engine runs every packed projection on it, on every path: a model
-// holds its projection weights only packed (core/model.h). On the avx512
-// and avx2 paths it measured as fast as the BLAS or faster (BENCHMARKS.md,
-// "Projections").
+// (packed_gemm_bf16.cc), on its input rows rounded to BF16 pairs: given by
+// the caller (PackedProduct::in_pairs: RunProjections, core/projection.cc,
+// rounds each input row once for all the products and blocks of a call),
+// or else rounded by the kernel once per 96-row chunk of each call.
+// PackedKernelFor picks one (core/isa_dispatch.h). The engine runs every
+// packed projection on it, on every path: a model holds its projection
+// weights only packed (core/model.h). On the avx512 and avx2 paths it
+// measured as fast as the BLAS or faster (BENCHMARKS.md, "Projections").
 #pragma once
 
 #include <cstdint>
@@ -36,6 +39,10 @@ struct PackedProduct {
   float* out = nullptr;
   int64_t out_stride = 0;  // floats between output rows, >= out_cols
   const PackedWeights* weights = nullptr;
+  // Null, or rows of `in` already rounded to BF16 pairs (internal::
+  // RoundToBf16Pairs, weights->k_pairs() words a row), which a kernel that
+  // reads pairs (PackedKernelReadsPairs) reads instead of rounding `in`.
+  const uint32_t* in_pairs = nullptr;
 };
 
 // Computes rows [row_begin, row_end) of the product, output columns of
@@ -46,11 +53,16 @@ using PackedKernel = void (*)(const PackedProduct& product, int64_t row_begin, i
 // The kernel built for `isa` over weights packed in `precision`.
 PackedKernel PackedKernelFor(Isa isa, Precision precision = Precision::kFp32);
 
+// Whether that kernel multiplies BF16 pairs of its input, and so reads
+// PackedProduct::in_pairs where given: the avx512_bf16 path's bf16 kernel.
+bool PackedKernelReadsPairs(Isa isa, Precision precision);
+
 namespace internal {
 
 // The avx512_bf16 path's kernel over bf16 panels: each block's input rows
-// rounded to BF16 (nearest even) once, products in BF16 pairs with FP32
-// accumulation (vdpbf16ps). Only for a CPU with AVX512_BF16.
+// rounded to BF16 (nearest even) once, or read from in_pairs, products in
+// BF16 pairs with FP32 accumulation (vdpbf16ps). Only for a CPU with
+// AVX512_BF16.
 void Bf16DotProduct(const PackedProduct& product, int64_t row_begin, int64_t row_end,
                     int64_t panel_begin, int64_t panel_end);
 

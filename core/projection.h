@@ -81,11 +81,14 @@ struct ProjectionBlock {
 std::vector<ProjectionBlock> ProjectionBlocks(const std::vector<Projection>& projections,
                                               int threads);
 
-// Every projection of `projections`, in blocks spread over the pool. With a
-// `stop`, each block asks it first, so a stopped request's remaining blocks
-// are skipped (a block is at most a few milliseconds of one core). Only a
-// group of one request passes its stop (LoneStop): the rows of a larger
-// group's products belong to all of its requests.
+// Every projection of `projections`, in blocks spread over the pool. Where
+// the kernel multiplies BF16 pairs (PackedKernelReadsPairs), the products'
+// input rows are first rounded to pairs once, in row blocks over the pool,
+// for all the blocks that read them (the same bits as each block rounding
+// its own). With a `stop`, each block asks it first, so a stopped request's
+// remaining blocks are skipped (a block is at most a few milliseconds of
+// one core). Only a group of one request passes its stop (LoneStop): the
+// rows of a larger group's products belong to all of its requests.
 void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections,
                     WorkStop* stop = nullptr);
 

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <random>
 #include <string>
 #include <vector>
@@ -80,6 +81,32 @@ TEST(PackedGemmTest, RoundsToNearestEvenBf16) {
   EXPECT_EQ(Bf16ToFloat(RoundToBf16(1.0f + 3.0f / 256)), 1.0f + 4.0f / 256);  // a tie, to even
   EXPECT_EQ(Bf16ToFloat(RoundToBf16(-3.0f)), -3.0f);
   EXPECT_EQ(Bf16ToFloat(RoundToBf16(1.0f + 1.5f / 256)), 1.0f + 2.0f / 256);
+}
+
+// Each pair word is the two floats rounded one by one (RoundToBf16), the
+// first in the low half, an odd row's last high half zero, and nothing past
+// a row's words written: at widths below, at and past whole vectors of 32.
+TEST(PackedGemmTest, RoundsInputPairsAsEachFloatAlone) {
+  if (DetectedIsa() < Isa::kAvx512Bf16) GTEST_SKIP() << "rounds with AVX512_BF16 only";
+  std::mt19937 rng(32);
+  for (const int64_t width : {1, 7, 16, 31, 32, 33, 64, 67, 96, 255}) {
+    SCOPED_TRACE("width " + std::to_string(width));
+    constexpr int64_t kRows = 3;
+    constexpr uint32_t kUnwritten = 0x5a5a5a5a;
+    const int64_t stride = width + 5, words = (width + 1) / 2;
+    const std::vector<float> in = Random(kRows * stride, rng);
+    std::vector<uint32_t> pairs(kRows * words + 1, kUnwritten);
+    internal::RoundToBf16Pairs(in.data(), stride, kRows, width, pairs.data());
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t i = 0; i < words; ++i) {
+        const float* x = in.data() + r * stride + 2 * i;
+        const uint32_t high = 2 * i + 1 < width ? RoundToBf16(x[1]) : 0;
+        ASSERT_EQ(pairs[r * words + i], high << 16 | RoundToBf16(x[0]))
+            << "row " << r << " word " << i;
+      }
+    }
+    EXPECT_EQ(pairs.back(), kUnwritten);
+  }
 }
 
 TEST(PackedGemmTest, UnpackGivesBackTheWeightsAsHeld) {
@@ -174,6 +201,34 @@ TEST_P(PackedGemmPrecisionTest, BlockRowsDoNotChangeTheBits) {
                                      << i / s.out_cols << " column " << i % s.out_cols;
     }
   }
+}
+
+// A product given its input's pairs (PackedProduct::in_pairs) reads them on
+// the path whose kernel multiplies pairs, so pairs rounded from other rows
+// give those rows' product, bit for bit; on the other paths it reads `in`
+// and is given words it must not read.
+TEST_P(PackedGemmPrecisionTest, ReadsGivenInputPairsOnlyWhereItMultipliesPairs) {
+  const Precision precision = GetParam();
+  const bool reads_pairs = PackedKernelReadsPairs(ActiveIsa(), precision);
+  EXPECT_EQ(reads_pairs, precision == Precision::kBf16 && ActiveIsa() == Isa::kAvx512Bf16);
+  std::mt19937 rng(11);
+  const Shape s{200, 97, 65};
+  const std::vector<float> in = Random(s.rows * s.in_cols, rng);
+  const std::vector<float> other = Random(s.rows * s.in_cols, rng);
+  const std::vector<float> weight = Random(s.out_cols * s.in_cols, rng);
+  const PackedWeights packed =
+      PackedWeights::Pack(weight.data(), s.out_cols, s.in_cols, nullptr, precision);
+  std::vector<uint32_t> pairs(s.rows * packed.k_pairs(), 0xffffffffu);
+  if (reads_pairs) {
+    internal::RoundToBf16Pairs(other.data(), s.in_cols, s.rows, s.in_cols, pairs.data());
+  }
+  std::vector<float> given(s.rows * s.out_cols), expected(s.rows * s.out_cols);
+  RunBlocks({in.data(), s.in_cols, given.data(), s.out_cols, &packed, pairs.data()}, s.rows, 96,
+            2);
+  RunBlocks({reads_pairs ? other.data() : in.data(), s.in_cols, expected.data(), s.out_cols,
+             &packed},
+            s.rows, 96, 2);
+  EXPECT_EQ(given, expected);
 }
 
 INSTANTIATE_TEST_SUITE_P(Precisions, PackedGemmPrecisionTest,

@@ -182,6 +182,73 @@ TEST_P(ProjectionThreadsTest, FewRowsGiveTheSameBitsAtEveryThreadCount) {
   }
 }
 
+// One product of RunProjections: `rows` rows of in_cols floats from `in`.
+struct Part {
+  const float* in;
+  int64_t rows;
+  const Weights* weights;
+};
+
+// RunProjections of `parts` together on pools of every size: each gives
+// the bits of its product alone on one thread.
+void ExpectEachProductAlone(const std::vector<Part>& parts) {
+  const auto projections = [&](std::vector<std::vector<float>>& outs) {
+    outs.assign(parts.size(), {});
+    std::vector<Projection> all;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const int64_t out_cols = parts[i].weights->packed.out_cols();
+      outs[i].assign(parts[i].rows * out_cols, std::numeric_limits<float>::quiet_NaN());
+      all.push_back({parts[i].in, outs[i].data(), parts[i].rows, nullptr, nullptr, true,
+                     &parts[i].weights->packed});
+    }
+    return all;
+  };
+  std::vector<std::vector<float>> alone;
+  for (const Projection& p : projections(alone)) internal::ProjectAll(p);
+  for (const int threads : kThreadCounts) {
+    ThreadPool pool(threads);
+    std::vector<std::vector<float>> outs;
+    internal::RunProjections(pool, projections(outs));
+    for (size_t i = 0; i < parts.size(); ++i) {
+      EXPECT_EQ(std::memcmp(outs[i].data(), alone[i].data(), outs[i].size() * sizeof(float)), 0)
+          << "threads " << threads << ": product " << i << " differs from it alone";
+    }
+  }
+}
+
+// Products over overlapping rows of one input, as run_multi_head.cc makes
+// them (Q over every row, K and V over the rows each example reads); the
+// same beside products over another input and over the input a float off
+// its rows; and the same memory read as rows of two widths. On the
+// avx512_bf16 path RunProjections rounds the input rows to BF16 pairs once
+// for all the products that read them (core/projection.cc, InputPairs), so
+// a product pointed at the wrong rows' pairs would differ from it alone.
+TEST_P(ProjectionThreadsTest, OverlappingInputsGiveTheBitsOfEachProductAlone) {
+  const Precision precision = GetParam();
+  std::mt19937 rng(26);
+  constexpr int64_t kRows = 300, kInCols = 67, kOutCols = 100;
+  const std::vector<float> in = RandomRows(rng, kRows, kInCols);
+  const std::vector<float> other = RandomRows(rng, 130, kInCols);
+  const Weights w[3] = {RandomWeights(rng, kOutCols, kInCols, precision),
+                        RandomWeights(rng, kOutCols, kInCols, precision),
+                        RandomWeights(rng, kOutCols, kInCols, precision)};
+  const Weights narrow = RandomWeights(rng, kOutCols, 40, precision);
+  const auto row = [&](int64_t r) { return in.data() + r * kInCols; };
+  const std::vector<Part> qkv = {{row(0), kRows, &w[0]},  {row(10), 100, &w[1]},
+                                 {row(150), 1, &w[1]},    {row(200), 100, &w[1]},
+                                 {row(0), 290, &w[2]},    {row(110), 40, &w[2]}};
+  std::vector<Part> mixed = qkv;
+  mixed.push_back({other.data(), 130, &w[0]});
+  mixed.push_back({row(0) + 1, 50, &w[1]});
+  for (const auto& [name, parts] :
+       {std::pair<const char*, std::vector<Part>>{"Q, K and V", qkv},
+        {"beside another input and rows off by a float", mixed},
+        {"two widths", {{row(0), kRows, &w[0]}, {row(0), 400, &narrow}}}}) {
+    SCOPED_TRACE(name);
+    ExpectEachProductAlone(parts);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Precisions, ProjectionThreadsTest,
                          ::testing::Values(Precision::kFp32, Precision::kBf16),
                          [](const ::testing::TestParamInfo<Precision>& info) {
