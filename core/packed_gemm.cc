@@ -169,8 +169,7 @@ HWY_INLINE void WideningPanelTile(const PackedProduct& p, int64_t row, int64_t p
   StoreTile<R, NV>(p, row, panel, acc, v0);
 }
 
-// The tile of the last `rows` (< kWidenRows) rows of a block, in passes
-// over the panel's vectors.
+// Rows [row, row + rows), rows <= R, in passes over the panel's vectors.
 template <int R>
 HWY_INLINE void WideningPanelTileOf(const PackedProduct& p, int64_t row, int64_t rows,
                                     int64_t panel) {
