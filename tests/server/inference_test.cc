@@ -565,21 +565,24 @@ TEST_F(ServerInferenceTest, FullQueueAndPassedDeadlineAsForAttend) {
   });
   EXPECT_EQ(held.wait_for(kHeldFor), std::future_status::timeout);
   // Fills the queue's one place, and waits there past its deadline, which is
-  // long enough for the request to reach the queue on a busy machine.
+  // long enough for the request to reach the queue on a busy machine (2 s
+  // was not, once, at load 5: the queue stayed empty and "full" took the
+  // place).
   auto expiring = std::async(std::launch::async, [&] {
     InferReply reply;
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     reply.status = infer_->ModelInfer(&context, ToInfer(SmallRequest("gate", "late"), Contents::kRaw),
                                       &reply.response);
     return reply;
   });
-  WaitForMetrics(
+  ASSERT_TRUE(WaitForMetrics(
       server_->metrics_address(),
       [](const std::string& text) {
         return MetricValue(text, "attention_queue_depth", {{"model", "gate"}}) >= 1;
       },
-      std::chrono::seconds(30));
+      std::chrono::seconds(30)))
+      << "the expiring request never reached the queue";
   const InferReply full = Infer(*infer_, ToInfer(SmallRequest("gate", "full"), Contents::kTyped));
   EXPECT_EQ(full.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << full.status.error_message();
