@@ -121,9 +121,9 @@ HWY_INLINE void PanelRows(const PackedProduct& p, int64_t row_begin, int64_t row
 // loop: the accumulators, the widened vectors, the broadcast and the mask
 // in registers, and enough accumulators to hide the FMA's latency.
 // AVX-512: 8 x 2 + 2 + 2 of 32, the whole panel row at once. AVX2: 4 x 2 +
-// 2 + 2 of 16, the panel in two passes (its whole row of 4 vectors with 2
-// or 3 rows spills: twice as slow); a lone row takes the whole panel row
-// (1 x 4 + 4 + 2), since 2 accumulators would wait on each other.
+// 2 + 2 of 16, the panel in two passes (its whole row of 4 vectors with 3
+// rows spills: twice as slow); one or two rows take the whole panel row
+// (2 x 4 + 4 + 2), since 2 or 4 accumulators would wait on each other.
 #if HWY_TARGET == HWY_AVX2
 constexpr int kWidenRows = 4;
 constexpr int kWidenVectors = 2;
@@ -132,7 +132,7 @@ constexpr int kWidenRows = kRows;
 constexpr int kWidenVectors = kVectors;
 #endif
 template <int R>
-constexpr int kWidenVectorsFor = R == 1 ? kVectors : kWidenVectors;
+constexpr int kWidenVectorsFor = R <= 2 ? kVectors : kWidenVectors;
 static_assert(kVectors % kWidenVectors == 0);
 
 // Rows [row, row + R) times vectors [v0, v0 + kWidenVectorsFor<R>) of bf16 panel
