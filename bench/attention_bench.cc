@@ -630,7 +630,7 @@ void RegisterAll() {
   }
 
   for (int64_t width : {256, 512, 1024}) {
-    for (int64_t rows : {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048}) {
+    for (int64_t rows : {1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048}) {
       const std::string name = "projection/M:" + std::to_string(rows) + "/E:" +
                                std::to_string(width) + "/gemm:";
       Register(name + "packed", ProjectionProduct, rows, width, true, Precision::kFp32);
