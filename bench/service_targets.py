@@ -160,6 +160,7 @@ def bench(client, server, workload, load, warmup, duration):
     """One `attention-client bench`, with the server's and the client's CPU."""
     batches_before = server.batches(MODEL_OF[workload])
     cpu_before = server.cpu_seconds()
+    client_cpu = ClientCpu()
     started = time.time()
     process = subprocess.Popen(
         [str(client), "--target", server.target, "bench", *WORKLOADS[workload], *load,
@@ -178,8 +179,17 @@ def bench(client, server, workload, load, warmup, duration):
     result.update(
         workload=workload, mode=server.mode, load_average=load_average(),
         mean_batch=requests / executions if executions else 0.0,
-        server_cpu_us=server_cpu / answers * 1e6, wall_s=wall)
+        server_cpu_us=server_cpu / answers * 1e6,
+        client_cpu_us=client_cpu.per_answer_us(result, warmup, duration), wall_s=wall)
     return result
+
+
+def progress(label, r):
+    """One measurement's line on stderr, as it is taken."""
+    print(f"  {label} {r['throughput_rps']:9.1f}/s  p50 {r['latency_ms']['p50']:7.3f} ms  "
+          f"p99 {r['latency_ms']['p99']:7.3f} ms  batch {r['mean_batch']:5.1f}  "
+          f"server {r['server_cpu_us']:6.0f} us  client {r['client_cpu_us']:5.0f} us  "
+          f"load {r['load_average']}", file=sys.stderr, flush=True)
 
 
 class ClientCpu:
@@ -205,17 +215,11 @@ def run_closed(client, servers, rounds, args):
             shift = round_index % len(modes)
             order = modes[shift:] + modes[:shift]
             for mode in order:
-                meter = ClientCpu()
                 r = bench(client, servers[mode], workload, ["--concurrency", str(args.concurrency)],
                           args.warmup, args.duration)
-                r["client_cpu_us"] = meter.per_answer_us(r, args.warmup, args.duration)
                 r["round"] = round_index
                 runs.append(r)
-                print(f"  round {round_index + 1} {workload:7s} {mode:3s} "
-                      f"{r['throughput_rps']:9.1f}/s  p50 {r['latency_ms']['p50']:7.2f} ms  "
-                      f"p99 {r['latency_ms']['p99']:7.2f} ms  batch {r['mean_batch']:5.1f}  "
-                      f"server {r['server_cpu_us']:6.0f} us  client {r['client_cpu_us']:5.0f} us"
-                      f"  load {r['load_average']}", file=sys.stderr, flush=True)
+                progress(f"round {round_index + 1} {workload:7s} {mode:4s}", r)
     return runs
 
 
@@ -228,10 +232,7 @@ def run_lone(client, servers, rounds, args):
                       args.duration)
             r["round"] = round_index
             runs.append(r)
-            print(f"  lone client round {round_index + 1} small {mode:3s} "
-                  f"{r['throughput_rps']:8.1f}/s  p50 {r['latency_ms']['p50']:6.3f} ms  "
-                  f"p99 {r['latency_ms']['p99']:6.3f} ms  batch {r['mean_batch']:4.1f}  "
-                  f"load {r['load_average']}", file=sys.stderr, flush=True)
+            progress(f"lone client round {round_index + 1} small {mode:3s}", r)
     return runs
 
 
@@ -265,7 +266,6 @@ def fmt_list(values, spec=".0f"):
     return ", ".join(format(v, spec) for v in values)
 
 
-
 def host_stalls(build, seconds=5):
     """bench/host-stalls' view of the machine, taken while nothing of ours runs."""
     out = subprocess.run([str(build / "bench/host-stalls"), str(seconds), "--json"],
@@ -285,16 +285,11 @@ def run_open(client, servers, runs, args):
             targets.append(("trivial", servers[BARE]))
         for _ in range(args.rounds):
             for measured, server in targets:
-                meter = ClientCpu()
                 r = bench(client, server, measured, ["--rate", str(rate)], args.warmup,
                           args.open_duration)
-                r["client_cpu_us"] = meter.per_answer_us(r, args.warmup, args.open_duration)
                 r["rate"] = rate
                 open_runs.append(r)
-                print(f"  open loop {measured:7s} {server.mode} at {rate}/s: "
-                      f"{r['throughput_rps']:.1f}/s  p50 {r['latency_ms']['p50']:.2f} ms  "
-                      f"p99 {r['latency_ms']['p99']:.2f} ms  batch {r['mean_batch']:.1f}  "
-                      f"load {r['load_average']}", file=sys.stderr, flush=True)
+                progress(f"open loop {measured:7s} {server.mode:4s} at {rate}/s", r)
     return open_runs
 
 
