@@ -2,7 +2,7 @@
 #
 # One build for every x86-64 CPU: the kernels choose their vector path (avx512,
 # avx2 or portable) from CPUID at startup, and OpenBLAS is kept to kernels that
-# match the CPU (core/cpu_features.h, core/blas.h), so nothing here depends on
+# match the CPU (core/kernels/cpu_features.h, core/kernels/blas.h), so nothing here depends on
 # the build machine's CPU and nothing needs to be set at run time. By default
 # the build stage compiles only the two binaries the image ships (CI runs the
 # tests); --build-arg ATTENTION_TESTS=ON builds and runs the tests there too,

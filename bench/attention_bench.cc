@@ -29,7 +29,7 @@
 //       with queries only (self-attention: Q, K and V into one buffer): issue
 //       13's single-token service request, without the service around it;
 //       .../threads:1 the same on an engine of one thread.
-//   decode/session/E:512/H:8/steps:512  one self session (core/session.h)
+//   decode/session/E:512/H:8/steps:512  one self session (core/sessions/session.h)
 //       decoding 512 single tokens, each step one RunSteps; against
 //   decode/prefix/E:512/H:8/steps:512  the same 512 tokens, each step the
 //       whole prefix through Attend (causal), as a client without sessions
@@ -42,9 +42,9 @@
 //       prompt, the more memory traffic bounds the rounds.
 //   projection/M:m/E:e/gemm:packed|packed_bf16|blas  one projection
 //       out = in W^T + b of m rows, W e x e, on one thread: over the weights
-//       packed at load (core/packed_gemm.h) in fp32 or bf16, or through Eigen
+//       packed at load (core/kernels/packed_gemm.h) in fp32 or bf16, or through Eigen
 //       and the BLAS: the measurement behind the engine's choice between
-//       them (Projection::UsesPackedWeights in core/projection.h).
+//       them (Projection::UsesPackedWeights in core/engine/projection.h).
 //
 // masked:1 gives every example a valid length drawn uniformly from [n/4, n]
 // (fixed seed). GFLOPS counts useful work per wall-clock second:
@@ -72,13 +72,13 @@
 #include <string>
 #include <vector>
 
-#include "core/blas.h"
-#include "core/cpu_features.h"
-#include "core/engine.h"
-#include "core/model.h"
-#include "core/packed_gemm.h"
-#include "core/request.h"
-#include "core/session.h"
+#include "core/kernels/blas.h"
+#include "core/kernels/cpu_features.h"
+#include "core/engine/engine.h"
+#include "core/model/model.h"
+#include "core/kernels/packed_gemm.h"
+#include "core/engine/request.h"
+#include "core/sessions/session.h"
 #include "core/thread_pool.h"
 
 namespace attention {

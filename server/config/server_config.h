@@ -5,14 +5,14 @@
 // (docs/api.md). Settings that belong to a lower layer are that layer's
 // struct, embedded, so that each default is defined once, where it is used:
 // batching in BatcherOptions (server/batcher.h), request size caps in Limits
-// (core/request.h).
+// (core/engine/request.h).
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-#include "core/request.h"
-#include "server/api/http_transport.h"
+#include "core/engine/request.h"
+#include "server/api/rest/http_transport.h"
 #include "server/dispatch/batcher.h"
 #include "server/dispatch/dispatch_options.h"
 #include "server/sessions/session_table.h"

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "core/request.h"
+#include "core/engine/request.h"
 #include "server/dispatch/batcher.h"
 
 namespace attention::server {

@@ -17,7 +17,7 @@
 // A batch of one is answered by its batcher thread when the answer threads
 // are idle (nothing to overlap it with; AnswerPool::RunOrPost).
 //
-// A session's step (core/session.h; SubmitStep) takes the same way into its
+// A session's step (core/sessions/session.h; SubmitStep) takes the same way into its
 // model's batcher, where the steps of a batch run as one Engine::RunSteps
 // beside its plain requests' Engine::Run.
 //
@@ -42,9 +42,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "core/engine.h"
-#include "core/request.h"
-#include "core/session.h"
+#include "core/engine/engine.h"
+#include "core/engine/request.h"
+#include "core/sessions/session.h"
 #include "server/dispatch/answer_pool.h"
 #include "server/dispatch/batcher.h"
 #include "server/dispatch/call_origin.h"

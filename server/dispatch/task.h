@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "core/request.h"
+#include "core/engine/request.h"
 #include "server/dispatch/batcher.h"
 #include "server/dispatch/call_origin.h"
 #include "server/dispatch/dispatcher.h"

@@ -21,7 +21,7 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
-#include "core/model.h"
+#include "core/model/model.h"
 
 namespace attention::server {
 

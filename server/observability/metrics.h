@@ -72,7 +72,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
-#include "core/model.h"
+#include "core/model/model.h"
 
 namespace attention::server {
 

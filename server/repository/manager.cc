@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "core/model_loader.h"
+#include "core/model/model_loader.h"
 
 namespace attention::server {
 namespace {

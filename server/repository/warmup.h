@@ -15,9 +15,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "core/engine.h"
-#include "core/model.h"
-#include "core/request.h"
+#include "core/engine/engine.h"
+#include "core/model/model.h"
+#include "core/engine/request.h"
 
 namespace attention::server {
 

@@ -1,4 +1,4 @@
-// session_table.h: the server's decoding sessions (core/session.h), whatever
+// session_table.h: the server's decoding sessions (core/sessions/session.h), whatever
 // API opened them: their one KvBlockPool (--session-memory-bytes), their
 // count (--max-sessions), length (--max-session-length) and idle time
 // (--session-idle-seconds), and their end.
@@ -33,8 +33,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "core/request.h"
-#include "core/session.h"
+#include "core/engine/request.h"
+#include "core/sessions/session.h"
 #include "server/observability/metrics.h"
 #include "server/repository/registry.h"
 

@@ -15,7 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_join.h"
-#include "client/attention_client.h"
+#include "client/cpp/attention_client.h"
 #include "tests/support/files.h"
 #include "tests/support/metrics.h"
 #include "tests/support/requests.h"

@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "client/attention_client.h"
-#include "client/bench_report.h"
-#include "client/inference_request.h"
-#include "client/load_generator.h"
+#include "client/cpp/attention_client.h"
+#include "client/cli/bench_report.h"
+#include "client/cli/inference_request.h"
+#include "client/cli/load_generator.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/metrics.h"
 #include "tests/support/server_process.h"

@@ -6,10 +6,10 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "client/bench_report.h"
-#include "client/latency_summary.h"
-#include "client/load_generator.h"
-#include "client/request_generator.h"
+#include "client/cli/bench_report.h"
+#include "client/cli/latency_summary.h"
+#include "client/cli/load_generator.h"
+#include "client/cli/request_generator.h"
 
 namespace attention::client {
 namespace {

@@ -7,9 +7,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "client/attention_client.h"
-#include "client/channel.h"
-#include "client/target.h"
+#include "client/cpp/attention_client.h"
+#include "client/cpp/channel.h"
+#include "client/cpp/target.h"
 
 namespace attention::client {
 namespace {

@@ -17,7 +17,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "attention.grpc.pb.h"
-#include "client/attention_client.h"
+#include "client/cpp/attention_client.h"
 
 namespace attention::client {
 namespace {

@@ -26,9 +26,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "attention.grpc.pb.h"
-#include "client/attention_client.h"
-#include "client/commands.h"
-#include "client/proto_json.h"
+#include "client/cpp/attention_client.h"
+#include "client/cli/commands.h"
+#include "client/cli/proto_json.h"
 #include "tests/support/files.h"
 #include "tests/support/requests.h"
 #include "tests/support/server_process.h"

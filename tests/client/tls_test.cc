@@ -10,7 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
-#include "client/attention_client.h"
+#include "client/cpp/attention_client.h"
 #include "tests/support/certificates.h"
 #include "tests/support/files.h"
 #include "tests/support/server_process.h"

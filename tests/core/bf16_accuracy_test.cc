@@ -20,9 +20,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
-#include "core/engine.h"
-#include "core/model.h"
-#include "core/safetensors.h"
+#include "core/engine/engine.h"
+#include "core/model/model.h"
+#include "core/model/safetensors.h"
 #include "tests/support/files.h"
 
 namespace attention {

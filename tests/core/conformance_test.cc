@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "core/engine.h"
-#include "core/model_loader.h"
+#include "core/engine/engine.h"
+#include "core/model/model_loader.h"
 #include "tests/support/files.h"
 
 namespace attention {

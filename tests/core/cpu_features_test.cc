@@ -1,6 +1,6 @@
-// cpu_features_test.cc: path detection and selection (core/cpu_features.h),
-// and the BLAS kernels matching the CPU (core/blas.h).
-#include "core/cpu_features.h"
+// cpu_features_test.cc: path detection and selection (core/kernels/cpu_features.h),
+// and the BLAS kernels matching the CPU (core/kernels/blas.h).
+#include "core/kernels/cpu_features.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 #include <sstream>
 #include <string>
 
-#include "core/blas.h"
+#include "core/kernels/blas.h"
 
 namespace attention {
 namespace {

@@ -11,8 +11,8 @@
 #include <random>
 #include <vector>
 
-#include "core/engine.h"
-#include "core/flash_kernel.h"
+#include "core/engine/engine.h"
+#include "core/kernels/flash_kernel.h"
 
 namespace attention {
 namespace {

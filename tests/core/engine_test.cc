@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/engine.h"
+#include "core/engine/engine.h"
 #include "tests/core/random_weights.h"
 #include "tests/core/reference_attention.h"
 
@@ -296,7 +296,7 @@ TEST(Engine, ValidLenZeroGivesUniformWeights) {
 }
 
 // Value rows past every allowed key are projected only when read (RowsRead,
-// core/run_multi_head.cc): here every allowed score is -1e6 - 1, so each disallowed
+// core/engine/run_multi_head.cc): here every allowed score is -1e6 - 1, so each disallowed
 // key (score -1e6) weighs e times an allowed one and the answer needs all
 // value rows. Each request runs after one with other inputs of the same
 // shape, so rows it failed to project would hold that run's values, not

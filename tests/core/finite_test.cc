@@ -1,4 +1,4 @@
-// finite_test.cc: FirstNonFinite (core/finite.h) on every kernel path.
+// finite_test.cc: FirstNonFinite (core/kernels/finite.h) on every kernel path.
 //
 // Each path's scan is its own build of the loop; lengths on both sides of
 // every vector width, with one inf, -inf or NaN at the front, inside and at
@@ -10,7 +10,7 @@
 #include <limits>
 #include <vector>
 
-#include "core/finite.h"
+#include "core/kernels/finite.h"
 
 namespace attention {
 namespace {

@@ -1,9 +1,9 @@
 // flash_kernel_test.cc: the fused kernel against a naive reference of
 // docs/api.md (scores, disallowed -> -1e6, softmax with max subtraction, weighted
 // sum), over shapes, every mask form, biases, strides and split row ranges.
-#include "core/flash_kernel.h"
+#include "core/kernels/flash_kernel.h"
 
-#include "core/cpu_features.h"
+#include "core/kernels/cpu_features.h"
 
 #include <gtest/gtest.h>
 

@@ -1,8 +1,8 @@
 // flash_tile_test.cc: the active path's query-tile and output transposes
-// (core/flash_tile.h) against their scalar definitions, bit for bit, over
+// (core/kernels/flash_tile.h) against their scalar definitions, bit for bit, over
 // tile heights and widths on both sides of every path's block size, with
 // padded strides; run once per path by ctest (ATTENTION_ISA).
-#include "core/flash_tile.h"
+#include "core/kernels/flash_tile.h"
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 // isa_environment.cc: runs a kernel test binary on the path ATTENTION_ISA
-// names (core/cpu_features.h), so ctest can run the same tests once per path.
+// names (core/kernels/cpu_features.h), so ctest can run the same tests once per path.
 // On a host that lacks the path every test is skipped, with the reason in the
 // log: the next host that has it runs them.
 #include <gtest/gtest.h>
@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "core/cpu_features.h"
+#include "core/kernels/cpu_features.h"
 
 namespace attention {
 namespace {

@@ -1,7 +1,7 @@
 // model_loader_test.cc: LoadModel / ParseModel on the conformance and example
 // models, on each layout and kind built here, and on every way a model file
 // can be wrong.
-#include "core/model_loader.h"
+#include "core/model/model_loader.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

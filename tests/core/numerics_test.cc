@@ -14,7 +14,7 @@
 #include <random>
 #include <vector>
 
-#include "core/engine.h"
+#include "core/engine/engine.h"
 
 namespace attention {
 namespace {

@@ -1,9 +1,9 @@
-// packed_gemm_test.cc: the packed projection GEMM (core/packed_gemm.h)
+// packed_gemm_test.cc: the packed projection GEMM (core/kernels/packed_gemm.h)
 // against a double-precision reference, over fp32 and bf16 weights, on the
 // path ATTENTION_ISA selects (ctest runs it once per path:
 // core_packed_gemm_test/<isa>; on a host with AVX512_BF16, the avx512 run is
 // the bf16 fallback that widens the weights to FP32).
-#include "core/packed_gemm.h"
+#include "core/kernels/packed_gemm.h"
 
 #include <gtest/gtest.h>
 
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "core/model.h"
+#include "core/model/model.h"
 
 namespace attention {
 namespace {

@@ -1,10 +1,10 @@
 // projection_test.cc: how the engine spreads a projection over its pool
-// (core/projection.h, issue 27 item 5). A projection of few rows (a batch
+// (core/engine/projection.h, issue 27 item 5). A projection of few rows (a batch
 // of single tokens, a decode step) is cut by columns so every thread gets
 // work, and the answer is the same bits at every thread count, the same as
 // the whole product on one thread; a batch of tokens still runs while
 // another model's batch holds the pool. Run per kernel path (ATTENTION_ISA).
-#include "core/projection.h"
+#include "core/engine/projection.h"
 
 #include <gtest/gtest.h>
 
@@ -22,8 +22,8 @@
 #include <utility>
 #include <vector>
 
-#include "core/engine.h"
-#include "core/flash_kernel.h"
+#include "core/engine/engine.h"
+#include "core/kernels/flash_kernel.h"
 #include "core/thread_pool.h"
 #include "tests/core/random_weights.h"
 
@@ -221,7 +221,7 @@ void ExpectEachProductAlone(const std::vector<Part>& parts) {
 // same beside products over another input and over the input a float off
 // its rows; and the same memory read as rows of two widths. On the
 // avx512_bf16 path RunProjections rounds the input rows to BF16 pairs once
-// for all the products that read them (core/projection.cc, InputPairs), so
+// for all the products that read them (core/engine/projection.cc, InputPairs), so
 // a product pointed at the wrong rows' pairs would differ from it alone.
 TEST_P(ProjectionThreadsTest, OverlappingInputsGiveTheBitsOfEachProductAlone) {
   const Precision precision = GetParam();

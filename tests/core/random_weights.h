@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <random>
 
-#include "core/model.h"
+#include "core/model/model.h"
 
 namespace attention::testing {
 

@@ -4,7 +4,7 @@
 // -1e6 replacement, max-subtracted softmax in double, then weights . values.
 #pragma once
 
-#include "core/engine.h"
+#include "core/engine/engine.h"
 
 namespace attention::testing {
 

@@ -1,6 +1,6 @@
 // request_test.cc: Validate() refuses each fault with a message that names the
 // field, the expected and the actual value, and resolves sizes otherwise.
-#include "core/request.h"
+#include "core/engine/request.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,6 +1,6 @@
 // safetensors_test.cc: ParseSafetensors on valid files, on every malformed
 // case it must reject, on F16/BF16 bit patterns, and on bulk-corrupted bytes.
-#include "core/safetensors.h"
+#include "core/model/safetensors.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// session_test.cc: decoding sessions (core/session.h) against Engine::Attend.
+// session_test.cc: decoding sessions (core/sessions/session.h) against Engine::Attend.
 //
 // Step by step, a self session's outputs and weights equal Attend() on the
 // whole prefix with causal = true, and a cross session's equal Attend() with
@@ -7,7 +7,7 @@
 // one RunSteps get what they get alone; a step refused by the pool, by
 // max_length or by its stop leaves its session as it was; blocks go back to
 // the pool. Run once per kernel path (tests/CMakeLists.txt).
-#include "core/session.h"
+#include "core/sessions/session.h"
 
 #include <gtest/gtest.h>
 
@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/engine.h"
+#include "core/engine/engine.h"
 #include "tests/core/random_weights.h"
 
 namespace attention {

@@ -10,10 +10,10 @@
 #include <span>
 #include <string>
 
-#include "core/engine.h"
-#include "core/model.h"
-#include "core/model_loader.h"
-#include "core/request.h"
+#include "core/engine/engine.h"
+#include "core/model/model.h"
+#include "core/model/model_loader.h"
+#include "core/engine/request.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/fuzz_targets.h"
 #include "tests/fuzz/probe_request.h"

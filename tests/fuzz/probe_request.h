@@ -13,9 +13,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/engine.h"
-#include "core/model.h"
-#include "core/request.h"
+#include "core/engine/engine.h"
+#include "core/model/model.h"
+#include "core/engine/request.h"
 
 namespace attention::fuzz {
 

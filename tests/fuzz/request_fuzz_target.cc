@@ -17,12 +17,12 @@
 #include <string_view>
 
 #include "attention.pb.h"
-#include "core/engine.h"
-#include "core/model.h"
-#include "core/model_loader.h"
-#include "core/request.h"
+#include "core/engine/engine.h"
+#include "core/model/model.h"
+#include "core/model/model_loader.h"
+#include "core/engine/request.h"
 #include "google/protobuf/util/json_util.h"
-#include "server/api/attention_adapter.h"
+#include "server/api/attention/attention_adapter.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/fuzz_targets.h"
 #include "tests/fuzz/probe_request.h"

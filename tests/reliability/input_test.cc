@@ -132,7 +132,7 @@ TEST_F(FaultInputTest, BytesThatAreNotARequestOrNotHttp2AreRefused) {
                       &request, &response,
                       [&done](grpc::Status status) { done.set_value(std::move(status)); });
     const grpc::Status status = done.get_future().get();
-    // The service parses its requests itself (server/api/wire_message.h),
+    // The service parses its requests itself (server/api/grpc/wire_message.h),
     // so the error names the message expected instead of gRPC's own answer
     // (UNIMPLEMENTED, no message: "no such method" to a client author).
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "core/model_loader.h"
+#include "core/model/model_loader.h"
 #include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/files.h"

@@ -1,5 +1,5 @@
 // attention_adapter_test.cc: the wire <-> engine mapping, without a server.
-#include "server/api/attention_adapter.h"
+#include "server/api/attention/attention_adapter.h"
 
 #include <gtest/gtest.h>
 

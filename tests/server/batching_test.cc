@@ -12,9 +12,9 @@
 #include <thread>
 #include <vector>
 
-#include "core/engine.h"
-#include "core/model_loader.h"
-#include "server/api/attention_adapter.h"
+#include "core/engine/engine.h"
+#include "core/model/model_loader.h"
+#include "server/api/attention/attention_adapter.h"
 #include "tests/support/metrics.h"
 #include "tests/support/requests.h"
 #include "tests/support/server_process.h"

@@ -17,7 +17,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
-#include "core/cpu_features.h"
+#include "core/kernels/cpu_features.h"
 #include "nlohmann/json.hpp"
 #include "tests/support/metrics.h"
 #include "tests/support/requests.h"

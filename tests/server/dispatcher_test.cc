@@ -16,9 +16,9 @@
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "core/engine.h"
-#include "core/model.h"
-#include "core/session.h"
+#include "core/engine/engine.h"
+#include "core/model/model.h"
+#include "core/sessions/session.h"
 #include "server/observability/metrics.h"
 #include "server/repository/registry.h"
 #include "server/security/access_policy.h"

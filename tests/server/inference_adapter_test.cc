@@ -1,6 +1,6 @@
 // server_inference_adapter_test.cc: the Open Inference Protocol <-> engine
 // mapping (server/inference_adapter.h), without a server.
-#include "server/api/inference_adapter.h"
+#include "server/api/inference/inference_adapter.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/float16.h"
+#include "core/kernels/float16.h"
 #include "google/protobuf/util/json_util.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"

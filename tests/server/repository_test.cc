@@ -14,7 +14,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "core/model.h"
+#include "core/model/model.h"
 #include "server/repository/manager.h"
 #include "server/repository/poller.h"
 #include "server/repository/registry.h"

@@ -44,7 +44,7 @@ using InferStub = inference::GRPCInferenceService::Stub;
 
 constexpr float kTolerance = 1e-4f;
 const std::string kModels = std::string(ATTENTION_SOURCE_DIR) + "/tests/conformance/models";
-// core/session.h's kKvBlockRows: 4 flash key tiles of 64 rows.
+// core/sessions/session.h's kKvBlockRows: 4 flash key tiles of 64 rows.
 constexpr int kBlockRows = 256;
 
 // (batch, n, d) values from `rng` in [-1, 1].

@@ -8,8 +8,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "core/engine.h"
-#include "server/api/attention_adapter.h"
+#include "core/engine/engine.h"
+#include "server/api/attention/attention_adapter.h"
 
 namespace attention::testing {
 namespace {

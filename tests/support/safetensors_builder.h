@@ -1,6 +1,6 @@
 // safetensors_builder.h: writes safetensors files in tests, valid or broken.
 //
-// Independent of core/safetensors.cc on purpose: the bytes are laid out here
+// Independent of core/model/safetensors.cc on purpose: the bytes are laid out here
 // by hand (u64 little-endian header length, JSON header, data), so the parser
 // is checked against the format, not against itself.
 #pragma once

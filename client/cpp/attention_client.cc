@@ -1,0 +1,316 @@
+// attention_client.cc: AttentionClient (see attention_client.h). Blocking
+// calls use the callback API and wait on it: the Await() bridge of gRPC's
+// callback examples; AttendStream has its own reactor.
+#include "client/cpp/attention_client.h"
+
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <span>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/cpp/channel.h"
+
+namespace attention::client {
+namespace {
+
+using attention::v1::AttendRequest;
+using attention::v1::AttendResponse;
+using attention::v1::ListModelsRequest;
+using attention::v1::ListModelsResponse;
+using grpc::health::v1::HealthCheckRequest;
+using grpc::health::v1::HealthCheckResponse;
+
+// Blocks a thread until one callback-API call reports its status.
+class CallAwaiter {
+ public:
+  std::function<void(grpc::Status)> Done() {
+    return [this](grpc::Status status) {
+      std::lock_guard<std::mutex> lock(mu_);
+      status_ = std::move(status);
+      done_ = true;
+      cv_.notify_one();
+    };
+  }
+
+  grpc::Status Await() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return done_; });
+    return status_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  grpc::Status status_;
+};
+
+// One stream's answer as a result: the response, or its AttendError as a
+// status. A code that is not an error code (0, or beyond the known ones)
+// still comes back as an error, UNKNOWN, naming the code the server sent.
+absl::StatusOr<AttendResponse> StreamAnswer(AttendResponse response) {
+  if (!response.has_error()) return response;
+  const int code = response.error().code();
+  if (code <= 0 || code > static_cast<int>(absl::StatusCode::kUnauthenticated)) {
+    return absl::UnknownError(absl::StrCat("the server answered with error code ", code,
+                                           ": ", response.error().message()));
+  }
+  return absl::Status(static_cast<absl::StatusCode>(code), response.error().message());
+}
+
+// One AttendStream call over a non-empty span of requests. Writes chain
+// through OnWriteDone and reads through OnReadDone, one of each in flight,
+// so writing never waits for reading. Lives on the caller's stack: Await()
+// returns only after OnDone, the reactor's last callback.
+class StreamCall final : public grpc::ClientBidiReactor<AttendRequest, AttendResponse> {
+ public:
+  StreamCall(attention::v1::AttentionService::Stub* stub, grpc::ClientContext* context,
+             std::span<const AttendRequest> requests)
+      : requests_(requests) {
+    results_.reserve(requests_.size());
+    stub->async()->AttendStream(context, this);
+    WriteNext();
+    StartRead(&response_);
+    StartCall();
+  }
+
+  // The call's status, or every answer in request order.
+  absl::StatusOr<AttentionClient::StreamResults> Await() {
+    if (grpc::Status status = awaiter_.Await(); !status.ok()) return ToAbslStatus(status);
+    if (results_.size() != requests_.size() || extra_answers_ > 0) {
+      return absl::InternalError(absl::StrCat("AttendStream: the server answered ",
+                                              results_.size() + extra_answers_, " of ",
+                                              requests_.size(), " requests"));
+    }
+    return std::move(results_);
+  }
+
+  // `ok` false: the call is over; OnDone reports why.
+  void OnWriteDone(bool ok) override {
+    if (ok && next_write_ < requests_.size()) WriteNext();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    if (results_.size() < requests_.size()) {
+      results_.push_back(StreamAnswer(std::move(response_)));
+    } else {
+      ++extra_answers_;
+    }
+    StartRead(&response_);
+  }
+
+  void OnDone(const grpc::Status& status) override { done_(status); }
+
+ private:
+  // The last request also half-closes the stream, in the same operation.
+  void WriteNext() {
+    const AttendRequest& request = requests_[next_write_++];
+    if (next_write_ == requests_.size()) {
+      StartWriteLast(&request, grpc::WriteOptions());
+    } else {
+      StartWrite(&request);
+    }
+  }
+
+  const std::span<const AttendRequest> requests_;  // owned by the caller of AttendStream
+  size_t next_write_ = 0;                          // touched by writes only
+  AttendResponse response_;                        // target of the read in flight
+  AttentionClient::StreamResults results_;         // touched by reads only, then Await()
+  size_t extra_answers_ = 0;                       // answers beyond one per request
+  CallAwaiter awaiter_;
+  const std::function<void(grpc::Status)> done_ = awaiter_.Done();
+};
+
+// What an AttendAsync or InferAsync call keeps alive until it ends; deleted
+// then.
+template <typename Response>
+struct AsyncCall {
+  grpc::ClientContext context;
+  Response response;
+  std::function<void(absl::StatusOr<Response>)> done;
+};
+
+}  // namespace
+
+absl::Status ToAbslStatus(const grpc::Status& status) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      status.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
+    ClientOptions options) {
+  if (options.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "timeout must be positive; was ", absl::FormatDuration(options.timeout)));
+  }
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = CreateChannel(options);
+  if (!channel.ok()) return channel.status();
+  ClientOptions stream_options = options;
+  stream_options.retry.max_attempts = 1;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> stream_channel = CreateChannel(stream_options);
+  if (!stream_channel.ok()) return stream_channel.status();
+  return std::unique_ptr<AttentionClient>(new AttentionClient(
+      std::move(options), *std::move(channel), *std::move(stream_channel)));
+}
+
+AttentionClient::AttentionClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel,
+                                 std::shared_ptr<grpc::Channel> stream_channel)
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(attention::v1::AttentionService::NewStub(channel_)),
+      health_stub_(grpc::health::v1::Health::NewStub(channel_)),
+      inference_stub_(inference::GRPCInferenceService::NewStub(channel_)),
+      stream_channel_(std::move(stream_channel)),
+      stream_stub_(attention::v1::AttentionService::NewStub(stream_channel_)) {}
+
+void AttentionClient::Prepare(grpc::ClientContext& context, absl::Duration timeout) const {
+  if (timeout != absl::InfiniteDuration()) {
+    context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  }
+  if (!options_.token.empty()) {
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", options_.token));
+  }
+}
+
+absl::StatusOr<AttendResponse> AttentionClient::Attend(const AttendRequest& request) {
+  return Attend(request, options_.timeout);
+}
+
+absl::StatusOr<AttendResponse> AttentionClient::Attend(const AttendRequest& request,
+                                                       absl::Duration timeout) {
+  grpc::ClientContext context;
+  Prepare(context, timeout);
+  AttendResponse response;
+  CallAwaiter awaiter;
+  stub_->async()->Attend(&context, &request, &response, awaiter.Done());
+  if (grpc::Status status = awaiter.Await(); !status.ok()) return ToAbslStatus(status);
+  return response;
+}
+
+AttentionClient::~AttentionClient() {
+  absl::MutexLock lock(&async_mu_);
+  async_mu_.Await(absl::Condition(
+      +[](int* calls) { return *calls == 0; }, &async_calls_));
+}
+
+template <typename Response, typename Start>
+void AttentionClient::StartAsync(std::function<void(absl::StatusOr<Response>)> done,
+                                 Start start) {
+  {
+    absl::MutexLock lock(&async_mu_);
+    ++async_calls_;
+  }
+  auto* call = new AsyncCall<Response>;
+  call->done = std::move(done);
+  Prepare(call->context, options_.timeout);
+  start(&call->context, &call->response, [this, call](grpc::Status status) {
+    if (status.ok()) {
+      call->done(std::move(call->response));
+    } else {
+      call->done(ToAbslStatus(status));
+    }
+    delete call;
+    absl::MutexLock lock(&async_mu_);
+    --async_calls_;
+  });
+}
+
+void AttentionClient::AttendAsync(const AttendRequest* request, AttendCallback done) {
+  StartAsync(std::move(done), [this, request](grpc::ClientContext* context,
+                                              AttendResponse* response,
+                                              std::function<void(grpc::Status)> finished) {
+    stub_->async()->Attend(context, request, response, std::move(finished));
+  });
+}
+
+void AttentionClient::InferAsync(const inference::ModelInferRequest* request,
+                                 InferCallback done) {
+  StartAsync(std::move(done), [this, request](grpc::ClientContext* context,
+                                              inference::ModelInferResponse* response,
+                                              std::function<void(grpc::Status)> finished) {
+    inference_stub_->async()->ModelInfer(context, request, response, std::move(finished));
+  });
+}
+
+std::unique_ptr<grpc::ClientReaderWriter<attention::v1::SessionRequest,
+                                         attention::v1::SessionResponse>>
+AttentionClient::AttendSession(grpc::ClientContext& context) {
+  Prepare(context, absl::InfiniteDuration());
+  return stream_stub_->AttendSession(&context);
+}
+
+absl::StatusOr<AttentionClient::StreamResults> AttentionClient::AttendStream(
+    std::span<const AttendRequest> requests) {
+  return AttendStream(requests, options_.timeout);
+}
+
+absl::StatusOr<AttentionClient::StreamResults> AttentionClient::AttendStream(
+    std::span<const AttendRequest> requests, absl::Duration timeout) {
+  if (requests.empty()) return StreamResults();
+  grpc::ClientContext context;
+  Prepare(context, timeout);
+  StreamCall call(stream_stub_.get(), &context, requests);
+  return call.Await();
+}
+
+absl::StatusOr<ListModelsResponse> AttentionClient::ListModels() {
+  grpc::ClientContext context;
+  Prepare(context, options_.timeout);
+  ListModelsRequest request;
+  ListModelsResponse response;
+  CallAwaiter awaiter;
+  stub_->async()->ListModels(&context, &request, &response, awaiter.Done());
+  if (grpc::Status status = awaiter.Await(); !status.ok()) return ToAbslStatus(status);
+  return response;
+}
+
+absl::StatusOr<inference::RepositoryIndexResponse> AttentionClient::RepositoryIndex() {
+  grpc::ClientContext context;
+  Prepare(context, options_.timeout);
+  inference::RepositoryIndexRequest request;
+  inference::RepositoryIndexResponse response;
+  CallAwaiter awaiter;
+  inference_stub_->async()->RepositoryIndex(&context, &request, &response, awaiter.Done());
+  if (grpc::Status status = awaiter.Await(); !status.ok()) return ToAbslStatus(status);
+  return response;
+}
+
+absl::Status AttentionClient::LoadModel(const std::string& model) {
+  grpc::ClientContext context;
+  Prepare(context, options_.timeout);
+  inference::RepositoryModelLoadRequest request;
+  request.set_model_name(model);
+  inference::RepositoryModelLoadResponse response;
+  CallAwaiter awaiter;
+  inference_stub_->async()->RepositoryModelLoad(&context, &request, &response, awaiter.Done());
+  return ToAbslStatus(awaiter.Await());
+}
+
+absl::Status AttentionClient::UnloadModel(const std::string& model) {
+  grpc::ClientContext context;
+  Prepare(context, options_.timeout);
+  inference::RepositoryModelUnloadRequest request;
+  request.set_model_name(model);
+  inference::RepositoryModelUnloadResponse response;
+  CallAwaiter awaiter;
+  inference_stub_->async()->RepositoryModelUnload(&context, &request, &response, awaiter.Done());
+  return ToAbslStatus(awaiter.Await());
+}
+
+absl::StatusOr<HealthCheckResponse::ServingStatus> AttentionClient::Health(
+    const std::string& service) {
+  grpc::ClientContext context;
+  Prepare(context, options_.timeout);
+  HealthCheckRequest request;
+  request.set_service(service);
+  HealthCheckResponse response;
+  CallAwaiter awaiter;
+  health_stub_->async()->Check(&context, &request, &response, awaiter.Done());
+  if (grpc::Status status = awaiter.Await(); !status.ok()) return ToAbslStatus(status);
+  return response.status();
+}
+
+}  // namespace attention::client

@@ -1,0 +1,66 @@
+// group_scratch.h: the memory one group of requests runs in, and its inputs
+// stacked into it, so that a projection is one GEMM over every token of the
+// group (internal to the engine).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/engine/engine.h"
+
+namespace attention::internal {
+
+// Largest scratch a thread keeps between calls (16 MiB; see GroupScratch):
+// the four (tokens x E) buffers of one multi_head request of 2,048 tokens
+// at E = 512, the largest shape BENCHMARKS.md measures. Larger scratch (an
+// additive model's n_k x h key projections, say) is freed after its run, so
+// a thread's memory returns near its level before an oversized request.
+inline constexpr int64_t kKeptScratchFloats = int64_t{1} << 22;
+
+// The calling thread's scratch kept between runs.
+std::vector<float>& KeptScratch();
+
+// Consecutive buffers of the given sizes (floats) for one group. Fresh
+// vectors would be zero-filled, and page-faulted in again on every run once
+// glibc hands their memory back to the kernel (mmap'd, or trimmed off the top
+// of the heap), so the calling thread keeps its scratch across runs; groups
+// are bounded (Engine::Run), so it stays a few MiB. A rare huge request gets
+// `once` instead, so no thread keeps gigabytes for the rest of its life.
+// Contents are left over: every element is written before it is read.
+template <size_t N>
+std::array<float*, N> GroupScratch(const std::array<int64_t, N>& sizes, std::vector<float>& once) {
+  int64_t total = 0;
+  for (int64_t size : sizes) total += size;
+  std::vector<float>& memory = total <= kKeptScratchFloats ? KeptScratch() : once;
+  if (memory.size() < static_cast<size_t>(total)) memory.resize(total);
+  std::array<float*, N> buffers;
+  float* next = memory.data();
+  for (size_t i = 0; i < N; ++i) {
+    buffers[i] = next;
+    next += sizes[i];
+  }
+  return buffers;
+}
+
+// One input tensor of a request: its queries, keys or values.
+using TensorOf = const TensorView& (*)(const ValidatedRequest&);
+const TensorView& QueriesOf(const ValidatedRequest& v);
+const TensorView& KeysOf(const ValidatedRequest& v);
+const TensorView& ValuesOf(const ValidatedRequest& v);
+
+// Floats StackRows() needs: none for a lone request, used in place.
+int64_t StackedFloats(std::span<const ValidatedRequest> requests, TensorOf tensor_of);
+
+// The rows of one tensor of every request, stacked into `destination` as one
+// (tokens x cols) matrix, so a projection is one GEMM over all tokens of the
+// group. A lone request is used in place.
+const float* StackRows(std::span<const ValidatedRequest> requests, TensorOf tensor_of,
+                       float* destination);
+
+// Token offset of each request in a stacking of its n_q (or n_k) rows, and
+// the total last.
+std::vector<int64_t> TokenOffsets(std::span<const ValidatedRequest> requests, bool keys);
+
+}  // namespace attention::internal

@@ -1,0 +1,142 @@
+// flash_kernel.h: fused scaled-dot-product attention for one (example, head).
+//
+// Scores of the dot-product family share one form,
+//
+//   s[i,j] = scale * (q_i . k_j) + query_bias[i] + key_bias[j]
+//
+// (dot_product and multi_head heads: no biases; bilinear: q already mapped by
+// W_k; distance: scale * q.k - scale/2 |q|^2 - scale/2 |k|^2). The kernel
+// walks key tiles with an online softmax, so no (n_q x n_k) matrix is formed,
+// and each query's key loop stops at its allowed bound
+//
+//   bound(i) = min(valid_len(i), n_k, causal ? i + 1 : n_k)
+//
+// keys at or past the bound are disallowed (score -1e6, docs/api.md); a
+// query with bound 0 gets uniform weights over all n_k keys, i.e. the mean of
+// the values. Exactly so: if a row's allowed scores are themselves near or
+// below -1e6, its disallowed keys carry weight, and the kernel computes that
+// row on an exact path. Rows whose float scores or sums overflow (a finite
+// request with a huge scale or huge inputs) are computed again in double,
+// where no product of float inputs overflows, so they get the rule's answer
+// (finite huge scores: the weight goes to the largest).
+//
+// A problem may carry a WorkStop, polled between blocks of its work (query
+// tiles, and chunks of keys within a tile): once it says stop, the kernel
+// returns and leaves the rows it did not finish unspecified.
+#pragma once
+
+#include <cstdint>
+
+#include "core/kernels/packed_weights.h"
+#include "core/kernels/tile_sizes.h"
+
+namespace attention {
+
+// Work units (docs/api.md, section 6.2: about one multiply-add each) a
+// kernel does between two polls of a problem's WorkStop: about a millisecond
+// of one core, so a stopped request stops costing CPU within milliseconds,
+// and a poll (a clock read, a call-state check) costs well under 0.1%.
+inline constexpr int64_t kStopPollWork = int64_t{1} << 24;
+
+// Whether the request a problem belongs to should stop (its caller's
+// deadline passed, or the caller went away). Polled from any thread of the
+// engine; once Stopped() returned true it must keep returning true.
+class WorkStop {
+ public:
+  virtual bool Stopped() = 0;
+
+ protected:
+  ~WorkStop() = default;
+};
+
+// Value rows a problem was given unfinished. The engine projects only the
+// value rows that allowed keys read (core/engine/run_multi_head.cc, RowsRead); a
+// row whose allowed scores sit near or below -1e6 gives its disallowed keys
+// weight and so reads the rest, which it asks for first. Complete() makes
+// all n_k value rows readable; thread-safe and idempotent, since every head
+// of an example may ask at once.
+class PendingValues {
+ public:
+  virtual void Complete() = 0;
+
+ protected:
+  ~PendingValues() = default;
+};
+
+// Which keys each query of one (example, head) may see: [0, Allowed(i)).
+struct KeyBounds {
+  // Per-query lengths [n_q] if set, else `valid_len` for all queries
+  // (INT32_MAX: no length mask).
+  const int32_t* valid_lens = nullptr;
+  int32_t valid_len = INT32_MAX;
+  bool causal = false;
+
+  // min(valid_len(i), n_k, causal ? i + 1 : n_k); 0 means no key is allowed.
+  int64_t Allowed(int64_t query, int64_t num_keys) const;
+};
+
+// One attention problem: an (example, head) slice. Pointers are not owned.
+struct FlashProblem {
+  const float* queries = nullptr;  // (n_q x head_size), row stride query_stride
+  const float* keys = nullptr;     // (n_k x head_size), row stride key_stride
+  const float* values = nullptr;   // (n_k x value_size), row stride value_stride
+  float* output = nullptr;         // (n_q x value_size), row stride output_stride
+  int64_t query_stride = 0, key_stride = 0, value_stride = 0, output_stride = 0;
+  int64_t num_queries = 0, num_keys = 0, head_size = 0, value_size = 0;
+  float scale = 1.0f;
+  const float* query_bias = nullptr;  // [n_q] or null
+  const float* key_bias = nullptr;    // [n_k] or null
+  KeyBounds bounds;
+  // The distance kind: the biases are -scale/2 |q|^2 and -scale/2 |k|^2, and
+  // a row recomputed in double takes -scale/2 |q - k|^2 from q and k instead,
+  // since those float biases may have overflowed.
+  bool distance = false;
+  // bf16: QK^T and P V in BF16 where the path has them (flash_tile.h); the
+  // attention weights a caller asks for, and the rows recomputed exactly,
+  // stay FP32.
+  Precision precision = Precision::kFp32;
+  WorkStop* stop = nullptr;  // null: never stops
+  // Set when value rows at or past the largest bound are not computed yet.
+  PendingValues* pending_values = nullptr;
+  // Keys and values in blocks (a decoding session's, core/sessions/session.h),
+  // read in place: key j is row j % block_rows of key_blocks[j / block_rows]
+  // from column block_column (values alike, from value_blocks), with the row
+  // strides above; `keys` and `values` are unused. block_rows is a multiple
+  // of kFlashKeyTile, so no key tile straddles two blocks.
+  const float* const* key_blocks = nullptr;
+  const float* const* value_blocks = nullptr;
+  int64_t block_rows = 0;
+  int64_t block_column = 0;
+
+  bool Stopped() const { return stop != nullptr && stop->Stopped(); }
+  // Before reading a value row at or past a query's bound.
+  void CompleteValues() const {
+    if (pending_values != nullptr) pending_values->Complete();
+  }
+  int64_t AllowedKeys(int64_t query) const { return bounds.Allowed(query, num_keys); }
+  bool paged() const { return key_blocks != nullptr; }
+};
+
+// Writes output rows [query_begin, query_end) of `problem`. Thread-safe for
+// disjoint row ranges. Returns false when the problem's WorkStop stopped it
+// (then some of those rows are unspecified). A bf16 problem on a path with
+// BF16 products has its keys and values rounded into pairs once per call
+// (flash_tile.h), so a call over many query tiles costs less than one per
+// tile (PairsKeysPerCall).
+bool FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t query_end);
+
+// Whether FlashAttention pairs `problem`'s keys and values per call on the
+// active path: then callers give each call many query tiles.
+bool PairsKeysPerCall(const FlashProblem& problem);
+
+// As FlashAttention, and also writes the attention weights of those rows into
+// `weights` (n_q x n_k, row stride weights_stride), disallowed keys included.
+bool AttentionWithWeights(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
+                          float* weights, int64_t weights_stride);
+
+// Most floats one buffer of a thread's kernel scratch keeps between calls
+// (1 MiB): an oversized problem's larger buffers are freed when it is done,
+// so a thread's scratch returns to what ordinary problems need.
+inline constexpr int64_t kKeptKernelScratchFloats = int64_t{1} << 18;
+
+}  // namespace attention

@@ -1,0 +1,453 @@
+// session.cc: the block pool, opening a session and validating its steps
+// (core/sessions/session.h); Engine::RunSteps runs them (session_steps.cc).
+#include "core/sessions/session.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <new>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "core/engine/projection.h"
+#include "core/sessions/session_state.h"
+#include "core/status_macros.h"
+
+namespace attention {
+namespace {
+
+constexpr std::align_val_t kBlockAlignment{64};
+
+int64_t BlockBytes(int64_t width) {
+  return kKvBlockRows * width * static_cast<int64_t>(sizeof(float));
+}
+
+void FreeBlock(float* block) { ::operator delete(block, kBlockAlignment); }
+
+}  // namespace
+
+KvBlockPool::Impl::~Impl() {
+  for (auto& [width, blocks] : kept_) {
+    for (float* block : blocks) FreeBlock(block);
+  }
+}
+
+int64_t KvBlockPool::Impl::used_bytes() const {
+  std::lock_guard lock(mu_);
+  return used_bytes_;
+}
+
+void KvBlockPool::Impl::MakeRoom() {
+  for (auto it = kept_.begin(); it != kept_.end() && used_bytes_ + kept_bytes_ > capacity_bytes_;) {
+    std::vector<float*>& blocks = it->second;
+    while (!blocks.empty() && used_bytes_ + kept_bytes_ > capacity_bytes_) {
+      FreeBlock(blocks.back());
+      blocks.pop_back();
+      kept_bytes_ -= BlockBytes(it->first);
+    }
+    it = blocks.empty() ? kept_.erase(it) : std::next(it);
+  }
+}
+
+absl::Status KvBlockPool::Impl::Allocate(int64_t width, int64_t count,
+                                         std::vector<float*>& blocks) {
+  if (count <= 0) return absl::OkStatus();
+  const int64_t bytes = count * BlockBytes(width);
+  std::lock_guard lock(mu_);
+  if (used_bytes_ + bytes > capacity_bytes_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("session memory: the pool's capacity of ", capacity_bytes_, " bytes is full (",
+                     used_bytes_, " bytes held by sessions, ", bytes, " more needed)"));
+  }
+  std::vector<float*>& kept = kept_[width];
+  const int64_t reused = std::min<int64_t>(count, static_cast<int64_t>(kept.size()));
+  blocks.insert(blocks.end(), kept.end() - reused, kept.end());
+  kept.resize(kept.size() - reused);
+  kept_bytes_ -= reused * BlockBytes(width);
+  used_bytes_ += bytes;
+  // The fresh blocks are in used_bytes_ now: the kept ones give way to them.
+  MakeRoom();
+  for (int64_t i = reused; i < count; ++i) {
+    blocks.push_back(static_cast<float*>(
+        ::operator new(static_cast<size_t>(BlockBytes(width)), kBlockAlignment)));
+  }
+  return absl::OkStatus();
+}
+
+void KvBlockPool::Impl::Release(int64_t width, std::span<float* const> blocks) {
+  if (blocks.empty()) return;
+  std::lock_guard lock(mu_);
+  const int64_t bytes = static_cast<int64_t>(blocks.size()) * BlockBytes(width);
+  used_bytes_ -= bytes;
+  kept_bytes_ += bytes;
+  std::vector<float*>& kept = kept_[width];
+  kept.insert(kept.end(), blocks.begin(), blocks.end());
+}
+
+KvBlockPool::KvBlockPool(int64_t capacity_bytes)
+    : impl_(std::make_unique<Impl>(std::max<int64_t>(capacity_bytes, 0))) {}
+
+KvBlockPool::~KvBlockPool() = default;
+
+int64_t KvBlockPool::capacity_bytes() const { return impl_->capacity_bytes(); }
+
+int64_t KvBlockPool::used_bytes() const { return impl_->used_bytes(); }
+
+Session::State::State(std::shared_ptr<const Model> model, KvBlockPool::Impl& pool,
+                      SessionMemory memory, int64_t batch)
+    : model(std::move(model)),
+      pool(pool),
+      memory(memory),
+      batch(batch),
+      keys(batch),
+      values(batch) {}
+
+Session::State::~State() { Trim(0); }
+
+absl::Status Session::State::Reserve(int64_t rows) {
+  const int64_t more = internal::BlocksFor(rows) - static_cast<int64_t>(keys[0].blocks.size());
+  if (more <= 0) return absl::OkStatus();
+  std::vector<float*> new_keys, new_values;
+  RETURN_IF_ERROR(pool.Allocate(key_width, more * batch, new_keys));
+  if (!values_are_keys) {
+    if (absl::Status status = pool.Allocate(value_width, more * batch, new_values); !status.ok()) {
+      pool.Release(key_width, new_keys);
+      return status;
+    }
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    keys[b].blocks.insert(keys[b].blocks.end(), new_keys.begin() + b * more,
+                          new_keys.begin() + (b + 1) * more);
+    if (!values_are_keys) {
+      values[b].blocks.insert(values[b].blocks.end(), new_values.begin() + b * more,
+                              new_values.begin() + (b + 1) * more);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Session::State::Trim(int64_t rows) {
+  const size_t kept = static_cast<size_t>(internal::BlocksFor(rows));
+  for (int64_t b = 0; b < batch; ++b) {
+    for (auto [tensor, width] : {std::pair{&keys[b], key_width}, {&values[b], value_width}}) {
+      if (tensor->blocks.size() <= kept) continue;
+      pool.Release(width, std::span(tensor->blocks).subspan(kept));
+      tensor->blocks.resize(kept);
+    }
+  }
+}
+
+void Session::State::Rollback() {
+  Trim(length);
+  if (memory == SessionMemory::kSelf && length == 0 && model->kind == Kind::kDotProduct) {
+    key_width = value_width = key_size = value_size = 0;
+  }
+}
+
+double Session::State::StepWork(const AttentionDims& dims) const {
+  const double held_rows = static_cast<double>(batch) * static_cast<double>(length);
+  double work = RequestWork(*model, dims);
+  if (model->kind == Kind::kMultiHead) {
+    work -= held_rows * static_cast<double>((key_size + value_size) * model->output_size);
+  } else if (model->kind == Kind::kAdditive) {
+    work -= held_rows * static_cast<double>(key_size * model->w_q.rows());
+  }
+  return work;
+}
+
+int64_t Session::State::held_bytes() const {
+  int64_t bytes = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    bytes += static_cast<int64_t>(keys[b].blocks.size()) * BlockBytes(key_width) +
+             static_cast<int64_t>(values[b].blocks.size()) * BlockBytes(value_width);
+  }
+  return bytes;
+}
+
+namespace {
+
+absl::Status CheckSelfOpen(const Model& model, const SessionOpen& open) {
+  if (model.kind != Kind::kMultiHead && model.kind != Kind::kDotProduct) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "memory: self memory needs a multi_head or dot_product model, got model '", model.name,
+        "' of kind ", std::string(KindName(model.kind)), "; open it with cross memory"));
+  }
+  if (open.keys || open.values || !open.valid_lens.empty()) {
+    return absl::InvalidArgumentError(
+        "keys: expected none for self memory (each step's rows are its keys and values)");
+  }
+  if (open.batch < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("batch: expected >= 1, got ", open.batch));
+  }
+  if (model.kind == Kind::kMultiHead &&
+      (model.key_size != model.query_size || model.value_size != model.query_size)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "memory: self memory needs d_q == d_k == d_v (a step's rows are its keys and values), ",
+        "model '", model.name, "' has d_q=", model.query_size, " d_k=", model.key_size,
+        " d_v=", model.value_size));
+  }
+  return absl::OkStatus();
+}
+
+// Empty, or one valid length >= 0 per example.
+absl::Status CheckCrossValidLens(std::span<const int32_t> valid_lens, int64_t batch) {
+  if (!valid_lens.empty() && static_cast<int64_t>(valid_lens.size()) != batch) {
+    return absl::InvalidArgumentError(absl::StrCat("valid_lens: expected 0 or ", batch,
+                                                   " (B, one per example) entries, got ",
+                                                   valid_lens.size()));
+  }
+  for (size_t i = 0; i < valid_lens.size(); ++i) {
+    if (valid_lens[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("valid_lens[", i, "]: expected >= 0, got ", valid_lens[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckCrossOpen(const Model& model, const SessionOpen& open, const Limits& limits) {
+  if (!open.keys) {
+    return absl::InvalidArgumentError("keys: required for cross memory, (B, n_k, d_k)");
+  }
+  const TensorView& keys = *open.keys;
+  RETURN_IF_ERROR(CheckTensorShape("keys", keys, "(B, n_k, d_k)"));
+  const TensorView& values = open.values ? *open.values : keys;
+  const absl::string_view values_field = open.values ? "values" : "keys (standing in for values)";
+  if (open.values) {
+    RETURN_IF_ERROR(CheckTensorShape("values", values, "(B, n_k, d_v)"));
+    RETURN_IF_ERROR(CheckTensorAxis("values", 0, "B", keys.shape[0], values.shape[0], "keys' B"));
+    RETURN_IF_ERROR(
+        CheckTensorAxis("values", 1, "n_k", keys.shape[1], values.shape[1], "keys' n_k"));
+  }
+  const std::string why = absl::StrCat("model '", model.name, "' input size");
+  if (model.key_size != 0) {
+    RETURN_IF_ERROR(CheckTensorAxis("keys", 2, "d_k", model.key_size, keys.shape[2], why));
+  }
+  if (model.value_size != 0) {
+    RETURN_IF_ERROR(
+        CheckTensorAxis(values_field, 2, "d_v", model.value_size, values.shape[2], why));
+  }
+  RETURN_IF_ERROR(CheckCrossValidLens(open.valid_lens, keys.shape[0]));
+  const int64_t elements = static_cast<int64_t>(keys.data.size() + values.data.size());
+  if (limits.max_request_elements > 0 && elements > limits.max_request_elements) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("keys: expected at most ", limits.max_request_elements,
+                     " float elements in keys and values together, got ", elements));
+  }
+  RETURN_IF_ERROR(CheckTensorFinite("keys", keys));
+  return CheckTensorFinite(values_field, values);
+}
+
+absl::Status CheckOpen(const Model& model, const SessionOpen& open, const Limits& limits) {
+  if (open.scale && !std::isfinite(*open.scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("scale: expected a finite value, got ", *open.scale));
+  }
+  if (open.max_length < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_length: expected >= 0, got ", open.max_length));
+  }
+  return open.memory == SessionMemory::kSelf ? CheckSelfOpen(model, open)
+                                             : CheckCrossOpen(model, open, limits);
+}
+
+// Example b's n_k rows of `rows` (B, n_k, width) into `memory`'s blocks:
+// projected by `projection` (its in, out and rows are set here), or copied.
+void FillBlocks(const TensorView& rows, int64_t b, const internal::Projection* projection,
+                const internal::BlockRows& memory, int64_t memory_width) {
+  const int64_t n_k = rows.shape[1], width = rows.shape[2];
+  for (int64_t first = 0; first < n_k; first += kKvBlockRows) {
+    const int64_t count = std::min(kKvBlockRows, n_k - first);
+    const float* in = rows.data.data() + (b * n_k + first) * width;
+    float* out = memory.Row(first, memory_width);
+    if (projection == nullptr) {
+      std::copy_n(in, count * width, out);
+      continue;
+    }
+    internal::Projection part = *projection;
+    part.in = in;
+    part.out = out;
+    part.rows = count;
+    internal::ProjectAll(part);
+  }
+}
+
+// distance: the key biases -scale/2 |k|^2 of example b (core/kernels/flash_kernel.h).
+std::vector<float> DistanceKeyBias(const TensorView& keys, int64_t b, float scale) {
+  const int64_t n_k = keys.shape[1], d_k = keys.shape[2];
+  const Eigen::Map<const RowMatrix> k(keys.data.data() + b * n_k * d_k, n_k, d_k);
+  std::vector<float> bias(n_k);
+  Eigen::Map<Vector>(bias.data(), n_k) = -(0.5f * scale) * k.rowwise().squaredNorm();
+  return bias;
+}
+
+// The products cross memory keeps of its keys and values, or null for rows
+// kept as given: multi_head projects both (W x + b), additive its keys
+// (W_k k).
+struct CrossProjections {
+  std::optional<internal::Projection> keys, values;
+};
+
+CrossProjections CrossProjectionsOf(const Model& model) {
+  using internal::Projection;
+  if (model.kind == Kind::kMultiHead) {
+    return {Projection{nullptr, nullptr, 0, &model.w_k, &model.b_k, true, &model.packed_k},
+            Projection{nullptr, nullptr, 0, &model.w_v, &model.b_v, true, &model.packed_v}};
+  }
+  if (model.kind == Kind::kAdditive) {
+    return {Projection{nullptr, nullptr, 0, &model.w_k, nullptr}, std::nullopt};
+  }
+  return {};
+}
+
+absl::Status FillCrossMemory(const SessionOpen& open, Session::State& state) {
+  const Model& model = *state.model;
+  const TensorView& keys = *open.keys;
+  const TensorView& values = open.values ? *open.values : keys;
+  const CrossProjections projections = CrossProjectionsOf(model);
+  state.key_size = keys.shape[2];
+  state.value_size = values.shape[2];
+  state.key_width = projections.keys ? projections.keys->out_cols() : state.key_size;
+  state.value_width = projections.values ? projections.values->out_cols() : state.value_size;
+  state.valid_lens.assign(open.valid_lens.begin(), open.valid_lens.end());
+  const int64_t n_k = keys.shape[1];
+  RETURN_IF_ERROR(state.Reserve(n_k));
+  for (int64_t b = 0; b < state.batch; ++b) {
+    FillBlocks(keys, b, projections.keys ? &*projections.keys : nullptr, state.keys[b],
+               state.key_width);
+    FillBlocks(values, b, projections.values ? &*projections.values : nullptr, state.values[b],
+               state.value_width);
+    if (model.kind == Kind::kDistance) {
+      state.key_bias.push_back(
+          DistanceKeyBias(keys, b, open.scale ? *open.scale : DefaultScale(model, {})));
+    }
+  }
+  state.length = n_k;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Open(std::shared_ptr<const Model> model,
+                                                       KvBlockPool& pool, const SessionOpen& open,
+                                                       const Limits& limits) {
+  if (model == nullptr) return absl::InvalidArgumentError("model: required");
+  RETURN_IF_ERROR(CheckOpen(*model, open, limits));
+  const bool self = open.memory == SessionMemory::kSelf;
+  const int64_t batch = self ? open.batch : open.keys->shape[0];
+  auto state = std::make_unique<State>(std::move(model), *pool.impl_, open.memory, batch);
+  state->scale = open.scale;
+  state->max_length = self ? open.max_length : 0;
+  if (self) {
+    const Model& m = *state->model;
+    state->values_are_keys = m.kind == Kind::kDotProduct;
+    state->key_size = state->value_size = m.query_size;
+    state->key_width = state->value_width = m.output_size;
+  } else {
+    RETURN_IF_ERROR(FillCrossMemory(open, *state));
+  }
+  return std::unique_ptr<Session>(new Session(std::move(state)));
+}
+
+Session::Session(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+Session::~Session() = default;
+
+const Model& Session::model() const { return *state_->model; }
+SessionMemory Session::memory() const { return state_->memory; }
+int64_t Session::batch() const { return state_->batch; }
+int64_t Session::length() const { return state_->length; }
+int64_t Session::held_bytes() const { return state_->held_bytes(); }
+
+namespace {
+
+// The queries' d_q a step must have: the model's, or for the weightless
+// kinds the size of the keys held (any, before a self session's first step).
+absl::Status CheckStepQueries(const Session::State& state, const TensorView& queries) {
+  RETURN_IF_ERROR(CheckTensorShape("queries", queries, "(B, n_new, d_q)"));
+  RETURN_IF_ERROR(
+      CheckTensorAxis("queries", 0, "B", state.batch, queries.shape[0], "the session's batch"));
+  const Model& model = *state.model;
+  if (model.query_size != 0) {
+    return CheckTensorAxis("queries", 2, "d_q", model.query_size, queries.shape[2],
+                           absl::StrCat("model '", model.name, "' input size"));
+  }
+  if (state.memory == SessionMemory::kSelf && state.length == 0) return absl::OkStatus();
+  return CheckTensorAxis(
+      "queries", 2, "d_q", state.key_size, queries.shape[2],
+      absl::StrCat(std::string(KindName(model.kind)), " needs d_q == the session's d_k"));
+}
+
+absl::Status CheckStepLength(const Session::State& state, int64_t new_rows) {
+  if (state.memory != SessionMemory::kSelf) return absl::OkStatus();
+  const int64_t limit = state.max_length > 0 ? state.max_length : INT32_MAX;
+  if (state.length + new_rows <= limit) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat("queries: the session holds ", state.length,
+                                                   " tokens and this step brings ", new_rows,
+                                                   ", past its max_length of ", limit));
+}
+
+AttentionDims StepDims(const Session::State& state, const SessionStep& step) {
+  const Model& model = *state.model;
+  const bool self = state.memory == SessionMemory::kSelf;
+  AttentionDims dims;
+  dims.batch = state.batch;
+  dims.num_queries = step.queries.shape[1];
+  dims.query_size = step.queries.shape[2];
+  dims.num_keys = self ? state.length + dims.num_queries : state.length;
+  dims.key_size = self ? dims.query_size : state.key_size;
+  dims.value_size = self ? dims.query_size : state.value_size;
+  dims.output_size = model.output_size != 0 ? model.output_size : dims.value_size;
+  dims.num_heads = model.kind == Kind::kMultiHead ? model.num_heads : 1;
+  if (!state.valid_lens.empty()) dims.length_mask = AttentionDims::LengthMask::kPerExample;
+  dims.scale = state.scale ? *state.scale : DefaultScale(model, dims);
+  return dims;
+}
+
+// Limits over what a step computes: its queries, output and weights, and its
+// work, in which the rows held are not projected again (State::StepWork).
+absl::Status CheckStepLimits(const Session::State& state, const SessionStep& step,
+                             const AttentionDims& dims, const Limits& limits) {
+  const double weights =
+      step.return_attention_weights ? static_cast<double>(dims.weight_elements()) : 0.0;
+  const double elements = static_cast<double>(step.queries.data.size()) +
+                          static_cast<double>(dims.output_elements()) + weights;
+  if (limits.max_request_elements > 0 && elements > limits.max_request_elements) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("queries: expected at most ", limits.max_request_elements,
+                     " float elements in queries, output and weights together, got ", elements));
+  }
+  const double work = state.StepWork(dims);
+  if (limits.max_request_work > 0 && work > static_cast<double>(limits.max_request_work)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "queries: expected at most ", limits.max_request_work, " work units for one step, got ",
+        work, " (B=", dims.batch, " n_new=", dims.num_queries, " length=", dims.num_keys,
+        "); send fewer tokens per step"));
+  }
+  const double scratch = RequestScratch(dims);
+  if (limits.max_request_scratch_elements > 0 &&
+      scratch > static_cast<double>(limits.max_request_scratch_elements)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("queries: expected at most ", limits.max_request_scratch_elements,
+                     " floats of engine scratch per thread, got ", scratch));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ValidatedStep> ValidateStep(Session& session, const SessionStep& step,
+                                           const Limits& limits) {
+  const Session::State& state = *session.state_;
+  RETURN_IF_ERROR(CheckStepQueries(state, step.queries));
+  RETURN_IF_ERROR(CheckStepLength(state, step.queries.shape[1]));
+  const AttentionDims dims = StepDims(state, step);
+  RETURN_IF_ERROR(CheckStepLimits(state, step, dims, limits));
+  RETURN_IF_ERROR(CheckTensorFinite("queries", step.queries));
+  return ValidatedStep{&session, &step, dims, nullptr};
+}
+
+}  // namespace attention

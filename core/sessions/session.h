@@ -1,0 +1,166 @@
+// session.h: decoding sessions: keys and values kept across steps, in
+// fixed-size blocks of a pool shared by every session of a server.
+//
+// A session is one model's attention memory, opened once and then stepped:
+//
+//   self   every step brings new token rows (B, n_new, d_q). Their keys and
+//          values (multi_head: projected, once; dot_product: the rows
+//          themselves) are appended to the memory, and the step's queries
+//          attend to everything before them and causally among themselves:
+//          query i of a step that starts at length L sees keys [0, L + i].
+//          A first step may carry a whole prompt (prefill). So step by step
+//          the outputs equal Attend() on the whole prefix with causal = true.
+//   cross  keys and values (B, n_k, ...) with valid lengths are given at open
+//          and stay (multi_head: projected once; additive: W_k k once); every
+//          step's queries attend to them, as Attend() with that memory would.
+//
+// Memory lives in blocks of kKvBlockRows rows from a KvBlockPool, as vLLM's
+// paged KV cache keeps it, so a session wastes at most one block per example
+// and per tensor; the kernels read the blocks in place. A step that fails
+// (validation, the pool full, a limit, a stop) leaves its session exactly as
+// it was before the step.
+//
+//   KvBlockPool pool(1 << 30);
+//   auto session = Session::Open(model, pool, {.memory = SessionMemory::kSelf});
+//   SessionStep step{.queries = prompt};
+//   absl::StatusOr<ValidatedStep> validated = ValidateStep(**session, step);
+//   AttentionResult result;
+//   engine.RunSteps({&*validated, 1}, {&result, 1});
+//
+// Changes to the API as first written (issue 25): KvBlockPool befriends
+// Session and Session befriends ValidateStep, which reach the blocks and the
+// session's state through them (core/sessions/session_state.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+
+#include "absl/status/statusor.h"
+#include "core/engine/engine.h"
+#include "core/model/model.h"
+#include "core/engine/request.h"
+#include "core/tensor.h"
+#include "core/kernels/tile_sizes.h"
+
+namespace attention {
+
+// Rows of one block: a multiple of the flash kernel's key tile, so a key
+// tile never straddles two blocks.
+inline constexpr int64_t kKvBlockRows = 4 * kFlashKeyTile;
+
+// Blocks of kKvBlockRows x width floats, for every session of a server, with
+// one byte budget. Thread-safe. Freed blocks are kept for reuse up to the
+// budget, so a server's memory for sessions never exceeds capacity_bytes.
+class KvBlockPool {
+ public:
+  explicit KvBlockPool(int64_t capacity_bytes);
+  ~KvBlockPool();
+  KvBlockPool(const KvBlockPool&) = delete;
+  KvBlockPool& operator=(const KvBlockPool&) = delete;
+
+  int64_t capacity_bytes() const;
+  // Bytes of blocks sessions hold now.
+  int64_t used_bytes() const;
+
+  class Impl;
+
+ private:
+  // Sessions take and return blocks through impl_ (core/sessions/session_state.h).
+  friend class Session;
+  std::unique_ptr<Impl> impl_;
+};
+
+enum class SessionMemory { kSelf, kCross };
+
+struct SessionStep;
+struct ValidatedStep;
+
+struct SessionOpen {
+  SessionMemory memory = SessionMemory::kSelf;
+  // self: examples decoded side by side; every step has this batch.
+  int64_t batch = 1;
+  // cross: keys (B, n_k, d_k) and values (B, n_k, d_v; absent: values =
+  // keys), and their valid lengths (empty, or B entries). Read only by
+  // Open(): it copies or projects them into the pool.
+  std::optional<TensorView> keys, values;
+  std::span<const int32_t> valid_lens;
+  // Replaces the kind's default scale, for every step.
+  std::optional<float> scale;
+  // Most tokens a self session may hold per example; 0 = no limit.
+  int64_t max_length = 0;
+};
+
+class Session {
+ public:
+  // Validates `open` against the model (INVALID_ARGUMENT naming the field:
+  // self memory only for multi_head and dot_product, cross memory for every
+  // kind) and, for cross memory, projects its keys and values into blocks
+  // of `pool` (RESOURCE_EXHAUSTED naming the pool's capacity when it is
+  // full). The session keeps `model` (the version it opened with) and
+  // `pool`, which must outlive it.
+  static absl::StatusOr<std::unique_ptr<Session>> Open(std::shared_ptr<const Model> model,
+                                                       KvBlockPool& pool, const SessionOpen& open,
+                                                       const Limits& limits = {});
+  // Returns every block to the pool.
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  const Model& model() const;
+  SessionMemory memory() const;
+  int64_t batch() const;
+  // Tokens held per example: self, the sum of the steps so far; cross, n_k.
+  int64_t length() const;
+  // Bytes of the pool this session holds. Like length(), not to be read
+  // while a step of the session runs; KvBlockPool::used_bytes() may be.
+  int64_t held_bytes() const;
+
+  class State;
+
+ private:
+  explicit Session(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+  friend class Engine;
+  friend absl::StatusOr<ValidatedStep> ValidateStep(Session& session, const SessionStep& step,
+                                                    const Limits& limits);
+};
+
+struct SessionStep {
+  // (B, n_new, d_q). Self: the new tokens, which are also the step's keys
+  // and values. Cross: the step's queries.
+  TensorView queries;
+  bool return_attention_weights = false;
+};
+
+// A step that passed ValidateStep() for its session. Several sessions'
+// steps of one model run as one engine execution (Engine::RunSteps).
+struct ValidatedStep {
+  Session* session = nullptr;       // not owned; one step at a time per session
+  const SessionStep* step = nullptr;  // not owned; outlives RunSteps()
+  // The step as Attend() would see it: n_q = n_new, n_k = the length after
+  // the step (self) or n_k (cross).
+  AttentionDims dims;
+  StopCheck stop = nullptr;
+};
+
+// Engine::RunSteps(steps, results) (engine.h) computes validated steps of
+// one model (sessions opened on the same Model), as Run() does requests: one
+// projection GEMM over the new rows of every step, then attention per
+// session over its blocks in place. results[s] answers steps[s]: output
+// (B, n_new, d_v or E), attention weights (B, H, n_new, n_k) if asked; its
+// status is not OK when the step stopped (its StopCheck), the pool could
+// not hold the step's rows (RESOURCE_EXHAUSTED naming the pool's capacity),
+// the answer overflows float32 (INVALID_ARGUMENT, as Run() says), or the
+// step cannot run with the others (FAILED_PRECONDITION: a second step of
+// one session in the same call, or a session of another model), and then
+// that session is as before the step while the others go on.
+
+// INVALID_ARGUMENT naming the field (shape, batch, sizes, non-finite
+// values, the request limits), or RESOURCE_EXHAUSTED when the step would take
+// a self session past its max_length (naming it, the length and n_new).
+absl::StatusOr<ValidatedStep> ValidateStep(Session& session, const SessionStep& step,
+                                           const Limits& limits = {});
+
+}  // namespace attention

@@ -1,0 +1,102 @@
+// session_state.h: what a decoding session holds (core/sessions/session.h), and the
+// pool its blocks come from (internal to the engine: session.cc opens and
+// validates, session_steps.cc runs the steps).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/sessions/session.h"
+
+namespace attention {
+
+class KvBlockPool::Impl {
+ public:
+  explicit Impl(int64_t capacity_bytes) : capacity_bytes_(capacity_bytes) {}
+  ~Impl();
+
+  int64_t capacity_bytes() const { return capacity_bytes_; }
+  int64_t used_bytes() const;
+
+  // Appends `count` blocks of kKvBlockRows x `width` floats to `blocks`, all
+  // or none: RESOURCE_EXHAUSTED naming the capacity when they do not fit.
+  absl::Status Allocate(int64_t width, int64_t count, std::vector<float*>& blocks);
+  void Release(int64_t width, std::span<float* const> blocks);
+
+ private:
+  // Frees kept blocks until held and kept blocks fit in the budget.
+  void MakeRoom();
+
+  const int64_t capacity_bytes_;
+  mutable std::mutex mu_;
+  int64_t used_bytes_ = 0;                       // held by sessions
+  int64_t kept_bytes_ = 0;                       // freed, kept for reuse
+  std::map<int64_t, std::vector<float*>> kept_;  // by width
+};
+
+namespace internal {
+
+// One example's rows of one tensor of a session's memory: row t is row
+// t % kKvBlockRows of blocks[t / kKvBlockRows].
+struct BlockRows {
+  std::vector<float*> blocks;
+
+  float* Row(int64_t t, int64_t width) const {
+    return blocks[t / kKvBlockRows] + (t % kKvBlockRows) * width;
+  }
+};
+
+// Blocks that hold `rows` rows.
+inline int64_t BlocksFor(int64_t rows) { return (rows + kKvBlockRows - 1) / kKvBlockRows; }
+
+}  // namespace internal
+
+class Session::State {
+ public:
+  State(std::shared_ptr<const Model> model, KvBlockPool::Impl& pool, SessionMemory memory,
+        int64_t batch);
+  ~State();
+
+  // Blocks for `rows` rows of every example's keys and values, taken from
+  // the pool all or none.
+  absl::Status Reserve(int64_t rows);
+  // Returns the blocks past those `rows` rows need.
+  void Trim(int64_t rows);
+  // Undoes a step that failed: the blocks past `length` go back to the pool
+  // (rows written past it are not part of the session), and a dot_product
+  // session with no rows forgets the row width its first step gave it.
+  void Rollback();
+  int64_t held_bytes() const;
+  // Work units of a step with sizes `dims` (RequestWork), less the
+  // projections of the rows held, which the session made once.
+  double StepWork(const AttentionDims& dims) const;
+
+  std::shared_ptr<const Model> model;
+  KvBlockPool::Impl& pool;
+  const SessionMemory memory;
+  const int64_t batch;
+  int64_t length = 0;      // rows per example that steps have committed
+  int64_t max_length = 0;  // 0: none
+  std::optional<float> scale;
+  // Floats per row of the key and value blocks (0 for a dot_product self
+  // session until its first step gives d), and the sizes the model's inputs
+  // have (d_k, d_v of the keys and values; for self memory, d_q). The
+  // blocks hold what the scores read: multi_head's projections W x + b,
+  // additive's W_k k, the other kinds' rows as given.
+  int64_t key_width = 0, value_width = 0;
+  int64_t key_size = 0, value_size = 0;
+  // dot_product self memory: a row is its own key and value, held once.
+  bool values_are_keys = false;
+  std::vector<int32_t> valid_lens;  // cross: empty or one per example
+  // distance cross memory: -scale/2 |k|^2 of every key, per example.
+  std::vector<std::vector<float>> key_bias;
+  std::vector<internal::BlockRows> keys, values;  // per example
+};
+
+}  // namespace attention

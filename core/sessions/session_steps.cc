@@ -1,0 +1,477 @@
+// session_steps.cc: Engine::RunSteps (core/sessions/session.h): the steps of many
+// decoding sessions of one model as one execution, as Engine::Run computes a
+// group of requests:
+//   1. every self session takes the blocks its step's rows need (all or none);
+//   2. one GEMM per product over the new rows of every step: multi_head's
+//      queries (and the keys and values of self steps, then appended to
+//      their blocks), bilinear's q W_k, additive's W_q q;
+//   3. attention: one task per (step, example, head, query tile), reading
+//      the keys and values in place from the blocks;
+//   4. multi_head: one output projection over the heads of every step.
+// A step that fails gives its new blocks back and leaves its session's
+// length as it was; the other steps go on.
+#include <algorithm>
+#include <deque>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/engine/attention_tasks.h"
+#include "core/engine/engine.h"
+#include "core/kernels/finite.h"
+#include "core/engine/group_scratch.h"
+#include "core/kernels/masked_softmax.h"
+#include "core/engine/projection.h"
+#include "core/engine/request_stop.h"
+#include "core/sessions/session_state.h"
+#include "core/thread_pool.h"
+
+namespace attention {
+namespace {
+
+using internal::AttentionTask;
+using internal::Projection;
+using internal::RequestStop;
+
+// One step as this run sees it.
+struct StepRun {
+  StepRun(const ValidatedStep& step, Session::State& state, AttentionResult& result)
+      : step(&step), state(&state), result(&result) {}
+
+  const ValidatedStep* step;
+  Session::State* state;
+  AttentionResult* result;
+  RequestStop* stop = nullptr;
+  int64_t first_row = 0;  // of its query rows in the stacking of every step's
+  // Self memory: query i of the step sees keys [0, length + i + 1).
+  std::vector<int32_t> causal_lens;
+  std::vector<float> query_bias;  // distance: -scale/2 |q|^2 per query row
+
+  const TensorView& queries() const { return step->step->queries; }
+  const AttentionDims& dims() const { return step->dims; }
+  int64_t rows() const { return dims().batch * dims().num_queries; }
+  bool self() const { return state->memory == SessionMemory::kSelf; }
+};
+
+// A zero output of the step's shape, and zero weights if it asks for them.
+void ShapeResult(const Model& model, const ValidatedStep& step, AttentionResult& result) {
+  const AttentionDims& d = step.dims;
+  result = {};
+  result.output.shape = {d.batch, d.num_queries, d.output_size};
+  result.output.data.assign(d.output_elements(), 0.0f);
+  if (!step.step->return_attention_weights) return;
+  result.attention_weights.shape =
+      model.kind == Kind::kMultiHead
+          ? std::vector<int64_t>{d.batch, d.num_heads, d.num_queries, d.num_keys}
+          : std::vector<int64_t>{d.batch, d.num_queries, d.num_keys};
+  result.attention_weights.data.assign(d.weight_elements(), 0.0f);
+}
+
+// Self memory: the blocks for the step's rows (a dot_product session's
+// first step also fixes its row width).
+absl::Status BeginStep(StepRun& run) {
+  Session::State& state = *run.state;
+  if (!run.self()) return absl::OkStatus();
+  if (state.key_width == 0) {
+    state.key_width = state.value_width = state.key_size = state.value_size = run.dims().query_size;
+  }
+  const absl::Status status = state.Reserve(state.length + run.dims().num_queries);
+  if (!status.ok()) state.Rollback();
+  run.causal_lens.resize(run.dims().num_queries);
+  for (size_t i = 0; i < run.causal_lens.size(); ++i) {
+    run.causal_lens[i] = static_cast<int32_t>(state.length + static_cast<int64_t>(i) + 1);
+  }
+  return status;
+}
+
+// Keys and values of example b, read in place from the session's blocks
+// from column `column` on.
+void SetMemory(FlashProblem& p, const Session::State& state, int64_t b, int64_t column) {
+  p.key_blocks = state.keys[b].blocks.data();
+  p.value_blocks = (state.values_are_keys ? state.keys : state.values)[b].blocks.data();
+  p.block_rows = kKvBlockRows;
+  p.block_column = column;
+  p.key_stride = state.key_width;
+  p.value_stride = state.value_width;
+}
+
+// The bounds of example b: causal from the session's length (self), or its
+// valid length (cross).
+KeyBounds BoundsOf(const StepRun& run, int64_t b) {
+  KeyBounds bounds;
+  if (run.self()) {
+    bounds.valid_lens = run.causal_lens.data();
+  } else if (!run.state->valid_lens.empty()) {
+    bounds.valid_len = run.state->valid_lens[b];
+  }
+  return bounds;
+}
+
+// The buffers of one execution of steps: every step's queries stacked,
+// their projections (multi_head: q, then k and v of self steps, rows of 3E;
+// bilinear: q W_k; additive: W_q q), and for multi_head the heads
+// concatenated and the output before it is split into results.
+struct StepScratch {
+  const float* inputs = nullptr;
+  float* projected = nullptr;
+  int64_t projected_width = 0;  // 0: the queries are used as they are
+  float* concat = nullptr;
+  float* output = nullptr;
+  int64_t width = 0;  // multi_head: E
+  int64_t rows = 0;   // of every step
+};
+
+int64_t ProjectedWidth(const Model& model) {
+  switch (model.kind) {
+    case Kind::kMultiHead:
+      return 3 * model.output_size;
+    case Kind::kBilinear:
+      return model.w_k.cols();
+    case Kind::kAdditive:
+      return model.w_q.rows();
+    case Kind::kDotProduct:
+    case Kind::kDistance:
+      break;
+  }
+  return 0;
+}
+
+StepScratch PlanScratch(const Model& model, std::span<StepRun> runs, std::vector<float>& once) {
+  StepScratch s;
+  for (StepRun& run : runs) {
+    run.first_row = s.rows;
+    s.rows += run.rows();
+  }
+  s.width = model.kind == Kind::kMultiHead ? model.output_size : 0;
+  s.projected_width = ProjectedWidth(model);
+  const bool stacked = runs.size() > 1 && s.projected_width > 0;
+  const int64_t d_q = runs[0].dims().query_size, rows = s.rows;
+  const auto [inputs, projected, concat, output] =
+      internal::GroupScratch<4>({stacked ? rows * d_q : 0, rows * s.projected_width, rows * s.width,
+                                 runs.size() > 1 ? rows * s.width : 0},
+                                once);
+  s.projected = projected;
+  s.concat = concat;
+  s.output = output;
+  s.inputs = stacked ? inputs : runs[0].queries().data.data();
+  if (stacked) {
+    for (const StepRun& run : runs) {
+      std::copy(run.queries().data.begin(), run.queries().data.end(), inputs + run.first_row * d_q);
+    }
+  }
+  return s;
+}
+
+// multi_head: the queries of every step, and the keys and values of the
+// self steps (consecutive self steps as one product), side by side.
+std::vector<Projection> MultiHeadInputProjections(const Model& model, const StepScratch& s,
+                                                  std::span<const StepRun> runs) {
+  const int64_t stride = s.projected_width, d_q = runs[0].dims().query_size;
+  std::vector<Projection> projections = {
+      {s.inputs, s.projected, s.rows, &model.w_q, &model.b_q, true, &model.packed_q, stride}};
+  for (size_t r = 0; r < runs.size();) {
+    if (!runs[r].self()) {
+      ++r;
+      continue;
+    }
+    const int64_t first = runs[r].first_row;
+    int64_t count = 0;
+    for (; r < runs.size() && runs[r].self(); ++r) count += runs[r].rows();
+    const float* in = s.inputs + first * d_q;
+    float* out = s.projected + first * stride;
+    projections.push_back(
+        {in, out + s.width, count, &model.w_k, &model.b_k, true, &model.packed_k, stride});
+    projections.push_back(
+        {in, out + 2 * s.width, count, &model.w_v, &model.b_v, true, &model.packed_v, stride});
+  }
+  return projections;
+}
+
+// Every step's queries projected as the kind needs, one GEMM per product
+// over the rows of all steps, in one parallel phase.
+void ProjectInputs(ThreadPool& pool, const Model& model, const StepScratch& s,
+                   std::span<const StepRun> runs) {
+  std::vector<Projection> projections;
+  if (model.kind == Kind::kMultiHead) {
+    projections = MultiHeadInputProjections(model, s, runs);
+  } else if (model.kind == Kind::kBilinear) {
+    projections = {{s.inputs, s.projected, s.rows, &model.w_k, nullptr, /*transposed=*/false}};
+  } else if (model.kind == Kind::kAdditive) {
+    projections = {{s.inputs, s.projected, s.rows, &model.w_q, nullptr}};
+  }
+  if (projections.empty()) return;
+  internal::RunProjections(pool, projections, runs.size() == 1 ? runs[0].stop : nullptr);
+}
+
+// A self step's new keys and values into its blocks, after the session's
+// length: `keys` and `values` (rows of the step, row stride `stride`).
+void Append(const StepRun& run, const float* keys, const float* values, int64_t stride) {
+  Session::State& state = *run.state;
+  const int64_t n = run.dims().num_queries;
+  for (int64_t b = 0; b < state.batch; ++b) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t row = (b * n + i) * stride;
+      std::copy_n(keys + row, state.key_width,
+                  state.keys[b].Row(state.length + i, state.key_width));
+      if (state.values_are_keys) continue;
+      std::copy_n(values + row, state.value_width,
+                  state.values[b].Row(state.length + i, state.value_width));
+    }
+  }
+}
+
+void AppendSelfSteps(const Model& model, const StepScratch& s, std::span<const StepRun> runs) {
+  for (const StepRun& run : runs) {
+    if (!run.self()) continue;
+    if (model.kind == Kind::kMultiHead) {
+      const float* row = s.projected + run.first_row * s.projected_width;
+      Append(run, row + s.width, row + 2 * s.width, s.projected_width);
+    } else {
+      Append(run, run.queries().data.data(), nullptr, run.dims().query_size);
+    }
+  }
+}
+
+FlashProblem BaseProblem(const StepRun& run) {
+  FlashProblem p;
+  p.num_queries = run.dims().num_queries;
+  p.num_keys = run.dims().num_keys;
+  p.scale = run.dims().scale;
+  p.stop = run.stop;
+  return p;
+}
+
+// multi_head: one problem per (step, example, head), on the projections.
+void AddHeadTasks(const Model& model, const StepScratch& s, StepRun& run,
+                  std::deque<FlashProblem>& problems, std::vector<AttentionTask>& tasks) {
+  const int64_t heads = model.num_heads, head_size = s.width / heads;
+  const int64_t n = run.dims().num_queries;
+  for (int64_t b = 0; b < run.dims().batch; ++b) {
+    const int64_t row = run.first_row + b * n;
+    for (int64_t h = 0; h < heads; ++h) {
+      FlashProblem& p = problems.emplace_back(BaseProblem(run));
+      p.queries = s.projected + row * s.projected_width + h * head_size;
+      p.query_stride = s.projected_width;
+      p.output = s.concat + row * s.width + h * head_size;
+      p.output_stride = s.width;
+      p.head_size = p.value_size = head_size;
+      p.bounds = BoundsOf(run, b);
+      p.precision = model.precision;
+      SetMemory(p, *run.state, b, h * head_size);
+      internal::AddTasks(p, internal::WeightsOf(*run.result, b * heads + h, run.dims()), tasks);
+    }
+  }
+}
+
+// distance: -scale/2 |q|^2 of every query row of the step.
+void DistanceQueryBias(StepRun& run) {
+  const AttentionDims& d = run.dims();
+  const internal::ConstMatrixMap q(run.queries().data.data(), run.rows(), d.query_size);
+  run.query_bias.resize(run.rows());
+  Eigen::Map<Vector>(run.query_bias.data(), run.rows()) =
+      -(0.5f * d.scale) * q.rowwise().squaredNorm();
+}
+
+// The dot-product family: one problem per (step, example), on the step's
+// queries (bilinear: mapped by W_k).
+void AddExampleTasks(const Model& model, const StepScratch& s, StepRun& run,
+                     std::deque<FlashProblem>& problems, std::vector<AttentionTask>& tasks) {
+  const AttentionDims& d = run.dims();
+  const bool mapped = s.projected_width > 0;
+  const int64_t query_width = mapped ? s.projected_width : d.query_size;
+  const float* queries =
+      mapped ? s.projected + run.first_row * query_width : run.queries().data.data();
+  if (model.kind == Kind::kDistance) DistanceQueryBias(run);
+  for (int64_t b = 0; b < d.batch; ++b) {
+    FlashProblem& p = problems.emplace_back(BaseProblem(run));
+    p.queries = queries + b * d.num_queries * query_width;
+    p.query_stride = query_width;
+    p.output = run.result->output.data.data() + b * d.num_queries * d.value_size;
+    p.output_stride = d.value_size;
+    p.head_size = query_width;
+    p.value_size = d.value_size;
+    p.bounds = BoundsOf(run, b);
+    if (model.kind == Kind::kDistance) {
+      p.distance = true;
+      p.query_bias = run.query_bias.data() + b * d.num_queries;
+      p.key_bias = run.state->key_bias[b].data();
+    }
+    if (model.kind == Kind::kDotProduct) p.precision = model.precision;
+    SetMemory(p, *run.state, b, 0);
+    internal::AddTasks(p, internal::WeightsOf(*run.result, b, d), tasks);
+  }
+}
+
+// The output projection of every step's heads, into its result.
+void ProjectOutput(ThreadPool& pool, const Model& model, const StepScratch& s,
+                   std::span<const StepRun> runs) {
+  float* out = runs.size() == 1 ? runs[0].result->output.data.data() : s.output;
+  internal::RunProjections(pool,
+                           {{s.concat, out, s.rows, &model.w_o, &model.b_o, true, &model.packed_o}},
+                           runs.size() == 1 ? runs[0].stop : nullptr);
+  if (runs.size() == 1) return;
+  for (const StepRun& run : runs) {
+    std::copy_n(s.output + run.first_row * s.width, run.result->output.data.size(),
+                run.result->output.data.begin());
+  }
+}
+
+// additive: rows [begin, end) of example b of a step, whose W_q q start at
+// `queries`: per query row, w_v . tanh(W_q q + W_k k) over the W_k k held
+// block by block, the masked softmax, and the values block by block.
+void AdditiveRows(const Model& model, const StepRun& run, int64_t b, const float* queries,
+                  int64_t begin, int64_t end) {
+  const Session::State& state = *run.state;
+  const AttentionDims& d = run.dims();
+  const int64_t hidden = state.key_width, n_k = d.num_keys;
+  const Eigen::Map<const Vector> w_v(model.w_v.data(), hidden);
+  internal::MatrixMap output(run.result->output.data.data() + b * d.num_queries * d.value_size,
+                             d.num_queries, d.value_size);
+  float* weights = internal::WeightsOf(*run.result, b, d);
+  const KeyBounds bounds = BoundsOf(run, b);
+  thread_local RowMatrix features;
+  thread_local Vector scores;
+  scores.resize(n_k);
+  for (int64_t i = begin; i < end && !(run.stop != nullptr && run.stop->Stopped()); ++i) {
+    const Eigen::Map<const Eigen::RowVectorXf> query(queries + i * hidden, hidden);
+    const int64_t bound = bounds.Allowed(i, n_k);
+    for (int64_t first = 0; first < bound; first += kKvBlockRows) {
+      const int64_t count = std::min(kKvBlockRows, bound - first);
+      const internal::ConstMatrixMap keys(state.keys[b].Row(first, hidden), count, hidden);
+      features = (keys.rowwise() + query).array().tanh();
+      scores.segment(first, count).noalias() = features * w_v;
+    }
+    const int64_t nonzero = MaskedSoftmaxRow({scores.data(), static_cast<size_t>(n_k)}, bound);
+    output.row(i).setZero();
+    for (int64_t first = 0; first < nonzero; first += kKvBlockRows) {
+      const int64_t count = std::min(kKvBlockRows, nonzero - first);
+      const internal::ConstMatrixMap values(state.values[b].Row(first, d.value_size), count,
+                                            d.value_size);
+      output.row(i).noalias() += scores.segment(first, count).transpose() * values;
+    }
+    if (weights != nullptr) std::copy_n(scores.data(), n_k, weights + i * n_k);
+  }
+  if (scores.size() > kKeptKernelScratchFloats) scores.resize(0);
+}
+
+// additive: one task per (step, example, query tile).
+void RunAdditiveSteps(ThreadPool& pool, const Model& model, const StepScratch& s,
+                      std::span<const StepRun> runs) {
+  struct Rows {
+    const StepRun* run;
+    int64_t example, begin, end;
+  };
+  std::vector<Rows> tasks;
+  for (const StepRun& run : runs) {
+    for (int64_t b = 0; b < run.dims().batch; ++b) {
+      for (int64_t i = 0; i < run.dims().num_queries; i += kFlashQueryTile) {
+        tasks.push_back({&run, b, i, std::min(run.dims().num_queries, i + kFlashQueryTile)});
+      }
+    }
+  }
+  pool.ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+    const Rows& rows = tasks[t];
+    const StepRun& run = *rows.run;
+    const float* queries =
+        s.projected + (run.first_row + rows.example * run.dims().num_queries) * s.projected_width;
+    AdditiveRows(model, run, rows.example, queries, rows.begin, rows.end);
+  });
+}
+
+// Every step of one model: the memory read in place from the blocks.
+void RunStepsOf(ThreadPool& pool, const Model& model, std::span<StepRun> runs) {
+  if (runs.empty()) return;
+  std::vector<float> once;
+  const StepScratch s = PlanScratch(model, runs, once);
+  ProjectInputs(pool, model, s, runs);
+  AppendSelfSteps(model, s, runs);
+  if (model.kind == Kind::kAdditive) return RunAdditiveSteps(pool, model, s, runs);
+  std::deque<FlashProblem> problems;
+  std::vector<AttentionTask> tasks;
+  for (StepRun& run : runs) {
+    if (model.kind == Kind::kMultiHead) {
+      AddHeadTasks(model, s, run, problems, tasks);
+    } else {
+      AddExampleTasks(model, s, run, problems, tasks);
+    }
+  }
+  internal::RunAttention(pool, tasks);
+  if (model.kind == Kind::kMultiHead) ProjectOutput(pool, model, s, runs);
+}
+
+// OK when the step's answer is finite (as Engine::Run checks its requests').
+absl::Status CheckFinite(const Model& model, const StepRun& run) {
+  for (const Tensor* tensor : {&run.result->output, &run.result->attention_weights}) {
+    if (const int64_t at = FirstNonFinite(tensor->data); at >= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(tensor == &run.result->output ? "output" : "attention_weights", "[", at,
+                       "]: expected a finite value, got ", tensor->data[at],
+                       ": the step overflows float32 on model '", model.name, "' (scale ",
+                       run.dims().scale, "); send a smaller scale or smaller values"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The step's status; its session grows by the step if OK, else is as before.
+void FinishStep(const Model& model, StepRun& run) {
+  absl::Status status = run.result->status;
+  if (status.ok() && run.stop != nullptr) status = run.stop->why();
+  if (status.ok()) status = CheckFinite(model, run);
+  if (!status.ok()) {
+    *run.result = {.output = {}, .attention_weights = {}, .status = status};
+    run.state->Rollback();
+    return;
+  }
+  if (run.self()) run.state->length += run.dims().num_queries;
+}
+
+// FAILED_PRECONDITION for a step RunSteps cannot run with the others: of
+// another model, or of a session with an earlier step in the same call
+// (each step starts where the one before it ended).
+absl::Status CheckRunnable(const Model& model, const Session::State* state,
+                           std::unordered_set<const Session::State*>& sessions) {
+  if (state->model.get() != &model) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session of model '", state->model->name, "' stepped with steps of model '",
+                     model.name, "': one RunSteps computes steps of one model"));
+  }
+  if (!sessions.insert(state).second) {
+    return absl::FailedPreconditionError(
+        "a session has two steps in one RunSteps: step it once per call");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionResult> results) {
+  if (steps.empty()) return;
+  const Model& model = *steps[0].session->state_->model;
+  std::deque<RequestStop> stop_storage;
+  std::vector<StepRun> runs;  // the steps that could begin
+  runs.reserve(steps.size());
+  std::unordered_set<const Session::State*> sessions;
+  double work = 0;
+  for (size_t s = 0; s < steps.size(); ++s) {
+    StepRun run(steps[s], *steps[s].session->state_, results[s]);
+    absl::Status status = CheckRunnable(model, run.state, sessions);
+    if (status.ok()) status = BeginStep(run);
+    if (!status.ok()) {
+      results[s] = {.output = {}, .attention_weights = {}, .status = status};
+      continue;
+    }
+    ShapeResult(model, steps[s], results[s]);
+    const double step_work = run.state->StepWork(steps[s].dims);
+    work += step_work;
+    if (steps[s].stop && step_work >= kStopPollWork) {
+      run.stop = &stop_storage.emplace_back(steps[s].stop);
+    }
+    runs.push_back(std::move(run));
+  }
+  RunStepsOf(PoolFor(work), model, runs);
+  for (StepRun& run : runs) FinishStep(model, run);
+}
+
+}  // namespace attention
