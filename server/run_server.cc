@@ -145,21 +145,28 @@ void CancelOpenCalls(RunningServer& s) {
   static_cast<void>(s.exposer.release());
 }
 
-// The drain after `signal_number`: NOT_SERVING, refusals, the grace period.
+// The drain after `signal_number`: NOT_SERVING at once, calls served for the
+// drain delay, then refusals and the grace period.
 void Shutdown(const ServerConfig& config, RunningServer& s, int signal_number) {
-  spdlog::info("{} received: refusing new calls for --drain-delay-seconds {}, then finishing "
-               "accepted calls for up to --shutdown-grace-seconds {}",
+  spdlog::info("{} received: NOT_SERVING; serving the calls that still arrive for "
+               "--drain-delay-seconds {}, then refusing new calls and finishing accepted calls "
+               "for up to --shutdown-grace-seconds {}",
                signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.drain_delay_seconds,
                config.shutdown_grace_seconds);
   SetHealth(*s.grpc, false);
+  s.dispatcher->BeginDrain();
   const absl::Time not_serving_since = absl::Now();
-  // While accepted calls finish, the server keeps answering new calls itself
-  // (UNAVAILABLE, and NOT_SERVING to health checks), which clients retry
-  // elsewhere. The delay gives load balancers time to see NOT_SERVING before
-  // the listener goes; accepted calls go on computing meanwhile.
+  // A load balancer takes a health check or two to see NOT_SERVING and keeps
+  // sending meanwhile. Those calls are served: refused, they would come back
+  // through the same balancer, which favours the replica that answers
+  // fastest, and a refusing one answers fastest (in a rolling restart of
+  // three replicas, 2,376 of 33,451 calls failed that way).
+  absl::SleepFor(absl::Seconds(config.drain_delay_seconds));
+  // From here the server answers new calls itself (UNAVAILABLE, and
+  // NOT_SERVING to health checks), which clients retry elsewhere, while
+  // accepted calls finish.
   s.sessions->StopOpening();
   s.dispatcher->StopAccepting();
-  absl::SleepFor(absl::Seconds(config.drain_delay_seconds));
   const absl::Time grace_end = absl::Now() + absl::Seconds(config.shutdown_grace_seconds);
   // WaitForIdle() waits for each call's OnDone, not just for its answers:
   // with streams still writing when Shutdown() began, gRPC 1.51 now and then

@@ -21,7 +21,9 @@
 // model's batcher, where the steps of a batch run as one Engine::RunSteps
 // beside its plain requests' Engine::Run.
 //
-// Shutdown: StopAccepting() refuses new calls and requests (UNAVAILABLE);
+// Shutdown: BeginDrain() turns readiness false while calls are still
+// served (load balancers see it before anything is refused);
+// StopAccepting() refuses new calls and requests (UNAVAILABLE);
 // WaitForIdle() waits for the calls opened before it to be done, answers and
 // all; Drain() answers every queued request, its answer sent; the destructor
 // drains too.
@@ -154,9 +156,12 @@ class Dispatcher {
   // False once StopAccepting() ran.
   bool accepting() const { return accepting_.load(); }
   // What readiness checks answer (ServerReady, REST /v2/health/ready):
-  // accepting, and past the start-up warm-up, which RunServer marks.
-  bool ready() const { return warmed_up_.load() && accepting(); }
+  // past the start-up warm-up, which RunServer marks, and not draining.
+  bool ready() const { return warmed_up_.load() && !draining_.load() && accepting(); }
   void SetWarmedUp(bool warmed_up) { warmed_up_.store(warmed_up); }
+  // Readiness is false from now on; calls are still accepted until
+  // StopAccepting().
+  void BeginDrain() { draining_.store(true); }
 
   // Every call and every request from now on is refused with UNAVAILABLE.
   void StopAccepting();
@@ -226,6 +231,7 @@ class Dispatcher {
   AccessPolicy access_;
   std::atomic<bool> accepting_{true};  // written under calls_mu_
   std::atomic<bool> warmed_up_{true};
+  std::atomic<bool> draining_{false};
   // Bytes of the requests admitted and not yet answered (max_queued_bytes).
   std::atomic<int64_t> held_bytes_{0};
   absl::Mutex calls_mu_;

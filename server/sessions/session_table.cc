@@ -158,7 +158,10 @@ absl::StatusOr<SessionTable::Handle> SessionTable::Find(std::string_view key,
   if (auto it = open_.find(k); it != open_.end()) return it->second;
   if (auto it = ended_.find(k); it != ended_.end()) return it->second;
   return absl::InvalidArgumentError(absl::StrCat(
-      std::string(what), " names no open sequence of this model: its first request needs sequence_start"));
+      std::string(what),
+      " names no open sequence of this model: its first request needs sequence_start (behind "
+      "a load balancer of several replicas, send every request of the sequence with the header "
+      "attention-sequence-id: <sequence id>, so that all reach the replica holding it)"));
 }
 
 absl::StatusOr<Session*> SessionTable::BeginStep(const Handle& handle) {

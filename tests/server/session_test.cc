@@ -572,6 +572,8 @@ TEST_F(SessionTest, TritonSequencesThroughModelInfer) {
         &response);
     EXPECT_EQ(after.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(after.error_message(), HasSubstr("sequence_start"));
+    // Replicas hold their own sequences: the answer names the edge's routing header.
+    EXPECT_THAT(after.error_message(), HasSubstr("attention-sequence-id"));
   }
 }
 
