@@ -1,6 +1,8 @@
 // session_bench.cc: concurrent AttendSession streams and their report.
 #include "client/cli/session_bench.h"
 
+#include <sys/resource.h>
+
 #include <chrono>
 #include <mutex>
 #include <random>
@@ -35,6 +37,13 @@ SessionRequest StepRequest(int tokens, int64_t dim, std::mt19937& rng) {
   queries->add_shape(dim);
   for (int64_t i = 0; i < tokens * dim; ++i) queries->add_data(normal(rng));
   return request;
+}
+
+// User plus system CPU of this process so far.
+absl::Duration ProcessCpu() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return absl::DurationFromTimeval(usage.ru_utime) + absl::DurationFromTimeval(usage.ru_stime);
 }
 
 absl::StatusCode CodeOf(const SessionResponse& response) {
@@ -95,6 +104,7 @@ SessionBenchResult RunSessions(AttentionClient& client, const SessionBenchOption
                                int64_t model_query_size) {
   const int64_t dim = model_query_size > 0 ? model_query_size : options.dim;
   std::vector<SessionTally> tallies(options.sessions);
+  const absl::Duration cpu_start = ProcessCpu();
   const absl::Time start = absl::Now();
   {
     std::vector<std::jthread> threads;
@@ -104,6 +114,7 @@ SessionBenchResult RunSessions(AttentionClient& client, const SessionBenchOption
   }
   SessionBenchResult result;
   result.wall = absl::Now() - start;
+  result.client_cpu = ProcessCpu() - cpu_start;
   std::vector<int64_t> latencies;
   for (SessionTally& tally : tallies) {
     result.steps += tally.steps;
@@ -116,6 +127,9 @@ SessionBenchResult RunSessions(AttentionClient& client, const SessionBenchOption
   const double seconds = absl::ToDoubleSeconds(result.wall);
   result.steps_per_second = seconds > 0 ? static_cast<double>(latencies.size()) / seconds : 0;
   result.tokens_per_second = result.steps_per_second * options.tokens_per_step;
+  const double tokens = static_cast<double>(latencies.size()) * options.tokens_per_step;
+  result.client_cpu_us_per_token =
+      tokens > 0 ? absl::ToDoubleMicroseconds(result.client_cpu) / tokens : 0;
   result.step_latency = Summarize(latencies);
   return result;
 }
@@ -127,10 +141,12 @@ std::string FormatSessionReport(const std::string& target, const SessionBenchOpt
       "target %s  model %s  sessions %d  steps/session %d  tokens/step %d\n"
       "steps %d  errors %d  wall %.3f s\n"
       "steps/s %.1f  tokens/s %.1f\n"
+      "client CPU %.3f s  (%.1f us per token)\n"
       "step latency ms  p50 %.3f  p90 %.3f  p95 %.3f  p99 %.3f  max %.3f\n",
       target, options.model, options.sessions, options.steps, options.tokens_per_step,
       result.steps, result.errors, absl::ToDoubleSeconds(result.wall), result.steps_per_second,
-      result.tokens_per_second, l.p50_ms, l.p90_ms, l.p95_ms, l.p99_ms, l.max_ms);
+      result.tokens_per_second, absl::ToDoubleSeconds(result.client_cpu),
+      result.client_cpu_us_per_token, l.p50_ms, l.p90_ms, l.p95_ms, l.p99_ms, l.max_ms);
   for (const auto& [code, count] : result.errors_by_code) {
     absl::StrAppend(&report, "  ", absl::StatusCodeToString(code), ": ", count, "\n");
   }
@@ -156,6 +172,8 @@ std::string FormatSessionJson(const std::string& target, const SessionBenchOptio
       {"wall_s", absl::ToDoubleSeconds(result.wall)},
       {"steps_per_s", result.steps_per_second},
       {"tokens_per_s", result.tokens_per_second},
+      {"client_cpu_s", absl::ToDoubleSeconds(result.client_cpu)},
+      {"client_cpu_us_per_token", result.client_cpu_us_per_token},
       {"step_latency_ms",
        {{"p50", l.p50_ms}, {"p90", l.p90_ms}, {"p95", l.p95_ms}, {"p99", l.p99_ms},
         {"max", l.max_ms}}}}

@@ -39,6 +39,10 @@ struct SessionBenchResult {
   double tokens_per_second = 0;  // their new rows
   LatencySummary step_latency;   // of the successful steps
   absl::Duration wall;
+  // This process's CPU (user + system) over the run: the client's share of
+  // the machine, beside the server's, when both run on one host.
+  absl::Duration client_cpu;
+  double client_cpu_us_per_token = 0;  // of the successful steps' tokens
 };
 
 // INVALID_ARGUMENT for options out of range; otherwise runs every session to

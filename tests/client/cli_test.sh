@@ -157,6 +157,9 @@ r = json.load(open(sys.argv[1]))
 assert r["steps"] == 80 and r["errors"] == 0, r
 assert r["tokens_per_s"] == 2 * r["steps_per_s"] > 0, r
 assert 0 < r["step_latency_ms"]["p50"] <= r["step_latency_ms"]["max"], r
+# The client's own CPU: some, and no more than its threads could use in the run.
+assert 0 < r["client_cpu_s"] <= r["wall_s"] * (4 + 2), r
+assert abs(r["client_cpu_us_per_token"] - r["client_cpu_s"] * 1e6 / 160) < 1e-6 * r["client_cpu_s"] * 1e6, r
 PY
 fi
 run "bench sessions text" 0 "$CLIENT" --target "$T" bench --sessions 1 --steps-per-session 3 \
