@@ -105,6 +105,10 @@ void AddLimitFlags(CLI::App& app, ServerConfig* c) {
        "Most floats of engine scratch per thread one request may need (64 x the sum of its "
        "feature sizes); more is refused with INVALID_ARGUMENT (0: no cap)")
       ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--chunk-work", &c->chunk_work,
+       "Most work units of one piece of a session step: a longer step (a prompt's prefill) is "
+       "computed in pieces, other batches running between them (0: steps whole)")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
   Flag(app, "--max-queued-bytes", &c->max_queued_bytes,
        "Most bytes of request messages held at once (admitted, not yet answered), all models "
        "together; beyond it RESOURCE_EXHAUSTED (0: no cap)")

@@ -12,6 +12,14 @@
 // Use one Batcher per model when concurrent requests are cheaper to compute
 // together than one by one. With max_batch_size = 1 it is a plain bounded FIFO.
 //
+// A long task may be computed in pieces, one per batch (chunked prefill): the
+// ProcessBatch callback returns the tasks it has not finished, and they run
+// again, first, in the next batch, beside the tasks queued meanwhile (up to
+// max_batch_size of those: carried tasks do not count), without waiting for
+// the batch to fill. So a long task holds the thread one piece at a time, not
+// for its whole compute. A carried task is never dropped here: its deadline
+// and cancellation are the callback's to check between its pieces.
+//
 // Worst-case queueing latency of a task: the compute time of the batches
 // ahead of it (at most queue_capacity / max_batch_size of them), plus
 // max_queue_delay_us with kFixed.
@@ -107,9 +115,12 @@ class Batcher {
  public:
   using Options = BatcherOptions;
 
-  // Computes one batch of 1..max_batch_size tasks, in arrival order. Runs on
-  // the batcher's thread; the next batch fills meanwhile.
-  using ProcessBatch = std::function<void(std::vector<std::unique_ptr<Task>> batch)>;
+  // Computes one batch: the tasks carried from the batch before, then
+  // 0..max_batch_size queued tasks in arrival order. Runs on the batcher's
+  // thread; the next batch fills meanwhile. Returns the tasks of the batch
+  // still unfinished, to carry into the next (none: every task answered).
+  using ProcessBatch = std::function<std::vector<std::unique_ptr<Task>>(
+      std::vector<std::unique_ptr<Task>> batch)>;
   // Answers a task that will never be processed; `why` is DEADLINE_EXCEEDED or
   // CANCELLED. Runs on the batcher's thread or inside Schedule().
   using DropTask = std::function<void(std::unique_ptr<Task> task, absl::Status why)>;
@@ -298,21 +309,27 @@ void Batcher<Task>::AnswerDropped(std::vector<Dropped> dropped) {
 
 template <typename Task>
 void Batcher<Task>::Loop() {
+  std::vector<std::unique_ptr<Task>> carried;  // unfinished tasks of the last batch
   for (;;) {
-    std::vector<std::unique_ptr<Task>> batch;
+    std::vector<std::unique_ptr<Task>> batch = std::move(carried);
+    carried.clear();
     std::vector<Dropped> dropped;
     {
       absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(this, &Batcher::HasWorkOrDraining));
-      if (queue_.empty()) return;  // draining and every task answered
-      if (options_.delay == BatchingDelay::kFixed) {
-        const absl::Time close_at =
-            queue_.front().enqueued + absl::Microseconds(options_.max_queue_delay_us);
-        clock_->AwaitWithDeadline(mu_, absl::Condition(this, &Batcher::BatchFullOrDraining),
-                                  close_at);
+      // Carried work is ready now: it waits neither for tasks nor to fill.
+      if (batch.empty()) {
+        mu_.Await(absl::Condition(this, &Batcher::HasWorkOrDraining));
+        if (queue_.empty()) return;  // draining and every task answered
+        if (options_.delay == BatchingDelay::kFixed) {
+          const absl::Time close_at =
+              queue_.front().enqueued + absl::Microseconds(options_.max_queue_delay_us);
+          clock_->AwaitWithDeadline(mu_, absl::Condition(this, &Batcher::BatchFullOrDraining),
+                                    close_at);
+        }
       }
       const absl::Time now = clock_->Now();
-      while (static_cast<int>(batch.size()) < options_.max_batch_size && !queue_.empty()) {
+      const size_t full = batch.size() + static_cast<size_t>(options_.max_batch_size);
+      while (batch.size() < full && !queue_.empty()) {
         Entry entry = std::move(queue_.front());
         queue_.pop_front();
         absl::Status why = Unrunnable(entry, now);
@@ -324,7 +341,7 @@ void Batcher<Task>::Loop() {
       }
     }
     AnswerDropped(std::move(dropped));
-    if (!batch.empty()) process_batch_(std::move(batch));
+    if (!batch.empty()) carried = process_batch_(std::move(batch));
   }
 }
 

@@ -64,6 +64,9 @@ struct TestTask {
   const int id;
   const absl::Time deadline_;
   std::atomic<bool> cancelled_{false};
+  // Batches the task takes (a long one computed in pieces); only the
+  // batcher's thread reads and writes it.
+  int pieces = 1;
 };
 
 using TestBatcher = Batcher<TestTask>;
@@ -83,8 +86,16 @@ class Recorder {
       }
       absl::MutexLock lock(&mu_);
       std::vector<int>& ids = batches_.emplace_back();
-      for (const auto& task : batch) ids.push_back(task->id);
-      answered_ += static_cast<int>(batch.size());
+      std::vector<std::unique_ptr<TestTask>> unfinished;
+      for (auto& task : batch) {
+        ids.push_back(task->id);
+        if (--task->pieces > 0) {
+          unfinished.push_back(std::move(task));
+        } else {
+          ++answered_;
+        }
+      }
+      return unfinished;
     };
   }
   TestBatcher::DropTask drop() {
@@ -140,8 +151,10 @@ class BatcherTest : public ::testing::Test {
     return batcher.ok() ? std::move(*batcher) : nullptr;
   }
 
-  void ScheduleOk(TestBatcher& batcher, int id, absl::Time deadline = absl::InfiniteFuture()) {
+  void ScheduleOk(TestBatcher& batcher, int id, absl::Time deadline = absl::InfiniteFuture(),
+                  int pieces = 1) {
     auto task = std::make_unique<TestTask>(id, deadline);
+    task->pieces = pieces;
     ASSERT_TRUE(batcher.Schedule(&task).ok());
     EXPECT_EQ(task, nullptr) << "an accepted task must belong to the batcher";
   }
@@ -154,7 +167,9 @@ class BatcherTest : public ::testing::Test {
 };
 
 TEST(BatcherCreateTest, RejectsOutOfRangeOptions) {
-  auto process = [](std::vector<std::unique_ptr<TestTask>>) {};
+  auto process = [](std::vector<std::unique_ptr<TestTask>>) {
+    return std::vector<std::unique_ptr<TestTask>>();
+  };
   auto drop = [](std::unique_ptr<TestTask>, absl::Status) {};
   struct Case {
     TestBatcher::Options options;
@@ -297,6 +312,36 @@ TEST_F(BatcherTest, DestructionDrains) {
               ElementsAre(ElementsAre(0, 1), ElementsAre(2, 3), ElementsAre(4)));
 }
 
+// A task in pieces (chunked prefill) runs again first in each next batch,
+// beside up to max_batch_size tasks queued meanwhile: it does not count
+// against the batch size, so others take turns with it.
+TEST_F(BatcherTest, UnfinishedTaskRunsFirstInTheNextBatchesBesideQueuedOnes) {
+  recorder_.HoldFirstBatch();
+  auto batcher = Make(/*max_batch_size=*/1, /*max_queue_delay_us=*/0);
+  ScheduleOk(*batcher, 0, absl::InfiniteFuture(), /*pieces=*/3);
+  recorder_.WaitUntilFirstBatchStarted();
+  for (int id = 1; id <= 3; ++id) ScheduleOk(*batcher, id);
+  recorder_.ReleaseFirstBatch();
+  ASSERT_TRUE(recorder_.WaitForAnswered(4));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(0, 1),
+                                               ElementsAre(0, 2), ElementsAre(3)));
+}
+
+// The clock never moves: carried work is ready, so it waits for no delay,
+// and the batcher's destruction finishes it.
+TEST_F(BatcherTest, UnfinishedTaskRunsWithoutWaitingForTheDelay) {
+  auto batcher = Make(/*max_batch_size=*/2, /*max_queue_delay_us=*/3'600'000'000);
+  ScheduleOk(*batcher, 0, absl::InfiniteFuture(), /*pieces=*/3);
+  ScheduleOk(*batcher, 1);
+  ASSERT_TRUE(recorder_.WaitForAnswered(2));
+  EXPECT_THAT(recorder_.batches(),
+              ElementsAre(ElementsAre(0, 1), ElementsAre(0), ElementsAre(0)));
+  ScheduleOk(*batcher, 2, absl::InfiniteFuture(), /*pieces=*/2);
+  batcher.reset();
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0, 1), ElementsAre(0), ElementsAre(0),
+                                               ElementsAre(2), ElementsAre(2)));
+}
+
 // kWhileBusy: the clock never moves in these tests, so a batch that runs ran
 // without waiting for any delay.
 TEST_F(BatcherTest, WhileBusyHandsAnIdleBatchersTaskOverAtOnce) {
@@ -358,6 +403,7 @@ TEST(BatcherRealClockTest, PartialBatchRunsAfterTheDelay) {
       [&](std::vector<std::unique_ptr<TestTask>> batch) {
         for (const auto& task : batch) ids.push_back(task->id);
         done.Notify();
+        return std::vector<std::unique_ptr<TestTask>>();
       },
       [](std::unique_ptr<TestTask>, absl::Status) {});
   ASSERT_TRUE(batcher.ok());
