@@ -14,8 +14,8 @@ medians over the rounds:
 
 Each decode session opens with a short prompt of its own (--context tokens)
 and reopens every round, so rounds see the same lengths. Uses raw stubs
-generated from proto/attention/v1/attention.proto with grpc_tools, so it
-runs on Debian's python3 (no virtual environment):
+generated from proto/attention/v1/attention.proto with Debian's protoc, so
+it runs on Debian's python3 (no virtual environment):
 
     env -u OPENBLAS_CORETYPE /usr/bin/python3 bench/prefill_beside_decode.py \\
       --server build/server/attention-server [--rounds 3] [-- --chunk-work N]
@@ -23,6 +23,7 @@ runs on Debian's python3 (no virtual environment):
 Arguments after `--` go to the server.
 """
 import argparse
+import multiprocessing
 import os
 import queue
 import statistics
@@ -43,13 +44,13 @@ MODEL = f"mh_torch_e{E}_h{HEADS}"
 
 
 def attention_pb(directory):
-    """attention.v1's messages and stubs, generated into `directory`."""
-    from grpc_tools import protoc
-    include = os.path.join(os.path.dirname(protoc.__file__), "_proto")
-    if protoc.main(["protoc", "-I", os.path.join(ROOT, "proto"), "-I", include,
-                    f"--python_out={directory}", f"--grpc_python_out={directory}",
-                    "attention/v1/attention.proto"]) != 0:
-        raise RuntimeError("protoc failed")
+    """attention.v1's messages and stubs, generated into `directory` by Debian's
+    protoc and grpc_python_plugin (grpc_tools' older protoc refuses proto3
+    `optional`)."""
+    subprocess.run(["protoc", "-I", os.path.join(ROOT, "proto"), f"--python_out={directory}",
+                    f"--grpc_python_out={directory}",
+                    "--plugin=protoc-gen-grpc_python=/usr/bin/grpc_python_plugin",
+                    "attention/v1/attention.proto"], check=True)
     sys.path.insert(0, directory)
     from attention.v1 import attention_pb2, attention_pb2_grpc
     return attention_pb2, attention_pb2_grpc
@@ -85,13 +86,32 @@ def rows(rng, n):
     return rng.uniform(-1, 1, (1, n, E)).astype(np.float32)
 
 
-def prefill_alone(pb, stub, prompt):
-    session = Session(pb, stub)
-    start = time.perf_counter()
-    session.step(prompt)
-    took = time.perf_counter() - start
-    session.close()
-    return took
+def prefill_child(address, directory, n, pipe):
+    """The prompt's client, in a process of its own so that building and
+    reading its 16 MB messages never holds the decoders' interpreter lock:
+    for each count received on `pipe`, a new session's step of that many
+    prompt tokens, answered with its (begin, end) on the monotonic clock
+    every process shares."""
+    import grpc
+    sys.path.insert(0, directory)
+    from attention.v1 import attention_pb2, attention_pb2_grpc
+    channel = grpc.insecure_channel(address, [("grpc.max_receive_message_length", -1),
+                                              ("grpc.max_send_message_length", -1)])
+    stub = attention_pb2_grpc.AttentionServiceStub(channel)
+    prompt = rows(np.random.default_rng(34), n)
+    while (count := pipe.recv()) is not None:
+        session = Session(attention_pb2, stub)
+        begin = time.perf_counter()
+        session.step(prompt[:, :count])
+        end = time.perf_counter()
+        session.close()
+        pipe.send((begin, end))
+
+
+def prefill(pipe, count):
+    """(begin, end) of one prompt step of `count` tokens, by prefill_child."""
+    pipe.send(count)
+    return pipe.recv()
 
 
 def decoder(pb, stub, context, stop, steps, ready):
@@ -112,7 +132,7 @@ def p99(latencies):
     return float(np.percentile(latencies, 99)) if latencies else float("nan")
 
 
-def one_round(pb, stub, args, prompt):
+def one_round(pb, stub, args, pipe):
     """Steady p99, p99 while the prompt is prefilled, and the prefill's time."""
     stop, ready = threading.Event(), threading.Semaphore(0)
     steps = [[] for _ in range(args.sessions)]
@@ -126,15 +146,11 @@ def one_round(pb, stub, args, prompt):
     steady_begin = time.perf_counter()
     time.sleep(args.steady)
     steady_end = time.perf_counter()
-    session = Session(pb, stub)
-    prefill_begin = time.perf_counter()
-    session.step(prompt)
-    prefill_end = time.perf_counter()
+    prefill_begin, prefill_end = prefill(pipe, args.prompt)
     time.sleep(0.2)
     stop.set()
     for thread in threads:
         thread.join()
-    session.close()
     everything = [s for per in steps for s in per]
     steady = [e - b for b, e in everything if b >= steady_begin and e <= steady_end]
     during = [e - b for b, e in everything if prefill_begin <= b < prefill_end]
@@ -160,22 +176,31 @@ def main():
             channel = grpc.insecure_channel(address, [("grpc.max_receive_message_length", -1),
                                                       ("grpc.max_send_message_length", -1)])
             stub = pb_grpc.AttentionServiceStub(channel)
-            report(pb, stub, args, server_flags)
+            spawn = multiprocessing.get_context("spawn")
+            pipe, child_pipe = spawn.Pipe()
+            child = spawn.Process(target=prefill_child,
+                                  args=(address, directory, args.prompt, child_pipe))
+            child.start()
+            try:
+                report(pb, stub, args, server_flags, pipe)
+            finally:
+                pipe.send(None)
+                child.join()
         finally:
             process.terminate()
             process.wait()
 
 
-def report(pb, stub, args, server_flags):
-    prompt = rows(np.random.default_rng(34), args.prompt)
+def report(pb, stub, args, server_flags, pipe):
     print(f"server flags {' '.join(server_flags) or '(defaults)'}; {args.sessions} sessions "
           f"decoding (context {args.context}) beside a {args.prompt}-token prompt, {MODEL}; "
           f"load {open('/proc/loadavg').read().split()[0]} at start", flush=True)
-    prefill_alone(pb, stub, prompt[:, :256])  # first-call costs
+    prefill(pipe, 256)  # first-call costs
     results = []
     for r in range(args.rounds):
-        alone = prefill_alone(pb, stub, prompt)
-        steady, during, beside, n_steady, n_during = one_round(pb, stub, args, prompt)
+        begin, end = prefill(pipe, args.prompt)
+        alone = end - begin
+        steady, during, beside, n_steady, n_during = one_round(pb, stub, args, pipe)
         results.append((steady, during, alone, beside))
         print(f"round {r + 1}: decode p99 steady {steady * 1e3:7.1f} ms ({n_steady} steps), "
               f"during prefill {during * 1e3:7.1f} ms ({n_during} steps): {during / steady:5.2f}x;"

@@ -85,6 +85,10 @@ void AddBatchingFlags(CLI::App& app, ServerConfig* c) {
        "With --batching-delay fixed: longest wait, in microseconds, for a batch to fill "
        "before it runs anyway")
       ->check(CLI::Range(int64_t{0}, int64_t{60'000'000}));
+  Flag(app, "--piece-wait-us", &c->batching.piece_wait_us,
+       "Longest wait, in microseconds, of a piece of a long session step for the tasks just "
+       "answered beside the piece before it to come back (0: none)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1'000'000}));
   Flag(app, "--queue-capacity", &c->batching.queue_capacity,
        "Most requests waiting per model; beyond it requests get RESOURCE_EXHAUSTED")
       ->check(CLI::Range(1, 1 << 24));

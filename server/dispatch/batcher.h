@@ -18,7 +18,11 @@
 // max_batch_size of those: carried tasks do not count), without waiting for
 // the batch to fill. So a long task holds the thread one piece at a time, not
 // for its whole compute. A carried task is never dropped here: its deadline
-// and cancellation are the callback's to check between its pieces.
+// and cancellation are the callback's to check between its pieces. When the
+// batch before also answered other tasks and none is queued yet, the next
+// piece waits up to `piece_wait_us` for one: a decoding session steps again
+// as soon as it is answered, and a piece computed without its step holds
+// that step for a whole piece.
 //
 // Worst-case queueing latency of a task: the compute time of the batches
 // ahead of it (at most queue_capacity / max_batch_size of them), plus
@@ -103,6 +107,11 @@ struct BatcherOptions {
   // Most tasks waiting in the queue (tasks in a running batch do not count).
   // Schedule() returns RESOURCE_EXHAUSTED beyond it. Must be >= 1.
   int queue_capacity = 512;
+  // How long a carried piece waits for a task when the batch before answered
+  // others and none is queued (--piece-wait-us): about a client's round trip
+  // on one host, so the steps just answered join the piece's batch. Must be
+  // >= 0; 0: pieces never wait.
+  int64_t piece_wait_us = 1000;
   // For tests. Not owned; must outlive the batcher. nullptr: RealBatcherClock().
   BatcherClock* clock = nullptr;
 };
@@ -205,6 +214,10 @@ absl::StatusOr<std::unique_ptr<Batcher<Task>>> Batcher<Task>::Create(Options opt
   if (options.max_queue_delay_us < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_queue_delay_us must be >= 0; was ", options.max_queue_delay_us));
+  }
+  if (options.piece_wait_us < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("piece_wait_us must be >= 0; was ", options.piece_wait_us));
   }
   if (options.queue_capacity < 1) {
     return absl::InvalidArgumentError(
@@ -310,13 +323,19 @@ void Batcher<Task>::AnswerDropped(std::vector<Dropped> dropped) {
 template <typename Task>
 void Batcher<Task>::Loop() {
   std::vector<std::unique_ptr<Task>> carried;  // unfinished tasks of the last batch
+  bool answered_others = false;                // the last batch finished some tasks
   for (;;) {
     std::vector<std::unique_ptr<Task>> batch = std::move(carried);
     carried.clear();
     std::vector<Dropped> dropped;
     {
       absl::MutexLock lock(&mu_);
-      // Carried work is ready now: it waits neither for tasks nor to fill.
+      // Carried work is ready now: it waits neither to fill nor for the
+      // delay, only a moment for the tasks just answered to come back.
+      if (!batch.empty() && answered_others && queue_.empty() && options_.piece_wait_us > 0) {
+        clock_->AwaitWithDeadline(mu_, absl::Condition(this, &Batcher::HasWorkOrDraining),
+                                  clock_->Now() + absl::Microseconds(options_.piece_wait_us));
+      }
       if (batch.empty()) {
         mu_.Await(absl::Condition(this, &Batcher::HasWorkOrDraining));
         if (queue_.empty()) return;  // draining and every task answered
@@ -341,7 +360,9 @@ void Batcher<Task>::Loop() {
       }
     }
     AnswerDropped(std::move(dropped));
+    const size_t size = batch.size();
     if (!batch.empty()) carried = process_batch_(std::move(batch));
+    answered_others = carried.size() < size;
   }
 }
 

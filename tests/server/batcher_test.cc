@@ -139,8 +139,10 @@ class BatcherTest : public ::testing::Test {
   // kFixed unless told: the tests written before kWhileBusy check today's delay.
   std::unique_ptr<TestBatcher> Make(int max_batch_size, int64_t max_queue_delay_us,
                                     int queue_capacity = 100,
-                                    BatchingDelay delay = BatchingDelay::kFixed) {
+                                    BatchingDelay delay = BatchingDelay::kFixed,
+                                    int64_t piece_wait_us = 1000) {
     TestBatcher::Options options;
+    options.piece_wait_us = piece_wait_us;
     options.delay = delay;
     options.max_batch_size = max_batch_size;
     options.max_queue_delay_us = max_queue_delay_us;
@@ -178,6 +180,7 @@ TEST(BatcherCreateTest, RejectsOutOfRangeOptions) {
   const Case cases[] = {
       {{.max_batch_size = 0}, "max_batch_size must be >= 1; was 0"},
       {{.max_queue_delay_us = -5}, "max_queue_delay_us must be >= 0; was -5"},
+      {{.piece_wait_us = -1}, "piece_wait_us must be >= 0; was -1"},
       {{.queue_capacity = 0}, "queue_capacity must be >= 1; was 0"},
   };
   for (const Case& c : cases) {
@@ -330,7 +333,8 @@ TEST_F(BatcherTest, UnfinishedTaskRunsFirstInTheNextBatchesBesideQueuedOnes) {
 // The clock never moves: carried work is ready, so it waits for no delay,
 // and the batcher's destruction finishes it.
 TEST_F(BatcherTest, UnfinishedTaskRunsWithoutWaitingForTheDelay) {
-  auto batcher = Make(/*max_batch_size=*/2, /*max_queue_delay_us=*/3'600'000'000);
+  auto batcher = Make(/*max_batch_size=*/2, /*max_queue_delay_us=*/3'600'000'000,
+                      /*queue_capacity=*/100, BatchingDelay::kFixed, /*piece_wait_us=*/0);
   ScheduleOk(*batcher, 0, absl::InfiniteFuture(), /*pieces=*/3);
   ScheduleOk(*batcher, 1);
   ASSERT_TRUE(recorder_.WaitForAnswered(2));
@@ -340,6 +344,27 @@ TEST_F(BatcherTest, UnfinishedTaskRunsWithoutWaitingForTheDelay) {
   batcher.reset();
   EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0, 1), ElementsAre(0), ElementsAre(0),
                                                ElementsAre(2), ElementsAre(2)));
+}
+
+// After a batch that answered others, a piece waits up to piece_wait_us for
+// a task to join it, and no longer; after one that answered none, not at
+// all.
+TEST_F(BatcherTest, APieceWaitsBrieflyForTheTasksJustAnsweredToComeBack) {
+  auto batcher = Make(/*max_batch_size=*/2, /*max_queue_delay_us=*/0, /*queue_capacity=*/100,
+                      BatchingDelay::kWhileBusy, /*piece_wait_us=*/500);
+  ScheduleOk(*batcher, 0, absl::InfiniteFuture(), /*pieces=*/4);
+  ScheduleOk(*batcher, 1);
+  ASSERT_TRUE(recorder_.WaitForAnswered(1));
+  LetBatcherRun();
+  EXPECT_EQ(recorder_.batches().size(), 1u) << "the piece did not wait";
+  ScheduleOk(*batcher, 2);  // came back within the wait: joins the piece
+  ASSERT_TRUE(recorder_.WaitForAnswered(2));
+  LetBatcherRun();
+  EXPECT_EQ(recorder_.batches().size(), 2u);
+  clock_.Advance(absl::Microseconds(500));  // nobody comes back: the piece runs alone,
+  ASSERT_TRUE(recorder_.WaitForAnswered(3));  // and so does the next, without waiting
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0, 1), ElementsAre(0, 2),
+                                               ElementsAre(0), ElementsAre(0)));
 }
 
 // kWhileBusy: the clock never moves in these tests, so a batch that runs ran
