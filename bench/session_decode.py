@@ -24,7 +24,6 @@ import time
 import grpc
 import numpy as np
 
-import attention_client
 from rest_vs_grpc import inference_pb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,14 +36,15 @@ def server_cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_server(binary, directory):
+def start_server(binary, directory, flags=(), embed_dim=512, heads=8):
+    """attention-server with `flags` over a repository holding the E=embed_dim model."""
     subprocess.run([sys.executable, os.path.join(ROOT, "bench", "make_service_model.py"),
-                    directory, "--embed-dim", "512", "--heads", "8"], check=True,
+                    directory, "--embed-dim", str(embed_dim), "--heads", str(heads)], check=True,
                    stdout=subprocess.DEVNULL)
     ports = os.path.join(directory, "ports")
     process = subprocess.Popen([binary, "--address", "127.0.0.1:0", "--metrics-address", "",
                                 "--http-address", "", "--model-repository", directory,
-                                "--port-file", ports], stdout=subprocess.DEVNULL,
+                                "--port-file", ports, *flags], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     while not os.path.exists(ports):
         if process.poll() is not None:
@@ -99,6 +99,7 @@ def main():
 
 def run(steps, address, pid, pb, pb_grpc):
     tokens = np.random.default_rng(25).uniform(-1, 1, (1, steps, 512)).astype(np.float32)
+    import attention_client  # here: start_server() is also used without the client installed
     client = attention_client.AttentionClient(address, timeout=60)
     channel = grpc.insecure_channel(address, [("grpc.max_receive_message_length", -1)])
     infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer

@@ -148,7 +148,9 @@ void Session::State::Rollback() {
 }
 
 double Session::State::StepWork(const AttentionDims& dims) const {
-  const double held_rows = static_cast<double>(batch) * static_cast<double>(length);
+  const int64_t held = memory == SessionMemory::kSelf ? dims.num_keys - dims.num_queries
+                                                      : dims.num_keys;
+  const double held_rows = static_cast<double>(batch) * static_cast<double>(held);
   double work = RequestWork(*model, dims);
   if (model->kind == Kind::kMultiHead) {
     work -= held_rows * static_cast<double>((key_size + value_size) * model->output_size);
@@ -420,12 +422,16 @@ absl::Status CheckStepLimits(const Session::State& state, const SessionStep& ste
         absl::StrCat("queries: expected at most ", limits.max_request_elements,
                      " float elements in queries, output and weights together, got ", elements));
   }
-  const double work = state.StepWork(dims);
+  // A step is computed in pieces of at most the limit's work (ChunkRows),
+  // so what must fit is its costliest piece of one row: the last.
+  AttentionDims last_row = dims;
+  last_row.num_queries = 1;
+  const double work = state.StepWork(last_row);
   if (limits.max_request_work > 0 && work > static_cast<double>(limits.max_request_work)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "queries: expected at most ", limits.max_request_work, " work units for one step, got ",
-        work, " (B=", dims.batch, " n_new=", dims.num_queries, " length=", dims.num_keys,
-        "); send fewer tokens per step"));
+        "queries: expected at most ", limits.max_request_work,
+        " work units for one token of a step, got ", work, " (B=", dims.batch,
+        " length=", dims.num_keys, "); the session is too long for this server"));
   }
   const double scratch = RequestScratch(dims);
   if (limits.max_request_scratch_elements > 0 &&
@@ -449,5 +455,28 @@ absl::StatusOr<ValidatedStep> ValidateStep(Session& session, const SessionStep& 
   RETURN_IF_ERROR(CheckTensorFinite("queries", step.queries));
   return ValidatedStep{&session, &step, dims, nullptr};
 }
+
+int64_t ChunkRows(const ValidatedStep& step, double max_work) {
+  const Session::State& state = *step.session->state_;
+  const int64_t rest = step.dims.num_queries - step.done_rows;
+  if (max_work <= 0) return rest;
+  // The piece of `rows` rows, after the done_rows before it.
+  auto work = [&](int64_t rows) {
+    AttentionDims piece = step.dims;
+    piece.num_queries = rows;
+    if (state.memory == SessionMemory::kSelf) piece.num_keys = state.length + step.done_rows + rows;
+    return state.StepWork(piece);
+  };
+  // Work grows with the rows: the largest count within max_work, by halves.
+  int64_t fits = 1, over = rest + 1;
+  if (work(rest) <= max_work) return rest;
+  while (over - fits > 1) {
+    const int64_t mid = fits + (over - fits) / 2;
+    (work(mid) <= max_work ? fits : over) = mid;
+  }
+  return fits;
+}
+
+void AbandonStep(const ValidatedStep& step) { step.session->state_->Rollback(); }
 
 }  // namespace attention

@@ -125,6 +125,8 @@ class Session {
   friend class Engine;
   friend absl::StatusOr<ValidatedStep> ValidateStep(Session& session, const SessionStep& step,
                                                     const Limits& limits);
+  friend int64_t ChunkRows(const ValidatedStep& step, double max_work);
+  friend void AbandonStep(const ValidatedStep& step);
 };
 
 struct SessionStep {
@@ -143,6 +145,18 @@ struct ValidatedStep {
   // the step (self) or n_k (cross).
   AttentionDims dims;
   StopCheck stop = nullptr;
+  // A long step may be computed in pieces, one RunSteps call each, in order
+  // (chunked prefill, so that other sessions' steps run between them):
+  // `done_rows` rows of each example were computed by the calls before, and
+  // this call computes the next `chunk_rows` (0: all the rest). Between
+  // pieces the session holds the rows computed so far past its length, not
+  // yet its own: a later piece's queries see them, length() grows by the
+  // whole step with its last piece, and a piece that fails (or
+  // AbandonStep()) gives every row of the step back. The caller advances
+  // done_rows by chunk_rows after each piece answered OK, and passes the
+  // same result to every piece: it gathers the outputs of all of them.
+  int64_t done_rows = 0;
+  int64_t chunk_rows = 0;
 };
 
 // Engine::RunSteps(steps, results) (engine.h) computes validated steps of
@@ -155,12 +169,30 @@ struct ValidatedStep {
 // the answer overflows float32 (INVALID_ARGUMENT, as Run() says), or the
 // step cannot run with the others (FAILED_PRECONDITION: a second step of
 // one session in the same call, or a session of another model), and then
-// that session is as before the step while the others go on.
+// that session is as before the step while the others go on. A step in
+// pieces takes the blocks of all its rows with its first piece (so a full
+// pool refuses it before any work), and each later piece asks its StopCheck
+// before it begins; results[s] is whole once its last piece is computed.
 
 // INVALID_ARGUMENT naming the field (shape, batch, sizes, non-finite
 // values, the request limits), or RESOURCE_EXHAUSTED when the step would take
 // a self session past its max_length (naming it, the length and n_new).
+// Elements and scratch are counted over the whole step; work over its
+// costliest row (the last, which sees every key): a step is computed in
+// pieces (ValidatedStep::chunk_rows), each of which the caller keeps within
+// the work limit with ChunkRows().
 absl::StatusOr<ValidatedStep> ValidateStep(Session& session, const SessionStep& step,
                                            const Limits& limits = {});
+
+// Rows of the step's next piece, from done_rows on: the most whose work
+// (RequestWork of the piece, less the projections of the rows held before
+// it) is at most `max_work`, and at least one row; every remaining row when
+// max_work <= 0. Pieces of one step so cut cost about the same work each:
+// fewer rows as the keys before them grow.
+int64_t ChunkRows(const ValidatedStep& step, double max_work);
+
+// For a step given up between its pieces (its caller failed): gives back
+// the rows its pieces appended, so the session is as before the step.
+void AbandonStep(const ValidatedStep& step);
 
 }  // namespace attention

@@ -73,8 +73,10 @@ class Session::State {
   // session with no rows forgets the row width its first step gave it.
   void Rollback();
   int64_t held_bytes() const;
-  // Work units of a step with sizes `dims` (RequestWork), less the
-  // projections of the rows held, which the session made once.
+  // Work units of a step (or a piece of one) with sizes `dims`
+  // (RequestWork), less the projections of the keys before it, which the
+  // session made once: all n_k for cross memory, the n_k - n_q before the
+  // piece's own rows for self memory.
   double StepWork(const AttentionDims& dims) const;
 
   std::shared_ptr<const Model> model;

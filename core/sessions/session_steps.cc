@@ -9,7 +9,10 @@
 //      the keys and values in place from the blocks;
 //   4. multi_head: one output projection over the heads of every step.
 // A step that fails gives its new blocks back and leaves its session's
-// length as it was; the other steps go on.
+// length as it was; the other steps go on. A long step may come in pieces
+// (ValidatedStep::chunk_rows, chunked prefill): each piece is computed as a
+// step of its own rows over the keys before them, its output gathered into
+// the step's result, and the session's length grows only with the last.
 #include <algorithm>
 #include <deque>
 #include <string>
@@ -34,33 +37,71 @@ using internal::AttentionTask;
 using internal::Projection;
 using internal::RequestStop;
 
-// One step as this run sees it.
+// The rows of the step this run computes: all of them, or one piece.
+struct Piece {
+  int64_t offset = 0;  // rows of each example computed by earlier pieces
+  AttentionDims dims;  // the piece as a step of its own
+  TensorView queries;
+  std::vector<float> copied;  // the piece's queries, when B > 1 spreads them
+};
+
+Piece PieceOf(const ValidatedStep& step, const Session::State& state) {
+  const AttentionDims& d = step.dims;
+  const int64_t rest = d.num_queries - step.done_rows;
+  Piece piece{step.done_rows, d, step.step->queries, {}};
+  const int64_t rows = step.chunk_rows > 0 ? std::min(step.chunk_rows, rest) : rest;
+  if (rows == d.num_queries) return piece;
+  piece.dims.num_queries = rows;
+  if (state.memory == SessionMemory::kSelf) piece.dims.num_keys = state.length + piece.offset + rows;
+  const std::span<const float> all = step.step->queries.data;
+  const int64_t width = d.query_size;
+  if (d.batch == 1) {
+    piece.queries.data = all.subspan(piece.offset * width, rows * width);
+  } else {
+    for (int64_t b = 0; b < d.batch; ++b) {
+      const auto first = all.begin() + (b * d.num_queries + piece.offset) * width;
+      piece.copied.insert(piece.copied.end(), first, first + rows * width);
+    }
+    piece.queries.data = piece.copied;
+  }
+  piece.queries.shape = {d.batch, rows, width};
+  return piece;
+}
+
+// One step (or piece of one) as this run sees it.
 struct StepRun {
-  StepRun(const ValidatedStep& step, Session::State& state, AttentionResult& result)
-      : step(&step), state(&state), result(&result) {}
+  StepRun(const ValidatedStep& step, Session::State& state, AttentionResult& answer)
+      : step(&step), state(&state), answer(&answer), piece(PieceOf(step, state)) {}
 
   const ValidatedStep* step;
   Session::State* state;
-  AttentionResult* result;
+  AttentionResult* answer;  // the whole step's, across its pieces
+  Piece piece;
+  // This run's rows, when not the whole step (mutable: the kernels write
+  // into it through a const run, as into the step's own result).
+  mutable AttentionResult piece_result;
   RequestStop* stop = nullptr;
   int64_t first_row = 0;  // of its query rows in the stacking of every step's
-  // Self memory: query i of the step sees keys [0, length + i + 1).
+  // Self memory: query i of the piece sees keys [0, length + offset + i + 1).
   std::vector<int32_t> causal_lens;
   std::vector<float> query_bias;  // distance: -scale/2 |q|^2 per query row
 
-  const TensorView& queries() const { return step->step->queries; }
-  const AttentionDims& dims() const { return step->dims; }
+  const TensorView& queries() const { return piece.queries; }
+  const AttentionDims& dims() const { return piece.dims; }
+  bool whole() const { return dims().num_queries == step->dims.num_queries; }
+  bool last() const { return piece.offset + dims().num_queries == step->dims.num_queries; }
+  AttentionResult& result() const { return whole() ? *answer : piece_result; }
   int64_t rows() const { return dims().batch * dims().num_queries; }
   bool self() const { return state->memory == SessionMemory::kSelf; }
 };
 
-// A zero output of the step's shape, and zero weights if it asks for them.
-void ShapeResult(const Model& model, const ValidatedStep& step, AttentionResult& result) {
-  const AttentionDims& d = step.dims;
+// A zero output of shape `d`, and zero weights if asked for.
+void ShapeResult(const Model& model, const AttentionDims& d, bool weights,
+                 AttentionResult& result) {
   result = {};
   result.output.shape = {d.batch, d.num_queries, d.output_size};
   result.output.data.assign(d.output_elements(), 0.0f);
-  if (!step.step->return_attention_weights) return;
+  if (!weights) return;
   result.attention_weights.shape =
       model.kind == Kind::kMultiHead
           ? std::vector<int64_t>{d.batch, d.num_heads, d.num_queries, d.num_keys}
@@ -68,19 +109,29 @@ void ShapeResult(const Model& model, const ValidatedStep& step, AttentionResult&
   result.attention_weights.data.assign(d.weight_elements(), 0.0f);
 }
 
-// Self memory: the blocks for the step's rows (a dot_product session's
-// first step also fixes its row width).
+// A later piece first asks its stop (a step stopped between its pieces
+// gives its rows back). Self memory: the blocks for every row of the step,
+// taken with its first piece (a dot_product session's first step also fixes
+// its row width).
 absl::Status BeginStep(StepRun& run) {
   Session::State& state = *run.state;
-  if (!run.self()) return absl::OkStatus();
-  if (state.key_width == 0) {
-    state.key_width = state.value_width = state.key_size = state.value_size = run.dims().query_size;
+  absl::Status status;
+  if (run.piece.offset > 0 && run.step->stop) status = run.step->stop();
+  if (status.ok() && run.self()) {
+    if (state.key_width == 0) {
+      state.key_width = state.value_width = state.key_size = state.value_size =
+          run.dims().query_size;
+    }
+    status = state.Reserve(state.length + run.step->dims.num_queries);
   }
-  const absl::Status status = state.Reserve(state.length + run.dims().num_queries);
-  if (!status.ok()) state.Rollback();
-  run.causal_lens.resize(run.dims().num_queries);
+  if (!status.ok()) {
+    state.Rollback();
+    return status;
+  }
+  const int64_t before = state.length + run.piece.offset;
+  run.causal_lens.resize(run.self() ? run.dims().num_queries : 0);
   for (size_t i = 0; i < run.causal_lens.size(); ++i) {
-    run.causal_lens[i] = static_cast<int32_t>(state.length + static_cast<int64_t>(i) + 1);
+    run.causal_lens[i] = static_cast<int32_t>(before + static_cast<int64_t>(i) + 1);
   }
   return status;
 }
@@ -205,18 +256,18 @@ void ProjectInputs(ThreadPool& pool, const Model& model, const StepScratch& s,
 }
 
 // A self step's new keys and values into its blocks, after the session's
-// length: `keys` and `values` (rows of the step, row stride `stride`).
+// length and the step's earlier pieces: `keys` and `values` (rows of the
+// piece, row stride `stride`).
 void Append(const StepRun& run, const float* keys, const float* values, int64_t stride) {
   Session::State& state = *run.state;
-  const int64_t n = run.dims().num_queries;
+  const int64_t n = run.dims().num_queries, before = state.length + run.piece.offset;
   for (int64_t b = 0; b < state.batch; ++b) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t row = (b * n + i) * stride;
-      std::copy_n(keys + row, state.key_width,
-                  state.keys[b].Row(state.length + i, state.key_width));
+      std::copy_n(keys + row, state.key_width, state.keys[b].Row(before + i, state.key_width));
       if (state.values_are_keys) continue;
       std::copy_n(values + row, state.value_width,
-                  state.values[b].Row(state.length + i, state.value_width));
+                  state.values[b].Row(before + i, state.value_width));
     }
   }
 }
@@ -259,7 +310,7 @@ void AddHeadTasks(const Model& model, const StepScratch& s, StepRun& run,
       p.bounds = BoundsOf(run, b);
       p.precision = model.precision;
       SetMemory(p, *run.state, b, h * head_size);
-      internal::AddTasks(p, internal::WeightsOf(*run.result, b * heads + h, run.dims()), tasks);
+      internal::AddTasks(p, internal::WeightsOf(run.result(), b * heads + h, run.dims()), tasks);
     }
   }
 }
@@ -287,7 +338,7 @@ void AddExampleTasks(const Model& model, const StepScratch& s, StepRun& run,
     FlashProblem& p = problems.emplace_back(BaseProblem(run));
     p.queries = queries + b * d.num_queries * query_width;
     p.query_stride = query_width;
-    p.output = run.result->output.data.data() + b * d.num_queries * d.value_size;
+    p.output = run.result().output.data.data() + b * d.num_queries * d.value_size;
     p.output_stride = d.value_size;
     p.head_size = query_width;
     p.value_size = d.value_size;
@@ -299,21 +350,21 @@ void AddExampleTasks(const Model& model, const StepScratch& s, StepRun& run,
     }
     if (model.kind == Kind::kDotProduct) p.precision = model.precision;
     SetMemory(p, *run.state, b, 0);
-    internal::AddTasks(p, internal::WeightsOf(*run.result, b, d), tasks);
+    internal::AddTasks(p, internal::WeightsOf(run.result(), b, d), tasks);
   }
 }
 
 // The output projection of every step's heads, into its result.
 void ProjectOutput(ThreadPool& pool, const Model& model, const StepScratch& s,
                    std::span<const StepRun> runs) {
-  float* out = runs.size() == 1 ? runs[0].result->output.data.data() : s.output;
+  float* out = runs.size() == 1 ? runs[0].result().output.data.data() : s.output;
   internal::RunProjections(pool,
                            {{s.concat, out, s.rows, &model.w_o, &model.b_o, true, &model.packed_o}},
                            runs.size() == 1 ? runs[0].stop : nullptr);
   if (runs.size() == 1) return;
   for (const StepRun& run : runs) {
-    std::copy_n(s.output + run.first_row * s.width, run.result->output.data.size(),
-                run.result->output.data.begin());
+    std::copy_n(s.output + run.first_row * s.width, run.result().output.data.size(),
+                run.result().output.data.begin());
   }
 }
 
@@ -326,9 +377,9 @@ void AdditiveRows(const Model& model, const StepRun& run, int64_t b, const float
   const AttentionDims& d = run.dims();
   const int64_t hidden = state.key_width, n_k = d.num_keys;
   const Eigen::Map<const Vector> w_v(model.w_v.data(), hidden);
-  internal::MatrixMap output(run.result->output.data.data() + b * d.num_queries * d.value_size,
+  internal::MatrixMap output(run.result().output.data.data() + b * d.num_queries * d.value_size,
                              d.num_queries, d.value_size);
-  float* weights = internal::WeightsOf(*run.result, b, d);
+  float* weights = internal::WeightsOf(run.result(), b, d);
   const KeyBounds bounds = BoundsOf(run, b);
   thread_local RowMatrix features;
   thread_local Vector scores;
@@ -402,10 +453,10 @@ void RunStepsOf(ThreadPool& pool, const Model& model, std::span<StepRun> runs) {
 
 // OK when the step's answer is finite (as Engine::Run checks its requests').
 absl::Status CheckFinite(const Model& model, const StepRun& run) {
-  for (const Tensor* tensor : {&run.result->output, &run.result->attention_weights}) {
+  for (const Tensor* tensor : {&run.result().output, &run.result().attention_weights}) {
     if (const int64_t at = FirstNonFinite(tensor->data); at >= 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat(tensor == &run.result->output ? "output" : "attention_weights", "[", at,
+          absl::StrCat(tensor == &run.result().output ? "output" : "attention_weights", "[", at,
                        "]: expected a finite value, got ", tensor->data[at],
                        ": the step overflows float32 on model '", model.name, "' (scale ",
                        run.dims().scale, "); send a smaller scale or smaller values"));
@@ -414,17 +465,42 @@ absl::Status CheckFinite(const Model& model, const StepRun& run) {
   return absl::OkStatus();
 }
 
-// The step's status; its session grows by the step if OK, else is as before.
+// A piece's output rows (and weights) into the whole step's result: per
+// example (and head), its rows after the earlier pieces'; a piece's weights
+// rows are as long as the keys it saw, the later keys being masked anyway.
+void GatherPiece(const StepRun& run) {
+  const AttentionDims &piece = run.dims(), &whole = run.step->dims;
+  const int64_t rows = piece.num_queries, offset = run.piece.offset;
+  const std::vector<float>& output = run.piece_result.output.data;
+  std::vector<float>& answer = run.answer->output.data;
+  for (int64_t b = 0; b < piece.batch; ++b) {
+    std::copy_n(output.begin() + b * rows * piece.output_size, rows * piece.output_size,
+                answer.begin() + (b * whole.num_queries + offset) * whole.output_size);
+  }
+  const std::vector<float>& weights = run.piece_result.attention_weights.data;
+  if (weights.empty()) return;
+  std::vector<float>& all = run.answer->attention_weights.data;
+  for (int64_t slice = 0; slice < piece.batch * piece.num_heads; ++slice) {
+    for (int64_t i = 0; i < rows; ++i) {
+      std::copy_n(weights.begin() + (slice * rows + i) * piece.num_keys, piece.num_keys,
+                  all.begin() + (slice * whole.num_queries + offset + i) * whole.num_keys);
+    }
+  }
+}
+
+// The piece's status; the session grows by the step with its last piece if
+// OK, and is as before the step otherwise.
 void FinishStep(const Model& model, StepRun& run) {
-  absl::Status status = run.result->status;
+  absl::Status status = run.result().status;
   if (status.ok() && run.stop != nullptr) status = run.stop->why();
   if (status.ok()) status = CheckFinite(model, run);
   if (!status.ok()) {
-    *run.result = {.output = {}, .attention_weights = {}, .status = status};
+    *run.answer = {.output = {}, .attention_weights = {}, .status = status};
     run.state->Rollback();
     return;
   }
-  if (run.self()) run.state->length += run.dims().num_queries;
+  if (!run.whole()) GatherPiece(run);
+  if (run.self() && run.last()) run.state->length += run.step->dims.num_queries;
 }
 
 // FAILED_PRECONDITION for a step RunSteps cannot run with the others: of
@@ -462,8 +538,10 @@ void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionR
       results[s] = {.output = {}, .attention_weights = {}, .status = status};
       continue;
     }
-    ShapeResult(model, steps[s], results[s]);
-    const double step_work = run.state->StepWork(steps[s].dims);
+    const bool weights = steps[s].step->return_attention_weights;
+    if (run.piece.offset == 0) ShapeResult(model, steps[s].dims, weights, results[s]);
+    if (!run.whole()) ShapeResult(model, run.dims(), weights, run.piece_result);
+    const double step_work = run.state->StepWork(run.dims());
     work += step_work;
     if (steps[s].stop && step_work >= kStopPollWork) {
       run.stop = &stop_storage.emplace_back(steps[s].stop);

@@ -57,6 +57,8 @@ struct ServerConfig {
   Limits limits;
   // Most request bytes held at once, all models together; 0: no cap.
   int64_t max_queued_bytes = DispatchOptions{}.max_queued_bytes;
+  // Work units of one piece of a long session step (--chunk-work); 0: whole.
+  int64_t chunk_work = DispatchOptions{}.chunk_work;
   // Decoding sessions: --session-memory-bytes, --max-sessions,
   // --max-session-length, --session-idle-seconds.
   SessionOptions sessions;

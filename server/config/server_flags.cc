@@ -85,6 +85,10 @@ void AddBatchingFlags(CLI::App& app, ServerConfig* c) {
        "With --batching-delay fixed: longest wait, in microseconds, for a batch to fill "
        "before it runs anyway")
       ->check(CLI::Range(int64_t{0}, int64_t{60'000'000}));
+  Flag(app, "--piece-wait-us", &c->batching.piece_wait_us,
+       "Longest wait, in microseconds, of a piece of a long session step for the tasks just "
+       "answered beside the piece before it to come back (0: none)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1'000'000}));
   Flag(app, "--queue-capacity", &c->batching.queue_capacity,
        "Most requests waiting per model; beyond it requests get RESOURCE_EXHAUSTED")
       ->check(CLI::Range(1, 1 << 24));
@@ -104,6 +108,10 @@ void AddLimitFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--max-request-scratch-elements", &c->limits.max_request_scratch_elements,
        "Most floats of engine scratch per thread one request may need (64 x the sum of its "
        "feature sizes); more is refused with INVALID_ARGUMENT (0: no cap)")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--chunk-work", &c->chunk_work,
+       "Most work units of one piece of a session step: a longer step (a prompt's prefill) is "
+       "computed in pieces, other batches running between them (0: steps whole)")
       ->check(CLI::Range(int64_t{0}, INT64_MAX));
   Flag(app, "--max-queued-bytes", &c->max_queued_bytes,
        "Most bytes of request messages held at once (admitted, not yet answered), all models "

@@ -12,6 +12,18 @@
 // Use one Batcher per model when concurrent requests are cheaper to compute
 // together than one by one. With max_batch_size = 1 it is a plain bounded FIFO.
 //
+// A long task may be computed in pieces, one per batch (chunked prefill): the
+// ProcessBatch callback returns the tasks it has not finished, and they run
+// again, first, in the next batch, beside the tasks queued meanwhile (up to
+// max_batch_size of those: carried tasks do not count), without waiting for
+// the batch to fill. So a long task holds the thread one piece at a time, not
+// for its whole compute. A carried task is never dropped here: its deadline
+// and cancellation are the callback's to check between its pieces. When the
+// batch before also answered other tasks and none is queued yet, the next
+// piece waits up to `piece_wait_us` for one: a decoding session steps again
+// as soon as it is answered, and a piece computed without its step holds
+// that step for a whole piece.
+//
 // Worst-case queueing latency of a task: the compute time of the batches
 // ahead of it (at most queue_capacity / max_batch_size of them), plus
 // max_queue_delay_us with kFixed.
@@ -95,6 +107,11 @@ struct BatcherOptions {
   // Most tasks waiting in the queue (tasks in a running batch do not count).
   // Schedule() returns RESOURCE_EXHAUSTED beyond it. Must be >= 1.
   int queue_capacity = 512;
+  // How long a carried piece waits for a task when the batch before answered
+  // others and none is queued (--piece-wait-us): about a client's round trip
+  // on one host, so the steps just answered join the piece's batch. Must be
+  // >= 0; 0: pieces never wait.
+  int64_t piece_wait_us = 1000;
   // For tests. Not owned; must outlive the batcher. nullptr: RealBatcherClock().
   BatcherClock* clock = nullptr;
 };
@@ -107,9 +124,12 @@ class Batcher {
  public:
   using Options = BatcherOptions;
 
-  // Computes one batch of 1..max_batch_size tasks, in arrival order. Runs on
-  // the batcher's thread; the next batch fills meanwhile.
-  using ProcessBatch = std::function<void(std::vector<std::unique_ptr<Task>> batch)>;
+  // Computes one batch: the tasks carried from the batch before, then
+  // 0..max_batch_size queued tasks in arrival order. Runs on the batcher's
+  // thread; the next batch fills meanwhile. Returns the tasks of the batch
+  // still unfinished, to carry into the next (none: every task answered).
+  using ProcessBatch = std::function<std::vector<std::unique_ptr<Task>>(
+      std::vector<std::unique_ptr<Task>> batch)>;
   // Answers a task that will never be processed; `why` is DEADLINE_EXCEEDED or
   // CANCELLED. Runs on the batcher's thread or inside Schedule().
   using DropTask = std::function<void(std::unique_ptr<Task> task, absl::Status why)>;
@@ -194,6 +214,10 @@ absl::StatusOr<std::unique_ptr<Batcher<Task>>> Batcher<Task>::Create(Options opt
   if (options.max_queue_delay_us < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_queue_delay_us must be >= 0; was ", options.max_queue_delay_us));
+  }
+  if (options.piece_wait_us < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("piece_wait_us must be >= 0; was ", options.piece_wait_us));
   }
   if (options.queue_capacity < 1) {
     return absl::InvalidArgumentError(
@@ -298,21 +322,33 @@ void Batcher<Task>::AnswerDropped(std::vector<Dropped> dropped) {
 
 template <typename Task>
 void Batcher<Task>::Loop() {
+  std::vector<std::unique_ptr<Task>> carried;  // unfinished tasks of the last batch
+  bool answered_others = false;                // the last batch finished some tasks
   for (;;) {
-    std::vector<std::unique_ptr<Task>> batch;
+    std::vector<std::unique_ptr<Task>> batch = std::move(carried);
+    carried.clear();
     std::vector<Dropped> dropped;
     {
       absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(this, &Batcher::HasWorkOrDraining));
-      if (queue_.empty()) return;  // draining and every task answered
-      if (options_.delay == BatchingDelay::kFixed) {
-        const absl::Time close_at =
-            queue_.front().enqueued + absl::Microseconds(options_.max_queue_delay_us);
-        clock_->AwaitWithDeadline(mu_, absl::Condition(this, &Batcher::BatchFullOrDraining),
-                                  close_at);
+      // Carried work is ready now: it waits neither to fill nor for the
+      // delay, only a moment for the tasks just answered to come back.
+      if (!batch.empty() && answered_others && queue_.empty() && options_.piece_wait_us > 0) {
+        clock_->AwaitWithDeadline(mu_, absl::Condition(this, &Batcher::HasWorkOrDraining),
+                                  clock_->Now() + absl::Microseconds(options_.piece_wait_us));
+      }
+      if (batch.empty()) {
+        mu_.Await(absl::Condition(this, &Batcher::HasWorkOrDraining));
+        if (queue_.empty()) return;  // draining and every task answered
+        if (options_.delay == BatchingDelay::kFixed) {
+          const absl::Time close_at =
+              queue_.front().enqueued + absl::Microseconds(options_.max_queue_delay_us);
+          clock_->AwaitWithDeadline(mu_, absl::Condition(this, &Batcher::BatchFullOrDraining),
+                                    close_at);
+        }
       }
       const absl::Time now = clock_->Now();
-      while (static_cast<int>(batch.size()) < options_.max_batch_size && !queue_.empty()) {
+      const size_t full = batch.size() + static_cast<size_t>(options_.max_batch_size);
+      while (batch.size() < full && !queue_.empty()) {
         Entry entry = std::move(queue_.front());
         queue_.pop_front();
         absl::Status why = Unrunnable(entry, now);
@@ -324,7 +360,9 @@ void Batcher<Task>::Loop() {
       }
     }
     AnswerDropped(std::move(dropped));
-    if (!batch.empty()) process_batch_(std::move(batch));
+    const size_t size = batch.size();
+    if (!batch.empty()) carried = process_batch_(std::move(batch));
+    answered_others = carried.size() < size;
   }
 }
 

@@ -25,6 +25,14 @@ struct DispatchOptions {
   // to answer, over all models; beyond it RESOURCE_EXHAUSTED. 0: no cap.
   // 2^30 is the documented default of --max-queued-bytes (docs/api.md).
   int64_t max_queued_bytes = int64_t{1} << 30;
+  // Work units of one piece of a long session step: a step over it is
+  // computed in pieces of at most this much (and of at most
+  // limits.max_request_work), one per batch of its model, so other steps and
+  // requests take turns with a prompt's prefill (chunked prefill). 0: steps
+  // are computed whole. 2^28 is the documented default of --chunk-work
+  // (docs/api.md): about 10 ms of this host's two cores, the time a batch
+  // of 16 decode steps of E=1024 takes.
+  int64_t chunk_work = int64_t{1} << 28;
   // Mutual TLS: client certificate names (SAN or CN) allowed to call;
   // empty: any certificate the CA signed.
   std::vector<std::string> allowed_client_identities;

@@ -65,7 +65,9 @@ absl::StatusOr<Dispatcher::ModelQueue*> Dispatcher::QueueFor(std::string_view na
   ModelQueue* q = queue.get();
   absl::StatusOr<std::unique_ptr<Batcher<Task>>> batcher = Batcher<Task>::Create(
       options_.batching,
-      [this, q](std::vector<std::unique_ptr<Task>> batch) { ProcessBatch(*q, std::move(batch)); },
+      [this, q](std::vector<std::unique_ptr<Task>> batch) {
+        return ProcessBatch(*q, std::move(batch));
+      },
       [this, q](std::unique_ptr<Task> task, absl::Status why) {
         DropTask(*q, std::move(task), why);
       },

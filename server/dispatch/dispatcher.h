@@ -19,7 +19,12 @@
 //
 // A session's step (core/sessions/session.h; SubmitStep) takes the same way into its
 // model's batcher, where the steps of a batch run as one Engine::RunSteps
-// beside its plain requests' Engine::Run.
+// beside its plain requests' Engine::Run. A step of more work than
+// DispatchOptions::chunk_work (a prompt's prefill) is computed in pieces, one
+// per batch: its batcher carries it into the next batch, first, beside the
+// steps and requests queued meanwhile, so they take turns with it rather
+// than wait for its whole compute; it is answered once, with every piece's
+// rows, after its last.
 //
 // Shutdown: BeginDrain() turns readiness false while calls are still
 // served (load balancers see it before anything is refused);
@@ -206,14 +211,30 @@ class Dispatcher {
   // Counts `task`'s bytes against --max-queued-bytes; RESOURCE_EXHAUSTED
   // beyond it.
   absl::Status HoldBytes(Task& task);
-  void ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch);
+  // Both return the tasks not finished (steps with pieces still to compute),
+  // which the batcher carries into its next batch.
+  std::vector<std::unique_ptr<Task>> ProcessBatch(ModelQueue& queue,
+                                                  std::vector<std::unique_ptr<Task>> batch);
   // Computes `tasks`, all of one model version, in one Engine::Run (the
-  // requests) and one Engine::RunSteps (the steps).
-  void RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> tasks);
+  // requests) and one Engine::RunSteps (the steps, or their next pieces),
+  // and answers every task finished.
+  std::vector<std::unique_ptr<Task>> RunBatch(ModelQueue& queue,
+                                              std::vector<std::unique_ptr<Task>> tasks);
   // The engine's part of RunBatch: `results` answers `batch`, whose first
   // `num_requests` tasks are requests and the rest steps.
   void Compute(const Model& model, std::span<const std::unique_ptr<Task>> batch,
                size_t num_requests, std::span<AttentionResult> results);
+  // Moves the steps of `batch` (from index `num_requests` on) with pieces
+  // still to compute out of `batch` and `results`, each keeping its result
+  // so far, and returns them. With `status` not OK (the engine failed) the
+  // steps are answered with it instead, their sessions as before the step.
+  std::vector<std::unique_ptr<Task>> TakeUnfinished(const absl::Status& status,
+                                                    std::vector<std::unique_ptr<Task>>& batch,
+                                                    size_t num_requests,
+                                                    std::vector<AttentionResult>& results);
+  // Work units of a session step's next piece: chunk_work, within the
+  // request work limit; 0: the whole step.
+  double ChunkWork() const;
   // Answers the tasks of a computed batch (on an answer thread): `status`
   // when it is not OK, each task's result otherwise.
   void AnswerBatch(std::vector<std::unique_ptr<Task>> batch, const absl::Status& status,

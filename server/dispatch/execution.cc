@@ -51,18 +51,27 @@ nlohmann::json RequestLogFields(const auto& task, std::string_view model,
 
 }  // namespace
 
-void Dispatcher::ProcessBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch) {
+std::vector<std::unique_ptr<Dispatcher::Task>> Dispatcher::ProcessBatch(
+    ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch) {
   // Versions of one model share a queue but never an execution: each run of
   // tasks on the same weights (in arrival order) is computed on its own.
+  std::vector<std::unique_ptr<Task>> unfinished;
   while (!batch.empty()) {
     const Model* model = batch.front()->served.model.get();
     std::vector<std::unique_ptr<Task>> same, rest;
     for (auto& task : batch) {
       (task->served.model.get() == model ? same : rest).push_back(std::move(task));
     }
-    RunBatch(queue, std::move(same));
+    for (auto& task : RunBatch(queue, std::move(same))) unfinished.push_back(std::move(task));
     batch = std::move(rest);
   }
+  return unfinished;
+}
+
+double Dispatcher::ChunkWork() const {
+  const int64_t chunk = options_.chunk_work, limit = options_.limits.max_request_work;
+  if (chunk <= 0 || limit <= 0) return static_cast<double>(std::max(chunk, limit));
+  return static_cast<double>(std::min(chunk, limit));
 }
 
 void Dispatcher::Compute(const Model& model, std::span<const std::unique_ptr<Task>> batch,
@@ -74,6 +83,8 @@ void Dispatcher::Compute(const Model& model, std::span<const std::unique_ptr<Tas
   for (const auto& task : batch) {
     StopCheck stop = [&t = *task] { return t.StopReason(); };
     if (task->is_step) {
+      // The step's next piece: the rows that fit in ChunkWork().
+      task->validated_step.chunk_rows = ChunkRows(task->validated_step, ChunkWork());
       steps.push_back(task->validated_step);
       steps.back().stop = std::move(stop);
     } else {
@@ -85,19 +96,24 @@ void Dispatcher::Compute(const Model& model, std::span<const std::unique_ptr<Tas
   if (!steps.empty()) engine_->RunSteps(steps, results.subspan(num_requests));
 }
 
-void Dispatcher::RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch) {
+std::vector<std::unique_ptr<Dispatcher::Task>> Dispatcher::RunBatch(
+    ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch) {
   const absl::Time start = absl::Now();
   for (auto& task : batch) {
+    if (task->queued) continue;  // a step's later piece: it left the queue before
     queue.metrics->queue_depth->Decrement();
     task->queued = start - task->enqueued;
   }
   queue.metrics->batch_size->Observe(static_cast<double>(batch.size()));
-  // Requests first, then steps, each in arrival order.
+  // Requests first, then steps, each in arrival order (a carried step first).
   const auto steps_begin = std::stable_partition(batch.begin(), batch.end(),
                                                  [](const auto& task) { return !task->is_step; });
   const auto num_requests = static_cast<size_t>(steps_begin - batch.begin());
 
   std::vector<AttentionResult> results(batch.size());
+  for (size_t i = num_requests; i < batch.size(); ++i) {
+    results[i] = std::move(batch[i]->step_result);
+  }
   absl::Status status;
   try {
     if (queue.gate != nullptr) queue.gate->Pass();
@@ -106,7 +122,10 @@ void Dispatcher::RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> 
     status = absl::InternalError(absl::StrCat("the engine failed: ", e.what()));
   }
   const absl::Duration computed = absl::Now() - start;
-  for (auto& task : batch) task->computed = computed;
+  for (auto& task : batch) task->computed = task->computed.value_or(absl::ZeroDuration()) + computed;
+  std::vector<std::unique_ptr<Task>> unfinished =
+      TakeUnfinished(status, batch, num_requests, results);
+  if (batch.empty()) return unfinished;
   // Moved, not copied: a copy would share the status's reference-counted
   // message with this thread, and Debian's Abseil (not built for TSan) drops
   // the answer thread's reference where TSan cannot see it.
@@ -120,6 +139,34 @@ void Dispatcher::RunBatch(ModelQueue& queue, std::vector<std::unique_ptr<Task>> 
   } else {
     answers_.Post(std::move(job));
   }
+  return unfinished;
+}
+
+std::vector<std::unique_ptr<Dispatcher::Task>> Dispatcher::TakeUnfinished(
+    const absl::Status& status, std::vector<std::unique_ptr<Task>>& batch, size_t num_requests,
+    std::vector<AttentionResult>& results) {
+  std::vector<std::unique_ptr<Task>> unfinished;
+  size_t kept = num_requests;  // batch[num_requests, kept) are answered now
+  for (size_t i = num_requests; i < batch.size(); ++i) {
+    ValidatedStep& step = batch[i]->validated_step;
+    if (!status.ok()) AbandonStep(step);  // a failed engine may have left pieces
+    const bool more = status.ok() && results[i].status.ok() &&
+                      step.done_rows + step.chunk_rows < step.dims.num_queries;
+    if (more) {
+      step.done_rows += step.chunk_rows;
+      batch[i]->step_result = std::move(results[i]);
+      unfinished.push_back(std::move(batch[i]));
+      continue;
+    }
+    if (kept != i) {
+      batch[kept] = std::move(batch[i]);
+      results[kept] = std::move(results[i]);
+    }
+    ++kept;
+  }
+  batch.resize(kept);
+  results.resize(kept);
+  return unfinished;
 }
 
 void Dispatcher::AnswerBatch(std::vector<std::unique_ptr<Task>> batch, const absl::Status& status,

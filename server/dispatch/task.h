@@ -64,6 +64,9 @@ struct Dispatcher::Task {
   bool is_step = false;                            // a session's step, not a request
   SessionStep step;                                // a step's; views the caller's storage
   ValidatedStep validated_step;                    // points at `step`
+  // A step computed in pieces: its result, gathering the pieces' outputs,
+  // kept between the batches that compute them.
+  AttentionResult step_result;
   bool continues_session = false;                  // see Request
   ModelQueue* queue = nullptr;                     // null: names no served model
   ServedModel served;                              // the version that computes it
@@ -72,7 +75,9 @@ struct Dispatcher::Task {
   absl::Time enqueued;
   absl::Time deadline_at = absl::InfiniteFuture();
   std::optional<absl::Duration> queued;    // set once the task left the queue
-  std::optional<absl::Duration> computed;  // set once the task was computed
+  // Set once the task was computed: its batches' compute time, all of its
+  // pieces' for a step in pieces.
+  std::optional<absl::Duration> computed;
   int64_t message_bytes = 0;               // the request's size on the wire
   int64_t held_bytes = 0;                  // counted in held_bytes_ until answered
   Done done;

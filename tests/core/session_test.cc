@@ -6,11 +6,17 @@
 // lengths at the block edges, B > 1 and valid lengths; several sessions in
 // one RunSteps get what they get alone; a step refused by the pool, by
 // max_length or by its stop leaves its session as it was; blocks go back to
-// the pool. Run once per kernel path (tests/CMakeLists.txt).
+// the pool. A step computed in pieces (chunked prefill: ValidatedStep::
+// chunk_rows) answers as in one piece, beside other sessions' steps too; a
+// piece stopped, refused or abandoned leaves the session as before the step;
+// ChunkRows cuts pieces within a work budget. Run once per kernel path
+// (tests/CMakeLists.txt).
 #include "core/sessions/session.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <optional>
@@ -21,6 +27,7 @@
 #include <vector>
 
 #include "core/engine/engine.h"
+#include "core/sessions/session_state.h"
 #include "tests/core/random_weights.h"
 
 namespace attention {
@@ -163,15 +170,29 @@ class Prefix {
   int64_t d_;
 };
 
-// One step of `n` rows through RunSteps.
+// Runs `validated` to its end in pieces of `piece` rows (0: one piece), as
+// the server computes a long step: one RunSteps call per piece, the
+// session's length unchanged until the last.
+AttentionResult RunInPieces(Engine& engine, ValidatedStep& validated, int64_t piece) {
+  const int64_t n = validated.dims.num_queries, length = validated.session->length();
+  AttentionResult result;
+  do {
+    validated.chunk_rows = piece;
+    engine.RunSteps({&validated, 1}, {&result, 1});
+    if (!result.status.ok()) break;
+    validated.done_rows += piece > 0 ? std::min(piece, n - validated.done_rows) : n;
+    if (validated.done_rows < n) EXPECT_EQ(validated.session->length(), length);
+  } while (validated.done_rows < n);
+  return result;
+}
+
+// One step of `n` rows through RunSteps, in pieces of `piece` rows (0: one).
 AttentionResult Step(Engine& engine, Session& session, const std::vector<float>& rows, int64_t n,
-                     int64_t d, bool weights) {
+                     int64_t d, bool weights, int64_t piece = 0) {
   const SessionStep step = StepOf({{session.batch(), n, d}, rows}, weights);
   absl::StatusOr<ValidatedStep> validated = ValidateStep(session, step);
   if (!validated.ok()) return {{}, {}, validated.status()};
-  AttentionResult result;
-  engine.RunSteps({&*validated, 1}, {&result, 1});
-  return result;
+  return RunInPieces(engine, *validated, piece);
 }
 
 // Attend() on the whole prefix, causal, and its last n rows.
@@ -188,10 +209,12 @@ AttentionResult CausalReference(Engine& engine, const Model& model, const Prefix
   return last;
 }
 
-// A self session stepped by `schedule` (tokens per step) against the causal
-// prefix after every step.
+// A self session stepped by `schedule` (tokens per step), each step in
+// pieces of `piece` rows (0: whole), against the causal prefix after every
+// step.
 void CheckSelfSession(const std::shared_ptr<Model>& model, int64_t batch, int64_t d,
-                      const std::vector<int64_t>& schedule, double atol = 1e-5) {
+                      const std::vector<int64_t>& schedule, double atol = 1e-5,
+                      int64_t piece = 0) {
   std::mt19937 rng(7);
   Engine engine;
   KvBlockPool pool(int64_t{1} << 28);
@@ -202,7 +225,7 @@ void CheckSelfSession(const std::shared_ptr<Model>& model, int64_t batch, int64_
     const int64_t n = schedule[s];
     const bool weights = s % 2 == 1;
     const std::vector<float> rows = RandomData(rng, batch * n * d);
-    const AttentionResult got = Step(engine, **session, rows, n, d, weights);
+    const AttentionResult got = Step(engine, **session, rows, n, d, weights, piece);
     ASSERT_TRUE(got.status.ok()) << got.status;
     prefix.Add(rows, n);
     ASSERT_EQ((*session)->length(), prefix.length());
@@ -249,8 +272,25 @@ TEST(SelfSession, OneLongPrefillOverManyBlocks) {
                    {3 * kKvBlockRows + 17, 1, kKvBlockRows, 1});
 }
 
-// A cross session of `kind` against Attend() with its keys and values.
-void CheckCrossSession(Kind kind, std::vector<int32_t> valid_lens) {
+// Chunked prefill: every step in pieces, across block edges, B > 1, with
+// and without weights, answers as the causal prefix within the same
+// tolerances as in one piece.
+TEST(SelfSessionInPieces, MatchesCausalAttendForEveryPieceSize) {
+  std::mt19937 rng(5);
+  const std::vector<int64_t> schedule = {kKvBlockRows + 45, 1, 70, 1};
+  for (int64_t piece : {int64_t{1}, int64_t{7}, int64_t{64}, kKvBlockRows - 3}) {
+    SCOPED_TRACE("pieces of " + std::to_string(piece));
+    CheckSelfSession(MultiHeadModel(rng, 4, 8, 32, 32, 32, true), 2, 32, schedule, 1e-5, piece);
+    CheckSelfSession(std::make_shared<Model>(DotProductModel()), 3, 16, schedule, 1e-5, piece);
+  }
+  CheckSelfSession(MultiHeadModel(rng, 2, 4, 8, 8, 8, false), 3, 8, kPrefillSchedule, 1e-5, 5);
+  CheckSelfSession(MultiHeadModel(rng, 2, 16, 32, 32, 32, true, Precision::kBf16), 1, 32,
+                   kPrefillSchedule, 2e-3, 9);
+}
+
+// A cross session of `kind` against Attend() with its keys and values, each
+// step in pieces of `piece` rows (0: whole).
+void CheckCrossSession(Kind kind, std::vector<int32_t> valid_lens, int64_t piece = 0) {
   std::mt19937 rng(11);
   const int64_t batch = 2, n_k = kKvBlockRows + 1, d_q = 6;
   const bool weightless = kind == Kind::kDotProduct || kind == Kind::kDistance;
@@ -267,7 +307,7 @@ void CheckCrossSession(Kind kind, std::vector<int32_t> valid_lens) {
   EXPECT_EQ((*session)->length(), n_k);
   for (int64_t n : {1, 70, 1}) {
     const std::vector<float> queries = RandomData(rng, batch * n * d_q);
-    const AttentionResult got = Step(engine, **session, queries, n, d_q, true);
+    const AttentionResult got = Step(engine, **session, queries, n, d_q, true, piece);
     ASSERT_TRUE(got.status.ok()) << got.status;
     AttentionRequest request = RequestOf({{batch, n, d_q}, queries}, true);
     request.keys = key_view;
@@ -291,6 +331,7 @@ TEST(CrossSession, EveryKindMatchesAttend) {
     CheckCrossSession(kind, {});
     CheckCrossSession(kind, {static_cast<int32_t>(kKvBlockRows), 3});
     CheckCrossSession(kind, {0, 1000});
+    CheckCrossSession(kind, {static_cast<int32_t>(kKvBlockRows), 3}, /*piece=*/16);
   }
 }
 
@@ -479,7 +520,9 @@ TEST(ValidateStep, NamesTheFieldThatIsWrong) {
 // The work limit counts what a step computes: its own projections and its
 // attention over the rows held, not projections of those rows again, so a
 // long session's single tokens pass a limit that Attend() on the prefix
-// exceeds; a step that would itself exceed it is refused.
+// exceeds. It bounds a piece, not the step (computed in pieces): a step over
+// it passes while its last token fits, and is refused once one token is
+// over it.
 TEST(ValidateStep, WorkLimitCountsTheStepNotTheHeldProjections) {
   std::mt19937 rng(44);
   const int64_t d = 8, length = 300;
@@ -500,10 +543,169 @@ TEST(ValidateStep, WorkLimitCountsTheStepNotTheHeldProjections) {
   }
   const AttentionRequest prefix = RequestOf({{1, length, d}, tokens}, false);
   EXPECT_EQ(Validate(*model, prefix, limits).status().code(), absl::StatusCode::kInvalidArgument);
+  // The last of 100 more tokens sees 400 keys: (4 d) d + 2 heads x 400 x 24 = 19456 units.
   const SessionStep large = StepOf({{1, 100, d}, std::span(tokens).first(100 * d)}, false);
-  const absl::StatusOr<ValidatedStep> refused = ValidateStep(*session, large, limits);
+  absl::StatusOr<ValidatedStep> accepted = ValidateStep(*session, large, limits);
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  EXPECT_GT(ChunkRows(*accepted, 0), ChunkRows(*accepted, limits.max_request_work));
+  // ... and of 200, 500 keys: 24256 units.
+  const SessionStep larger = StepOf({{1, 200, d}, std::span(tokens).first(200 * d)}, false);
+  const absl::StatusOr<ValidatedStep> refused = ValidateStep(*session, larger, limits);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("work units"), std::string::npos) << refused.status();
+}
+
+// Pieces of one session's prefill in the same RunSteps calls as other
+// sessions' single steps (as the server batches them): every session gets
+// what it gets alone and in one piece.
+TEST(StepInPieces, BesideOtherSessionsStepsGetsWhatItGetsAlone) {
+  std::mt19937 rng(51);
+  const int64_t d = 16, n = 300, piece = 64;
+  const std::shared_ptr<Model> model = MultiHeadModel(rng, 4, 4, d, d, d, true);
+  Engine engine;
+  KvBlockPool pool(int64_t{1} << 28);
+  std::vector<std::unique_ptr<Session>> together, alone;
+  for (int s = 0; s < 6; ++s) {
+    (s < 3 ? together : alone).push_back(*Session::Open(model, pool, SelfOpen(s % 3 == 1 ? 2 : 1)));
+  }
+  const std::vector<float> prompt = RandomData(rng, n * d);
+  const SessionStep prefill = StepOf({{1, n, d}, prompt}, false);
+  ValidatedStep long_step = *ValidateStep(*together[0], prefill);
+  AttentionResult long_result;
+  while (long_step.done_rows < n) {
+    std::vector<std::vector<float>> rows;
+    std::vector<SessionStep> steps;
+    steps.reserve(2);
+    std::vector<ValidatedStep> validated = {long_step};
+    validated[0].chunk_rows = piece;
+    for (int s = 1; s < 3; ++s) {
+      rows.push_back(RandomData(rng, together[s]->batch() * d));
+      steps.push_back(StepOf({{together[s]->batch(), 1, d}, rows.back()}, s == 2));
+      validated.push_back(*ValidateStep(*together[s], steps.back()));
+    }
+    std::vector<AttentionResult> results(3);
+    results[0] = std::move(long_result);
+    engine.RunSteps(validated, results);
+    ASSERT_TRUE(results[0].status.ok()) << results[0].status;
+    long_result = std::move(results[0]);
+    long_step.done_rows += std::min(piece, n - long_step.done_rows);
+    for (int s = 1; s < 3; ++s) {
+      ASSERT_TRUE(results[s].status.ok()) << results[s].status;
+      const AttentionResult want =
+          Step(engine, *alone[s], rows[s - 1], 1, d, steps[s - 1].return_attention_weights);
+      ExpectNear(results[s].output, want.output, "session " + std::to_string(s));
+      ExpectNear(results[s].attention_weights, want.attention_weights, "weights");
+    }
+  }
+  EXPECT_EQ(together[0]->length(), n);
+  const AttentionResult want = Step(engine, *alone[0], prompt, n, d, false);
+  ExpectNear(long_result.output, want.output, "the prefill in pieces");
+}
+
+// A step stopped between its pieces, refused by the pool at its first, or
+// abandoned by its caller leaves the session as before it: same length, same
+// blocks, and its next step answers as if the failed one never came.
+TEST(StepInPieces, FailedOrAbandonedStepLeavesTheSessionAsBeforeIt) {
+  std::mt19937 rng(52);
+  const int64_t d = 8, n = 2 * kKvBlockRows + 10, piece = 100;
+  const std::shared_ptr<Model> model = MultiHeadModel(rng, 2, 4, d, d, d, true);
+  Engine engine;
+  // The session's blocks with the failing step, keys and values; not those
+  // and another session's.
+  const int64_t block_bytes = kKvBlockRows * d * static_cast<int64_t>(sizeof(float));
+  KvBlockPool pool(2 * block_bytes * internal::BlocksFor(5 + n));
+  std::unique_ptr<Session> session = *Session::Open(model, pool, SelfOpen());
+  Prefix prefix(1, d);
+  const std::vector<float> first = RandomData(rng, 5 * d);
+  ASSERT_TRUE(Step(engine, *session, first, 5, d, false).status.ok());
+  prefix.Add(first, 5);
+  const int64_t held = pool.used_bytes();
+  const std::vector<float> rows = RandomData(rng, n * d);
+  const SessionStep step = StepOf({{1, n, d}, rows}, false);
+
+  std::atomic<bool> stopped{false};
+  ValidatedStep stopping = *ValidateStep(*session, step);
+  stopping.stop = [&] {
+    return stopped.load() ? absl::DeadlineExceededError("deadline") : absl::OkStatus();
+  };
+  AttentionResult result;
+  for (int p = 0; p < 2; ++p, stopping.done_rows += piece) {
+    stopping.chunk_rows = piece;
+    engine.RunSteps({&stopping, 1}, {&result, 1});
+    ASSERT_TRUE(result.status.ok()) << result.status;
+  }
+  EXPECT_GT(pool.used_bytes(), held);
+  stopped.store(true);
+  engine.RunSteps({&stopping, 1}, {&result, 1});
+  EXPECT_EQ(result.status.code(), absl::StatusCode::kDeadlineExceeded) << result.status;
+  EXPECT_TRUE(result.output.data.empty());
+  EXPECT_EQ(session->length(), 5);
+  EXPECT_EQ(pool.used_bytes(), held);
+
+  ValidatedStep abandoned = *ValidateStep(*session, step);
+  abandoned.chunk_rows = piece;
+  engine.RunSteps({&abandoned, 1}, {&result, 1});
+  ASSERT_TRUE(result.status.ok()) << result.status;
+  AbandonStep(abandoned);
+  EXPECT_EQ(session->length(), 5);
+  EXPECT_EQ(pool.used_bytes(), held);
+
+  std::unique_ptr<Session> other = *Session::Open(model, pool, SelfOpen());
+  ASSERT_TRUE(Step(engine, *other, RandomData(rng, d), 1, d, false).status.ok());
+  const AttentionResult refused = Step(engine, *session, rows, n, d, false, piece);
+  EXPECT_EQ(refused.status.code(), absl::StatusCode::kResourceExhausted) << refused.status;
+  EXPECT_EQ(session->length(), 5);
+  other.reset();
+  EXPECT_EQ(pool.used_bytes(), held);
+
+  const std::vector<float> next = RandomData(rng, 3 * d);
+  const AttentionResult got = Step(engine, *session, next, 3, d, true, 2);
+  ASSERT_TRUE(got.status.ok()) << got.status;
+  prefix.Add(next, 3);
+  const AttentionResult want = CausalReference(engine, *model, prefix, 3, true);
+  ExpectNear(got.output, want.output, "after the failures");
+  ExpectNear(got.attention_weights, want.attention_weights, "weights after the failures");
+}
+
+// multi_head's work of a self piece of `rows` rows of one example after
+// `before` keys (RequestWork less the held rows' projections), written out.
+double SelfPieceWork(int64_t rows, int64_t before, int64_t d, int64_t e, int64_t heads) {
+  const double keys = static_cast<double>(before + rows);
+  return static_cast<double>(rows) * (3.0 * d + e) * e +
+         static_cast<double>(heads) * rows * keys * (2.0 * e / heads + kSoftmaxWork);
+}
+
+// ChunkRows cuts the most rows within the budget, fewer as the keys before
+// them grow, at least one, and all the rest with no budget.
+TEST(ChunkRows, CutsTheMostRowsWithinTheWork) {
+  std::mt19937 rng(53);
+  const int64_t d = 8, heads = 2, e = 8, n = 1000;
+  const std::shared_ptr<Model> model = MultiHeadModel(rng, heads, 4, d, d, d, true);
+  KvBlockPool pool(int64_t{1} << 24);
+  std::unique_ptr<Session> session = *Session::Open(model, pool, SelfOpen());
+  const std::vector<float> rows = RandomData(rng, n * d);
+  const SessionStep step = StepOf({{1, n, d}, rows}, false);
+  ValidatedStep validated = *ValidateStep(*session, step);
+  EXPECT_EQ(ChunkRows(validated, 0), n);
+  EXPECT_EQ(ChunkRows(validated, 1e30), n);
+  EXPECT_EQ(ChunkRows(validated, 1), 1);
+  const double budget = 200000;
+  int64_t last = n, pieces = 0;
+  while (validated.done_rows < n) {
+    const int64_t piece = ChunkRows(validated, budget);
+    const int64_t before = validated.done_rows;
+    ASSERT_GE(piece, 1);
+    ASSERT_LE(piece, last);
+    EXPECT_LE(SelfPieceWork(piece, before, d, e, heads), budget) << "at " << before;
+    if (before + piece < n) {
+      EXPECT_GT(SelfPieceWork(piece + 1, before, d, e, heads), budget) << "at " << before;
+    }
+    last = piece;
+    validated.done_rows += piece;
+    ++pieces;
+  }
+  EXPECT_EQ(validated.done_rows, n);
+  EXPECT_GT(pieces, 3);
 }
 
 TEST(SessionOpen, KeepsItsModelVersion) {

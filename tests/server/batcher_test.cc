@@ -64,6 +64,9 @@ struct TestTask {
   const int id;
   const absl::Time deadline_;
   std::atomic<bool> cancelled_{false};
+  // Batches the task takes (a long one computed in pieces); only the
+  // batcher's thread reads and writes it.
+  int pieces = 1;
 };
 
 using TestBatcher = Batcher<TestTask>;
@@ -83,8 +86,16 @@ class Recorder {
       }
       absl::MutexLock lock(&mu_);
       std::vector<int>& ids = batches_.emplace_back();
-      for (const auto& task : batch) ids.push_back(task->id);
-      answered_ += static_cast<int>(batch.size());
+      std::vector<std::unique_ptr<TestTask>> unfinished;
+      for (auto& task : batch) {
+        ids.push_back(task->id);
+        if (--task->pieces > 0) {
+          unfinished.push_back(std::move(task));
+        } else {
+          ++answered_;
+        }
+      }
+      return unfinished;
     };
   }
   TestBatcher::DropTask drop() {
@@ -128,8 +139,10 @@ class BatcherTest : public ::testing::Test {
   // kFixed unless told: the tests written before kWhileBusy check today's delay.
   std::unique_ptr<TestBatcher> Make(int max_batch_size, int64_t max_queue_delay_us,
                                     int queue_capacity = 100,
-                                    BatchingDelay delay = BatchingDelay::kFixed) {
+                                    BatchingDelay delay = BatchingDelay::kFixed,
+                                    int64_t piece_wait_us = 1000) {
     TestBatcher::Options options;
+    options.piece_wait_us = piece_wait_us;
     options.delay = delay;
     options.max_batch_size = max_batch_size;
     options.max_queue_delay_us = max_queue_delay_us;
@@ -140,8 +153,10 @@ class BatcherTest : public ::testing::Test {
     return batcher.ok() ? std::move(*batcher) : nullptr;
   }
 
-  void ScheduleOk(TestBatcher& batcher, int id, absl::Time deadline = absl::InfiniteFuture()) {
+  void ScheduleOk(TestBatcher& batcher, int id, absl::Time deadline = absl::InfiniteFuture(),
+                  int pieces = 1) {
     auto task = std::make_unique<TestTask>(id, deadline);
+    task->pieces = pieces;
     ASSERT_TRUE(batcher.Schedule(&task).ok());
     EXPECT_EQ(task, nullptr) << "an accepted task must belong to the batcher";
   }
@@ -154,7 +169,9 @@ class BatcherTest : public ::testing::Test {
 };
 
 TEST(BatcherCreateTest, RejectsOutOfRangeOptions) {
-  auto process = [](std::vector<std::unique_ptr<TestTask>>) {};
+  auto process = [](std::vector<std::unique_ptr<TestTask>>) {
+    return std::vector<std::unique_ptr<TestTask>>();
+  };
   auto drop = [](std::unique_ptr<TestTask>, absl::Status) {};
   struct Case {
     TestBatcher::Options options;
@@ -163,6 +180,7 @@ TEST(BatcherCreateTest, RejectsOutOfRangeOptions) {
   const Case cases[] = {
       {{.max_batch_size = 0}, "max_batch_size must be >= 1; was 0"},
       {{.max_queue_delay_us = -5}, "max_queue_delay_us must be >= 0; was -5"},
+      {{.piece_wait_us = -1}, "piece_wait_us must be >= 0; was -1"},
       {{.queue_capacity = 0}, "queue_capacity must be >= 1; was 0"},
   };
   for (const Case& c : cases) {
@@ -297,6 +315,58 @@ TEST_F(BatcherTest, DestructionDrains) {
               ElementsAre(ElementsAre(0, 1), ElementsAre(2, 3), ElementsAre(4)));
 }
 
+// A task in pieces (chunked prefill) runs again first in each next batch,
+// beside up to max_batch_size tasks queued meanwhile: it does not count
+// against the batch size, so others take turns with it.
+TEST_F(BatcherTest, UnfinishedTaskRunsFirstInTheNextBatchesBesideQueuedOnes) {
+  recorder_.HoldFirstBatch();
+  auto batcher = Make(/*max_batch_size=*/1, /*max_queue_delay_us=*/0);
+  ScheduleOk(*batcher, 0, absl::InfiniteFuture(), /*pieces=*/3);
+  recorder_.WaitUntilFirstBatchStarted();
+  for (int id = 1; id <= 3; ++id) ScheduleOk(*batcher, id);
+  recorder_.ReleaseFirstBatch();
+  ASSERT_TRUE(recorder_.WaitForAnswered(4));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(0, 1),
+                                               ElementsAre(0, 2), ElementsAre(3)));
+}
+
+// The clock never moves: carried work is ready, so it waits for no delay,
+// and the batcher's destruction finishes it.
+TEST_F(BatcherTest, UnfinishedTaskRunsWithoutWaitingForTheDelay) {
+  auto batcher = Make(/*max_batch_size=*/2, /*max_queue_delay_us=*/3'600'000'000,
+                      /*queue_capacity=*/100, BatchingDelay::kFixed, /*piece_wait_us=*/0);
+  ScheduleOk(*batcher, 0, absl::InfiniteFuture(), /*pieces=*/3);
+  ScheduleOk(*batcher, 1);
+  ASSERT_TRUE(recorder_.WaitForAnswered(2));
+  EXPECT_THAT(recorder_.batches(),
+              ElementsAre(ElementsAre(0, 1), ElementsAre(0), ElementsAre(0)));
+  ScheduleOk(*batcher, 2, absl::InfiniteFuture(), /*pieces=*/2);
+  batcher.reset();
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0, 1), ElementsAre(0), ElementsAre(0),
+                                               ElementsAre(2), ElementsAre(2)));
+}
+
+// After a batch that answered others, a piece waits up to piece_wait_us for
+// a task to join it, and no longer; after one that answered none, not at
+// all.
+TEST_F(BatcherTest, APieceWaitsBrieflyForTheTasksJustAnsweredToComeBack) {
+  auto batcher = Make(/*max_batch_size=*/2, /*max_queue_delay_us=*/0, /*queue_capacity=*/100,
+                      BatchingDelay::kWhileBusy, /*piece_wait_us=*/500);
+  ScheduleOk(*batcher, 0, absl::InfiniteFuture(), /*pieces=*/4);
+  ScheduleOk(*batcher, 1);
+  ASSERT_TRUE(recorder_.WaitForAnswered(1));
+  LetBatcherRun();
+  EXPECT_EQ(recorder_.batches().size(), 1u) << "the piece did not wait";
+  ScheduleOk(*batcher, 2);  // came back within the wait: joins the piece
+  ASSERT_TRUE(recorder_.WaitForAnswered(2));
+  LetBatcherRun();
+  EXPECT_EQ(recorder_.batches().size(), 2u);
+  clock_.Advance(absl::Microseconds(500));  // nobody comes back: the piece runs alone,
+  ASSERT_TRUE(recorder_.WaitForAnswered(3));  // and so does the next, without waiting
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0, 1), ElementsAre(0, 2),
+                                               ElementsAre(0), ElementsAre(0)));
+}
+
 // kWhileBusy: the clock never moves in these tests, so a batch that runs ran
 // without waiting for any delay.
 TEST_F(BatcherTest, WhileBusyHandsAnIdleBatchersTaskOverAtOnce) {
@@ -358,6 +428,7 @@ TEST(BatcherRealClockTest, PartialBatchRunsAfterTheDelay) {
       [&](std::vector<std::unique_ptr<TestTask>> batch) {
         for (const auto& task : batch) ids.push_back(task->id);
         done.Notify();
+        return std::vector<std::unique_ptr<TestTask>>();
       },
       [](std::unique_ptr<TestTask>, absl::Status) {});
   ASSERT_TRUE(batcher.ok());

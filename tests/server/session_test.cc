@@ -9,7 +9,11 @@
 // a session keeps its version across a reload; SIGTERM with sessions open
 // gives only OK and UNAVAILABLE; Triton's sequence parameters through
 // ModelInfer and ModelStreamInfer; memory back in the pool and RSS bounded
-// over many open/step/close cycles.
+// over many open/step/close cycles. A long step in pieces (--chunk-work,
+// chunked prefill) answers as in one, lets other sessions' steps be answered
+// between its pieces (the test gate holds each batch), and one whose
+// deadline passes between its pieces is refused with its session rolled
+// back.
 #include <signal.h>
 
 #include <gmock/gmock.h>
@@ -31,6 +35,7 @@
 #include "attention.grpc.pb.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/gate.h"
 #include "tests/support/http_client.h"
 #include "tests/support/metrics.h"
 #include "tests/support/probes.h"
@@ -146,9 +151,10 @@ v1::Tensor CausalPrefixAnswer(v1::AttentionService::Stub& stub, const std::strin
 
 class SessionTest : public ::testing::Test {
  protected:
-  void StartServer(std::vector<std::string> flags = {}) {
+  // With `gate`, the server also serves the test gate's model `gate`.
+  void StartServer(std::vector<std::string> flags = {}, const TestGate* gate = nullptr) {
     flags.insert(flags.end(), {"--model-repository", kModels});
-    auto server = ServerProcess::Start(flags);
+    auto server = ServerProcess::Start(gate != nullptr ? gate->Flags(flags) : flags);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     stub_ = server_->Stub();
@@ -195,6 +201,64 @@ TEST_F(SessionTest, SelfSessionsEqualCausalAttendOnThePrefix) {
   ExpectSelfSessionMatches("mh_d2l_bias", 24, steps);
   ExpectSelfSessionMatches("dot_product", 8, {5, 1, 1, 2});
   ExpectSelfSessionMatches("mh_torch_small", 16, {3, 1, 1}, /*batch=*/2);
+}
+
+// 20000 units cut a prefill of 300 rows into tens of pieces (a row of
+// mh_torch_small, E=16, costs about a thousand units plus tens per key).
+TEST_F(SessionTest, StepsInPiecesEqualCausalAttendOnThePrefix) {
+  StartServer({"--chunk-work", "20000"});
+  ExpectSelfSessionMatches("mh_torch_small", 16, {300, 1, 40, 1});
+  ExpectSelfSessionMatches("dot_product", 8, {kBlockRows + 9, 1}, /*batch=*/2);
+  const std::string metrics = ScrapeMetrics(server_->metrics_address());
+  EXPECT_GT(MetricValue(metrics, "attention_batch_size_count", {{"model", "mh_torch_small"}}), 40)
+      << "the prefill was not computed in pieces";
+}
+
+// The model `gate` holds each batch until the test writes a byte: a prefill
+// in pieces is answered only after its last, while another session's step
+// queued behind its first piece is answered with its second.
+TEST_F(SessionTest, OtherSessionsStepBetweenThePiecesOfAPrefill) {
+  TestGate gate;
+  ASSERT_TRUE(gate.ok());
+  // A gate (dot_product) row of d=8 over k keys costs 32 k units: pieces of
+  // at most 25 rows, tens of them for 200 rows.
+  StartServer({"--chunk-work", "20000"}, &gate);
+  std::mt19937 rng(31);
+  const v1::Tensor prompt = RandomTensor(1, 200, 8, rng), token = RandomTensor(1, 1, 8, rng);
+  SessionCall prefill(*stub_), decode(*stub_);
+  ASSERT_FALSE(prefill.Open(SelfOpen("gate")).has_error());
+  ASSERT_FALSE(decode.Open(SelfOpen("gate")).has_error());
+  v1::SessionRequest step;
+  *step.mutable_step()->mutable_queries() = prompt;
+  ASSERT_TRUE(prefill.stream().Write(step));
+  ASSERT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+    return MetricValue(text, "attention_batch_size_count", {{"model", "gate"}}) == 1;
+  })) << "the prefill's first piece never reached the gate";
+  *step.mutable_step()->mutable_queries() = token;
+  ASSERT_TRUE(decode.stream().Write(step));
+  ASSERT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+    return MetricValue(text, "attention_queue_depth", {{"model", "gate"}}) == 1;
+  })) << "the decode step never queued";
+  ASSERT_TRUE(gate.Release(2));  // the first piece, then the second beside the decode step
+  v1::SessionResponse decoded;
+  ASSERT_TRUE(decode.stream().Read(&decoded));
+  ASSERT_FALSE(decoded.has_error()) << decoded.error().message();
+  EXPECT_EQ(decoded.length(), 1);
+  // Answers are counted before they are sent: the two openings and the
+  // decode step, not the prefill.
+  EXPECT_EQ(MetricValue(ScrapeMetrics(server_->metrics_address()), "attention_requests_total",
+                        {{"model", "gate"}, {"code", "OK"}}),
+            3);
+  ASSERT_TRUE(gate.Release(200));  // at least a row a piece
+  v1::SessionResponse prefilled;
+  ASSERT_TRUE(prefill.stream().Read(&prefilled));
+  ASSERT_FALSE(prefilled.has_error()) << prefilled.error().message();
+  EXPECT_EQ(prefilled.length(), 200);
+  EXPECT_LE(MaxDifference(prefilled.output(),
+                          CausalPrefixAnswer(*stub_, "dot_product", prompt, 200, 200)),
+            kTolerance);
+  EXPECT_TRUE(prefill.Close().ok());
+  EXPECT_TRUE(decode.Close().ok());
 }
 
 TEST_F(SessionTest, CrossSessionEqualsAttendWithTheMemory) {
@@ -575,6 +639,61 @@ TEST_F(SessionTest, TritonSequencesThroughModelInfer) {
     // Replicas hold their own sequences: the answer names the edge's routing header.
     EXPECT_THAT(after.error_message(), HasSubstr("attention-sequence-id"));
   }
+}
+
+// A sequence's step whose deadline passes between its pieces is answered
+// DEADLINE_EXCEEDED and its session is as before it: the next step answers
+// as if it never came.
+TEST_F(SessionTest, AStepWhoseDeadlinePassesBetweenItsPiecesIsRolledBack) {
+  TestGate gate;
+  ASSERT_TRUE(gate.ok());
+  StartServer({"--chunk-work", "20000"}, &gate);
+  auto infer = InferStub(server_->Channel());
+  std::mt19937 rng(32);
+  const v1::Tensor first = RandomTensor(1, 1, 8, rng), prompt = RandomTensor(1, 200, 8, rng),
+                   next = RandomTensor(1, 1, 8, rng);
+  inference::InferParameter id;
+  id.set_int64_param(7);
+  ASSERT_TRUE(gate.Release(1));
+  {
+    inference::ModelInferResponse response;
+    grpc::ClientContext context;
+    ASSERT_TRUE(infer.ModelInfer(&context, SequenceRequest("gate", first, id, true, false),
+                                 &response)
+                    .ok());
+  }
+  {
+    // Its first piece waits at the gate past the deadline; the second asks
+    // the step's stop before it begins.
+    inference::ModelInferResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    const grpc::Status late =
+        infer.ModelInfer(&context, SequenceRequest("gate", prompt, id, false, false), &response);
+    EXPECT_EQ(late.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << late.error_message();
+  }
+  ASSERT_TRUE(gate.Release(2));
+  ASSERT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+    return MetricValue(text, "attention_requests_total",
+                       {{"model", "gate"}, {"code", "DEADLINE_EXCEEDED"}}) == 1;
+  })) << "the step was not answered DEADLINE_EXCEEDED";
+  ASSERT_TRUE(gate.Release(1));
+  // The refusal is counted just before the sequence is free again: until
+  // then a step is FAILED_PRECONDITION (refused before any batch).
+  inference::ModelInferResponse response;
+  grpc::Status status;
+  for (int attempt = 0; attempt < 500; ++attempt) {
+    grpc::ClientContext context;
+    status = infer.ModelInfer(&context, SequenceRequest("gate", next, id, false, true), &response);
+    if (status.error_code() != grpc::StatusCode::FAILED_PRECONDITION) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  v1::Tensor both = first;
+  both.set_shape(1, 2);
+  both.mutable_data()->Add(next.data().begin(), next.data().end());
+  EXPECT_LE(MaxDifference(OutputOf(response), CausalPrefixAnswer(*stub_, "dot_product", both, 2, 1)),
+            kTolerance);
 }
 
 TEST_F(SessionTest, TritonSequencesThroughModelStreamInfer) {
