@@ -14,6 +14,10 @@
 #     build the image with the test suite run in its build stage
 #   BUILD_CONTEXT=DIR deploy/test-image.sh   build another tree (e.g. a
 #     `git archive HEAD` export) instead of this working tree
+#   DEBIAN_MIRROR=URL [DEBIAN_SECURITY_MIRROR=URL] deploy/test-image.sh
+#     seed from this mirror instead of the host's (/etc/apt/sources.list*)
+#   deploy/test-image.sh --print-mirrors [APT_DIR]   print the two mirrors
+#     the seeding would use (read from APT_DIR, default /etc/apt) and exit
 #
 # Needs root (buildah with chroot isolation, debootstrap), about 15 GB of disk
 # and, on 2 cores, about 4 minutes for the default build (most of an hour with
@@ -23,7 +27,8 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 context=${BUILD_CONTEXT:-$repo}
 image=localhost/attention-server:test
-mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+mirror=""           # set by choose_mirrors, only when seeding
+security_mirror=""
 seed_dir=${SEED_DIR:-/var/tmp/attention-seed}
 buildah_opts=(--storage-driver "${BUILDAH_STORAGE_DRIVER:-vfs}")
 
@@ -46,8 +51,10 @@ ensure_tools() {
 
 have_image() { buildah "${buildah_opts[@]}" inspect --type image "$1" >/dev/null 2>&1; }
 
-# Commits a root file system directory as an image named like the official one,
-# so the Dockerfile's FROM lines resolve locally with --pull=never.
+# Commits a root file system directory as localhost/<name of the official
+# image>: buildah looks a short name (the Dockerfile's FROM debian:bookworm)
+# up under localhost/ too, so the FROM lines resolve locally with
+# --pull=never and no registry is named here.
 commit_rootfs() {
   local rootfs=$1 name=$2 ctr
   ctr=$(buildah "${buildah_opts[@]}" from scratch)
@@ -59,6 +66,71 @@ commit_rootfs() {
     --cmd bash "$ctr"
   buildah "${buildah_opts[@]}" commit --rm "$ctr" "$name" >/dev/null
   log "seeded $name"
+}
+
+# Prints the URI of the first enabled `deb` source of each of the suites
+# named in $2.. ("bookworm" for the archive, "bookworm-security"), one line
+# per suite, "-" where none is found, reading the apt configuration under $1:
+# sources.list and sources.list.d/*.list (one-line format, "deb [options] URI
+# suite components") and sources.list.d/*.sources (deb822 stanzas with
+# Types:, URIs:, Suites: and maybe Enabled: no). The tree names no mirror of
+# its own: the host's apt already reaches one.
+apt_source_uris() {
+  local apt_dir=$1 files=()
+  shift
+  local f
+  for f in "$apt_dir/sources.list" "$apt_dir"/sources.list.d/*.list "$apt_dir"/sources.list.d/*.sources; do
+    [[ -f $f ]] && files+=("$f")
+  done
+  awk -v wanted="$*" '
+    function take(uris, suites,   n, i, s, u) {
+      split(suites, s, /[ \t]+/)
+      split(uris, u, /[ \t]+/)
+      for (i in s)
+        if (s[i] in found && found[s[i]] == "-") found[s[i]] = u[1]
+    }
+    function flush() {
+      if (types ~ /(^|[ \t])deb([ \t]|$)/ && enabled != "no") take(uris, suites)
+      types = uris = suites = enabled = ""
+    }
+    BEGIN { n = split(wanted, w, " "); for (i = 1; i <= n; i++) found[w[i]] = "-" }
+    FNR == 1 { flush() }
+    FILENAME ~ /\.sources$/ {
+      if ($0 ~ /^[ \t]*$/) { flush(); next }
+      if ($0 ~ /^#/) next
+      key = tolower($1); value = $0; sub(/^[^:]*:[ \t]*/, "", value); sub(/[ \t]+$/, "", value)
+      if (key == "types:") types = value
+      else if (key == "uris:") uris = value
+      else if (key == "suites:") suites = value
+      else if (key == "enabled:") enabled = tolower(value)
+      next
+    }
+    $1 == "deb" {
+      line = $0; sub(/#.*/, "", line)
+      # Options in brackets ("[arch=amd64 signed-by=...]") may hold spaces.
+      gsub(/\[[^]]*\]/, "", line)
+      split(line, f, /[ \t]+/)
+      # f[1] is empty when the line had leading blanks.
+      i = (f[1] == "") ? 2 : 1
+      if (f[i + 2] in found && found[f[i + 2]] == "-") found[f[i + 2]] = f[i + 1]
+    }
+    END { flush(); for (i = 1; i <= n; i++) print found[w[i]] }
+  ' "${files[@]}" /dev/null
+}
+
+# Sets mirror and security_mirror: DEBIAN_MIRROR and DEBIAN_SECURITY_MIRROR
+# if set, else the host's sources for bookworm and bookworm-security (the
+# security archive beside the main one if the host has none).
+choose_mirrors() {
+  local apt_dir=${1:-/etc/apt} found
+  mapfile -t found < <(apt_source_uris "$apt_dir" bookworm bookworm-security)
+  mirror=${DEBIAN_MIRROR:-${found[0]%/}}
+  [[ -n $mirror && $mirror != - ]] ||
+    die "no bookworm source in $apt_dir/sources.list*; set DEBIAN_MIRROR to a Debian mirror"
+  security_mirror=${DEBIAN_SECURITY_MIRROR:-${found[1]%/}}
+  if [[ -z $security_mirror || $security_mirror == - || -n ${DEBIAN_MIRROR:-} && -z ${DEBIAN_SECURITY_MIRROR:-} ]]; then
+    security_mirror=${mirror%/debian}/debian-security
+  fi
 }
 
 # The official images' apt sources (deb822), so the build sees security updates.
@@ -73,7 +145,7 @@ Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 
 Types: deb
-URIs: ${mirror%/debian}/debian-security
+URIs: $security_mirror
 Suites: bookworm-security
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
@@ -90,10 +162,12 @@ unmount_under() {
 }
 
 seed_base_images() {
-  if have_image docker.io/library/debian:bookworm && have_image docker.io/library/debian:bookworm-slim; then
+  if have_image localhost/debian:bookworm && have_image localhost/debian:bookworm-slim; then
     log "base images already seeded"
     return
   fi
+  choose_mirrors
+  log "Debian mirror $mirror, security $security_mirror"
   mkdir -p "$seed_dir"
   local full=$seed_dir/bookworm slim=$seed_dir/bookworm-slim
   [[ -d $full ]] && unmount_under "$full"
@@ -110,8 +184,8 @@ seed_base_images() {
   rm -rf "$slim"
   cp -a "$full" "$slim"
   rm -rf "$slim"/usr/share/doc/* "$slim"/usr/share/man/* "$slim"/usr/share/info/*
-  commit_rootfs "$full" docker.io/library/debian:bookworm
-  commit_rootfs "$slim" docker.io/library/debian:bookworm-slim
+  commit_rootfs "$full" localhost/debian:bookworm
+  commit_rootfs "$slim" localhost/debian:bookworm-slim
   rm -rf "$slim"
 }
 
@@ -282,6 +356,11 @@ PY
   rm -rf "$workdir"
 }
 
+if [[ ${1:-} == --print-mirrors ]]; then
+  choose_mirrors "${2:-}"
+  printf '%s\n' "$mirror" "$security_mirror"
+  exit 0
+fi
 [[ $(id -u) == 0 ]] || die "run as root (buildah chroot isolation and debootstrap need it)"
 ensure_tools
 seed_base_images

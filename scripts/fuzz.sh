@@ -5,7 +5,9 @@
 #   scripts/fuzz.sh                 every target, 60 s each (the CI smoke run)
 #   scripts/fuzz.sh -t 3600 model_file   one target for an hour
 #
-# Options: -t SECONDS per target (default 60), -j JOBS build jobs (default 2).
+# Options: -t SECONDS per target (default 60), -j JOBS build jobs and targets
+# fuzzed at once (default 2: each fuzzer is one process on one core, so two
+# cores fuzz two targets in the time of one).
 # Environment: ATTENTION_FUZZ_BUILD_DIR (default build-fuzz),
 # ATTENTION_FUZZ_WORK_DIR (corpus and crash artifacts; default
 # $ATTENTION_FUZZ_BUILD_DIR/fuzz-work). The corpus grows across runs in the
@@ -60,12 +62,12 @@ nice cmake --build "$build_dir" -j "$jobs" --target write_seed_corpus \
 mkdir -p "$work_dir"
 "$build_dir"/tests/fuzz/write_seed_corpus "$work_dir/seeds"
 
-status=0
-for target in "${targets[@]}"; do
-  corpus=$work_dir/corpus/$target
-  artifacts=$work_dir/artifacts/$target/
+# Fuzzes one target; its summary goes to stdout, its log to the work dir.
+fuzz_target() {
+  local target=$1 status=0
+  local corpus=$work_dir/corpus/$target artifacts=$work_dir/artifacts/$target/
   mkdir -p "$corpus" "$artifacts"
-  dict=()
+  local dict=()
   [[ -f tests/fuzz/$target.dict ]] && dict=(-dict="tests/fuzz/$target.dict")
   echo "== $target: ${seconds}s"
   # New inputs go to the first directory; the seeds and the regressions are read.
@@ -80,5 +82,25 @@ for target in "${targets[@]}"; do
   fi
   grep -E "^#[0-9]+[[:space:]]+DONE|^stat::(number_of_executed_units|peak_rss_mb)" "$work_dir/$target.log" || true
   echo "corpus: $(find "$corpus" -type f | wc -l) files"
+  return $status
+}
+
+# $jobs targets at a time, each in the background with its summary in a
+# file; the summaries are printed in the targets' order once all are done.
+status=0
+pids=()
+for target in "${targets[@]}"; do
+  if ((${#pids[@]} >= jobs)); then
+    wait "${pids[0]}" || status=1
+    pids=("${pids[@]:1}")
+  fi
+  fuzz_target "$target" >"$work_dir/$target.summary" 2>&1 &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do
+  wait "$pid" || status=1
+done
+for target in "${targets[@]}"; do
+  cat "$work_dir/$target.summary"
 done
 exit $status

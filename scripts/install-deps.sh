@@ -27,6 +27,7 @@ build_packages=(
 
 test_packages=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
+  ccache
   openssl curl
   python3 python3-numpy python3-grpcio python3-grpc-tools python3-matplotlib python3-protobuf
   python3-setuptools python3-wheel python3-venv
