@@ -90,8 +90,6 @@ absl::StatusOr<std::shared_ptr<ssl::context>> BuildContext(const TlsFiles& files
   // Takes `native` over; this constructor throws only for a null handle.
   auto context = std::make_shared<ssl::context>(native);
   SSL_CTX_set_min_proto_version(native, TLS1_2_VERSION);
-  // An idle connection gives its read and write buffers back (about 34 KB).
-  SSL_CTX_set_mode(native, SSL_MODE_RELEASE_BUFFERS);
   SSL_CTX_set_session_id_context(native, kSessionContext, sizeof(kSessionContext) - 1);
   boost::system::error_code ec;
   context->use_certificate_chain(boost::asio::buffer(*cert), ec);
