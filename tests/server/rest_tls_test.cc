@@ -250,24 +250,15 @@ TEST_F(RestTlsTest, AClientThatClosesItsTlsConnectionCancelsItsRequest) {
     return Curl("--cacert '" + Path("ca.crt") + "' -d '" + kInferBody + "' https://" + address +
                 "/v2/models/gate/infer --max-time 1");
   });
-  EXPECT_TRUE(WaitForMetrics(
-      server->metrics_address(),
-      [](const std::string& text) {
-        return MetricValue(text, "attention_queue_depth", {{"model", "gate"}}) >= 1;
-      },
-      std::chrono::seconds(30)));
+  EXPECT_NE(WaitForMetricAtLeast(server->metrics_address(), "attention_queue_depth",
+                                 {{"model", "gate"}}, 1),
+            "");
   EXPECT_EQ(leaving.get().exit_code, 28) << "curl's timeout";
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ASSERT_TRUE(gate.Release(2));
   EXPECT_EQ(held.get().status, 200);
-  std::string metrics;
-  WaitForMetrics(
-      server->metrics_address(),
-      [&](const std::string& text) {
-        metrics = text;
-        return MetricValue(text, "attention_api_requests_total", {{"code", "CANCELLED"}}) >= 1;
-      },
-      std::chrono::seconds(30));
+  const std::string metrics = WaitForMetricAtLeast(
+      server->metrics_address(), "attention_api_requests_total", {{"code", "CANCELLED"}}, 1);
   EXPECT_EQ(MetricValue(metrics, "attention_api_requests_total",
                         {{"api", "http"}, {"model", "gate"}, {"code", "CANCELLED"}}),
             1);
