@@ -13,7 +13,7 @@ apt_opts=(-o DPkg::Lock::Timeout=600 -y --no-install-recommends)
 
 runtime_packages=(
   libgrpc++1.51 libgrpc29 libprotobuf32 libspdlog1.10 libfmt9
-  libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libopenblas0-pthread ca-certificates
+  libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libopenblas0-pthread libssl3 ca-certificates
   haproxy
 )
 
@@ -21,7 +21,7 @@ build_packages=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
   libabsl-dev libeigen3-dev libhwy-dev libopenblas-pthread-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
-  prometheus-cpp-dev libcli11-dev libboost-dev rapidjson-dev
+  prometheus-cpp-dev libcli11-dev libboost-dev rapidjson-dev libssl-dev
   grpc-proto
 )
 

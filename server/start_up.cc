@@ -29,6 +29,7 @@
 #include "server/repository/warmup.h"
 #include "server/running_server.h"
 #include "server/security/auth.h"
+#include "server/security/tls_context.h"
 #include "server/security/tls_credentials.h"
 #include "spdlog/spdlog.h"
 
@@ -244,20 +245,21 @@ absl::Status StartGrpc(const ServerConfig& config, RunningServer& s) {
   return absl::OkStatus();
 }
 
-// The REST API on --http-address. Not over TLS: with --tls-cert it stays off
-// (docs/api.md, "REST"), since its tokens would travel in plaintext.
+// The REST API on --http-address; with --tls-cert over TLS from the same
+// files as gRPC, rotated and with client certificates as gRPC's
+// (tls_context.h).
 absl::Status StartRest(const ServerConfig& config, RunningServer& s) {
   if (config.http_address.empty()) return absl::OkStatus();
-  if (!config.tls_cert.empty()) {
-    spdlog::warn("REST is not served over TLS: --http-address {} is not opened while --tls-cert "
-                 "is set; put the edge (deploy/edge) in front to serve REST over TLS",
-                 config.http_address);
-    return absl::OkStatus();
-  }
   HttpOptions options = config.http;
   options.address = config.http_address;
   options.max_body_bytes = config.max_message_bytes;
   options.timeout = absl::Seconds(config.http_timeout_seconds);
+  if (!config.tls_cert.empty()) {
+    absl::StatusOr<std::unique_ptr<RotatingTlsContext>> tls = RotatingTlsContext::Create(
+        TlsFiles{.cert = config.tls_cert, .key = config.tls_key, .client_ca = config.tls_client_ca});
+    if (!tls.ok()) return tls.status();
+    options.tls = *std::move(tls);
+  }
   s.rest_api = std::make_unique<RestApi>(s.dispatcher.get(), s.inference_operations.get());
   RestApi* const api = s.rest_api.get();
   absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
@@ -285,16 +287,19 @@ absl::Status StartMetrics(const ServerConfig& config, RunningServer& s) {
 // The start-up summary: addresses, security, kernel path, limits, models.
 void LogServing(const ServerConfig& config, const RunningServer& s) {
   const bool tokens = !s.dispatch_options.auth_tokens.empty();
-  spdlog::info("listening on {} ({}{})", s.grpc_address,
-               config.tls_cert.empty() ? "plaintext"
-                                       : (config.tls_client_ca.empty() ? "TLS" : "mutual TLS"),
-               tokens ? ", bearer tokens required" : "");
+  // The same for gRPC and REST.
+  const std::string security =
+      absl::StrCat(config.tls_cert.empty()
+                       ? "plaintext"
+                       : (config.tls_client_ca.empty() ? "TLS" : "mutual TLS"),
+                   tokens ? ", bearer tokens required" : "");
+  spdlog::info("listening on {} ({})", s.grpc_address, security);
   if (config.tls_cert.empty() && tokens && !IsLoopback(config.address)) {
     spdlog::warn("bearer tokens travel in plaintext: set --tls-cert and --tls-key");
   }
   if (s.http) {
-    spdlog::info("REST (Open Inference Protocol v2) on http://{}/v2 ({})", s.http_address,
-                 tokens ? "bearer tokens required" : "no credentials");
+    spdlog::info("REST (Open Inference Protocol v2) on {}://{}/v2 ({})",
+                 config.tls_cert.empty() ? "http" : "https", s.http_address, security);
   }
   if (s.exposer) spdlog::info("metrics on {}/metrics", s.metrics_address);
   spdlog::info("kernel path {} (this CPU's best: {}), BLAS core {}", IsaName(ActiveIsa()),

@@ -13,18 +13,22 @@ AccessPolicy::AccessPolicy(std::vector<std::string> allowed_client_identities,
       tokens_(std::make_shared<const std::vector<std::string>>(std::move(tokens))) {}
 
 absl::Status AccessPolicy::Check(const grpc::ServerContextBase& context) const {
-  if (absl::Status identity = CheckClientIdentity(context, allowed_client_identities_);
-      !identity.ok()) {
-    return identity;
+  if (!allowed_client_identities_.empty()) {
+    if (absl::Status identity =
+            CheckClientIdentity(ClientCertificateNames(context), allowed_client_identities_);
+        !identity.ok()) {
+      return identity;
+    }
   }
   return CheckBearerToken(context, *tokens());
 }
 
-absl::Status AccessPolicy::CheckHttp(const std::string* authorization) const {
-  if (!allowed_client_identities_.empty()) {
-    return absl::PermissionDeniedError(
-        "this server admits only callers with an allowed client certificate "
-        "(--tls-client-allow), which HTTP calls do not carry: call over gRPC");
+absl::Status AccessPolicy::CheckHttp(const std::vector<std::string>& client_certificate_names,
+                                     const std::string* authorization) const {
+  if (absl::Status identity =
+          CheckClientIdentity(client_certificate_names, allowed_client_identities_);
+      !identity.ok()) {
+    return identity;
   }
   return CheckBearerHeader(authorization, *tokens());
 }

@@ -26,14 +26,17 @@ class AccessPolicy {
   // with or without a token.
   AccessPolicy(std::vector<std::string> allowed_client_identities, std::vector<std::string> tokens);
 
-  // The credentials check of a gRPC call: CheckClientIdentity(), then
-  // CheckBearerToken() against the tokens accepted now (auth.h).
+  // The credentials check of a gRPC call: CheckClientIdentity() of its
+  // client certificate's names, then CheckBearerToken() against the tokens
+  // accepted now (auth.h).
   absl::Status Check(const grpc::ServerContextBase& context) const;
 
-  // The check of an HTTP call, which has no client certificate: refused
-  // (PERMISSION_DENIED) when client identities are required, else
-  // CheckBearerHeader() of its Authorization header (nullptr: none).
-  absl::Status CheckHttp(const std::string* authorization) const;
+  // The same check of an HTTP call: CheckClientIdentity() of
+  // `client_certificate_names` (its TLS peer's, as HttpRequest carries them;
+  // empty without a client certificate), then CheckBearerHeader() of its
+  // Authorization header (nullptr: none).
+  absl::Status CheckHttp(const std::vector<std::string>& client_certificate_names,
+                         const std::string* authorization) const;
 
   // The bearer tokens accepted now.
   std::shared_ptr<const std::vector<std::string>> tokens() const;

@@ -109,18 +109,21 @@ grpc::Status EarlyTokenCheck::Process(const InputMetadata& auth_metadata, grpc::
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kRefusal);
 }
 
-absl::Status CheckClientIdentity(const grpc::ServerContextBase& context,
-                                 const std::vector<std::string>& allowed) {
-  if (allowed.empty()) return absl::OkStatus();
+std::vector<std::string> ClientCertificateNames(const grpc::ServerContextBase& context) {
   std::vector<std::string> names;
   const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
-  if (auth != nullptr) {
-    for (const char* property : {"x509_subject_alternative_name", "x509_common_name"}) {
-      for (const grpc::string_ref& value : auth->FindPropertyValues(property)) {
-        names.emplace_back(value.data(), value.size());
-      }
+  if (auth == nullptr) return names;
+  for (const char* property : {"x509_subject_alternative_name", "x509_common_name"}) {
+    for (const grpc::string_ref& value : auth->FindPropertyValues(property)) {
+      names.emplace_back(value.data(), value.size());
     }
   }
+  return names;
+}
+
+absl::Status CheckClientIdentity(const std::vector<std::string>& names,
+                                 const std::vector<std::string>& allowed) {
+  if (allowed.empty()) return absl::OkStatus();
   for (const std::string& name : names) {
     for (const std::string& candidate : allowed) {
       if (name == candidate) return absl::OkStatus();

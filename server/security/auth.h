@@ -6,7 +6,7 @@
 //
 //   auto tokens = ReadTokenFile("/etc/attention/tokens");
 //   absl::Status s = CheckBearerToken(*context, *tokens);  // UNAUTHENTICATED or OK
-//   s = CheckClientIdentity(*context, {"client-a", "spiffe://prod/web"});
+//   s = CheckClientIdentity(ClientCertificateNames(*context), {"client-a", "spiffe://prod/web"});
 #pragma once
 
 #include <functional>
@@ -65,11 +65,17 @@ class EarlyTokenCheck final : public grpc::AuthMetadataProcessor {
   const Refused refused_;
 };
 
-// Mutual TLS identity allow-list (--tls-client-allow): OK when `allowed` is
-// empty or one of the client certificate's subject alternative names or its
-// common name is in it; PERMISSION_DENIED naming what the certificate holds
-// (escaped) otherwise.
-absl::Status CheckClientIdentity(const grpc::ServerContextBase& context,
+// The names of a gRPC call's client certificate, as gRPC's auth context
+// lists them: its subject alternative names, then its common name; empty
+// without one. REST's are PeerCertificateNames() (tls_context.h), the same
+// names in the same order.
+std::vector<std::string> ClientCertificateNames(const grpc::ServerContextBase& context);
+
+// Mutual TLS identity allow-list (--tls-client-allow), for gRPC and REST
+// calls alike: OK when `allowed` is empty or one of `names` (the client
+// certificate's) is in it; PERMISSION_DENIED naming what the certificate
+// holds (escaped) otherwise.
+absl::Status CheckClientIdentity(const std::vector<std::string>& names,
                                  const std::vector<std::string>& allowed);
 
 }  // namespace attention::server

@@ -519,24 +519,14 @@ TEST_F(ServerRestTest, AClientThatClosesItsConnectionCancelsItsRequest) {
     TcpConnection leaving(server_->http_address());
     ASSERT_TRUE(leaving.Send("POST /v2/models/gate/infer HTTP/1.1\r\nHost: x\r\nContent-Length: " +
                              std::to_string(rest.body.size()) + "\r\n\r\n" + rest.body));
-    WaitForMetrics(
-        server_->metrics_address(),
-        [](const std::string& text) {
-          return MetricValue(text, "attention_queue_depth", {{"model", "gate"}}) >= 1;
-        },
-        std::chrono::seconds(30));
+    WaitForMetricAtLeast(server_->metrics_address(), "attention_queue_depth",
+                         {{"model", "gate"}}, 1);
   }  // closed while queued
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   ASSERT_TRUE(gate_.Release(2));
   EXPECT_EQ(held.get().status, 200);
-  std::string metrics;
-  WaitForMetrics(
-      server_->metrics_address(),
-      [&](const std::string& text) {
-        metrics = text;
-        return MetricValue(text, "attention_api_requests_total", {{"code", "CANCELLED"}}) >= 1;
-      },
-      std::chrono::seconds(30));
+  const std::string metrics = WaitForMetricAtLeast(
+      server_->metrics_address(), "attention_api_requests_total", {{"code", "CANCELLED"}}, 1);
   EXPECT_EQ(MetricValue(metrics, "attention_api_requests_total",
                         {{"api", "http"}, {"model", "gate"}, {"code", "CANCELLED"}}),
             1);

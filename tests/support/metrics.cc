@@ -124,4 +124,18 @@ bool WaitForMetrics(const std::string& address,
   }
 }
 
+std::string WaitForMetricAtLeast(const std::string& address, const std::string& name,
+                                 const std::map<std::string, std::string>& labels,
+                                 double at_least, std::chrono::seconds timeout) {
+  std::string seen;
+  const bool reached = WaitForMetrics(
+      address,
+      [&](const std::string& text) {
+        seen = text;
+        return MetricValue(text, name, labels) >= at_least;
+      },
+      timeout);
+  return reached ? seen : "";
+}
+
 }  // namespace attention::testing

@@ -33,4 +33,12 @@ bool WaitForMetrics(const std::string& address,
                     const std::function<bool(const std::string&)>& done,
                     std::chrono::seconds timeout = std::chrono::seconds(120));
 
+// The first scrape of `address` in which MetricValue(`name`, `labels`) is at
+// least `at_least`, for checking the rest of that moment; "" once `timeout`
+// has passed.
+std::string WaitForMetricAtLeast(const std::string& address, const std::string& name,
+                                 const std::map<std::string, std::string>& labels,
+                                 double at_least,
+                                 std::chrono::seconds timeout = std::chrono::seconds(30));
+
 }  // namespace attention::testing

@@ -10,6 +10,11 @@
 // response, is closed. One request per connection is read at a time, so a
 // client that pipelines waits for each answer.
 //
+// With `tls` set, every connection is TLS (plaintext gets no answer): its
+// handshake, bounded by `timeout` too, uses the context current when it was
+// accepted (rotation: tls_context.h), and with client certificates required
+// the request carries the certificate's names for the allow-list check.
+//
 // Beast and Asio stay inside http_transport.cc: callers see plain structs.
 //
 //   auto server = HttpServer::Start(options, [](std::shared_ptr<HttpExchange> exchange) {
@@ -29,6 +34,8 @@
 
 namespace attention::server {
 
+class RotatingTlsContext;
+
 struct HttpOptions {
   std::string address;  // host:port; port 0 picks a free one
   int threads = 1;
@@ -36,6 +43,7 @@ struct HttpOptions {
   int64_t max_header_bytes = 16 << 10;
   int64_t max_body_bytes = 64 << 20;
   absl::Duration timeout = absl::Seconds(30);
+  std::shared_ptr<RotatingTlsContext> tls;  // null: plaintext
 };
 
 struct HttpRequest {
@@ -45,6 +53,9 @@ struct HttpRequest {
   std::vector<std::pair<std::string, std::string>> headers;
   std::string body;
   std::string peer;  // "ipv4:127.0.0.1:40000", as gRPC names peers
+  // Over TLS, the names of the client's certificate (PeerCertificateNames,
+  // tls_context.h); empty without one.
+  std::vector<std::string> client_certificate_names;
 
   // The value of header `name` (lower case), or nullptr.
   const std::string* Header(std::string_view name) const;

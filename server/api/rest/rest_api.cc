@@ -56,7 +56,8 @@ class HttpCallOrigin final : public CallOrigin {
   bool cancelled() const override { return exchange_->client_gone(); }
   std::string peer() const override { return exchange_->request().peer; }
   absl::Status Authenticate(const AccessPolicy& access) const override {
-    return access.CheckHttp(exchange_->request().Header("authorization"));
+    return access.CheckHttp(exchange_->request().client_certificate_names,
+                            exchange_->request().Header("authorization"));
   }
 
  private:
