@@ -38,6 +38,9 @@ namespace attention {
 
 class ThreadPool;
 struct ValidatedStep;
+namespace internal {
+class ScratchPool;
+}  // namespace internal
 
 struct AttentionResult {
   Tensor output;             // (B, n_q, d_v) or (B, n_q, E)
@@ -114,6 +117,8 @@ class Engine {
 
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<ThreadPool> serial_;
+  // Run's kept group buffers, lent to one call at a time (group_scratch.h).
+  std::unique_ptr<internal::ScratchPool> scratch_;
   int64_t max_group_floats_;
   double serial_work_;
 };

@@ -5,9 +5,34 @@
 
 namespace attention::internal {
 
-std::vector<float>& KeptScratch() {
-  thread_local std::vector<float> kept;
-  return kept;
+namespace {
+
+// The calling thread's lease's buffers (ScratchPool::Lease), or null.
+thread_local KeptBuffers* leased = nullptr;
+
+}  // namespace
+
+ScratchPool::Lease::Lease(ScratchPool& pool) : pool_(pool), previous_(leased) {
+  {
+    std::lock_guard<std::mutex> lock(pool_.mu_);
+    if (!pool_.free_.empty()) {
+      buffers_ = std::move(pool_.free_.back());
+      pool_.free_.pop_back();
+    }
+  }
+  if (buffers_ == nullptr) buffers_ = std::make_unique<KeptBuffers>();
+  leased = buffers_.get();
+}
+
+ScratchPool::Lease::~Lease() {
+  leased = previous_;
+  std::lock_guard<std::mutex> lock(pool_.mu_);
+  pool_.free_.push_back(std::move(buffers_));
+}
+
+KeptBuffers& KeptBuffersOfThread() {
+  thread_local KeptBuffers own;
+  return leased != nullptr ? *leased : own;
 }
 
 const TensorView& QueriesOf(const ValidatedRequest& v) { return v.request->queries; }

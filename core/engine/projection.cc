@@ -7,6 +7,7 @@
 #include <tuple>
 #include <utility>
 
+#include "core/engine/group_scratch.h"
 #include "core/kernels/packed_gemm.h"
 #include "core/thread_pool.h"
 
@@ -98,15 +99,10 @@ void AddBlocks(const Projection& p, int64_t panel_block, std::vector<ProjectionB
   }
 }
 
-// Most words of input pairs a calling thread keeps between calls (4 MiB):
-// those of an input of 2,048 tokens at E = 1,024. A larger call's are freed
-// after it, as GroupScratch frees an oversized group's buffers.
+// Most words of input pairs kept between calls (4 MiB, KeptBuffers): those
+// of an input of 2,048 tokens at E = 1,024. A larger call's are freed after
+// it, as GroupScratch frees an oversized group's buffers.
 constexpr int64_t kKeptPairWords = int64_t{1} << 20;
-
-std::vector<uint32_t>& KeptPairs() {
-  thread_local std::vector<uint32_t> kept;
-  return kept;
-}
 
 // The inputs of a call's products whose kernel multiplies BF16 pairs
 // (PackedKernelReadsPairs), rounded to pairs before the products run. A
@@ -145,8 +141,8 @@ class InputPairs {
   // whole number of rows from its first, up to one past its last), else
   // starts a run; returns p's first row in its run.
   int64_t Place(const Projection& p);
-  // Points words_ at `total` words: the thread's kept ones, or for an
-  // oversized call its own.
+  // Points words_ at `total` words: the kept ones (KeptBuffersOfThread), or
+  // for an oversized call its own.
   void TakeWords(int64_t total);
 
   std::vector<Run> runs_;
@@ -217,7 +213,7 @@ int64_t InputPairs::Place(const Projection& p) {
 }
 
 void InputPairs::TakeWords(int64_t total) {
-  std::vector<uint32_t>& words = total <= kKeptPairWords ? KeptPairs() : once_;
+  std::vector<uint32_t>& words = total <= kKeptPairWords ? KeptBuffersOfThread().pairs : once_;
   if (words.size() < static_cast<size_t>(total)) words.resize(total);
   words_ = words.data();
 }
