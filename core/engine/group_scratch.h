@@ -21,11 +21,13 @@ namespace attention::internal {
 // the kept memory returns near its level before an oversized request.
 inline constexpr int64_t kKeptScratchFloats = int64_t{1} << 22;
 
-// The buffers a run keeps between runs: a group's floats (GroupScratch)
-// and its projections' input pairs (projection.cc).
+// The buffers a run keeps between runs: a group's floats (GroupScratch),
+// its projections' input pairs and their bf16 weights widened
+// (projection.cc).
 struct KeptBuffers {
   std::vector<float> floats;
   std::vector<uint32_t> pairs;
+  std::vector<float> widened;
 };
 
 // The engine's kept buffers, lent to one Engine::Run call at a time. Kept
@@ -53,6 +55,9 @@ class ScratchPool {
     std::unique_ptr<KeptBuffers> buffers_;
     KeptBuffers* previous_;  // the thread's lease before this one, if any
   };
+
+  // Bytes the pool's sets hold while none is lent (for a log).
+  int64_t Bytes();
 
  private:
   std::mutex mu_;
