@@ -143,6 +143,8 @@ Engine::~Engine() = default;
 
 int Engine::num_threads() const { return pool_->num_threads(); }
 
+int64_t Engine::kept_scratch_bytes() const { return scratch_->Bytes(); }
+
 ThreadPool& Engine::PoolFor(double work) const { return work < serial_work_ ? *serial_ : *pool_; }
 
 absl::StatusOr<AttentionResult> Engine::Attend(const Model& model, const AttentionRequest& request,

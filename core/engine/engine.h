@@ -110,6 +110,9 @@ class Engine {
   void RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionResult> results);
 
   int num_threads() const;
+  // Bytes of scratch the engine keeps between Run calls (group_scratch.h),
+  // counted while no call holds any.
+  int64_t kept_scratch_bytes() const;
 
  private:
   // The pool for `work` units: serial_ (the caller alone) below serial_work_.

@@ -30,6 +30,17 @@ ScratchPool::Lease::~Lease() {
   pool_.free_.push_back(std::move(buffers_));
 }
 
+int64_t ScratchPool::Bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t bytes = 0;
+  for (const std::unique_ptr<KeptBuffers>& set : free_) {
+    bytes += static_cast<int64_t>(set->floats.capacity() * sizeof(float) +
+                                  set->pairs.capacity() * sizeof(uint32_t) +
+                                  set->widened.capacity() * sizeof(float));
+  }
+  return bytes;
+}
+
 KeptBuffers& KeptBuffersOfThread() {
   thread_local KeptBuffers own;
   return leased != nullptr ? *leased : own;
