@@ -348,9 +348,16 @@ void WarmUpVersion(const ServerConfig& config, RunningServer& s, const Model& mo
                  report.status().ToString());
     return;
   }
-  spdlog::info("warm-up: model {} version {}: {} requests of {} queries and keys in {:.1f} ms",
-               model.name, version, report->batch_size, report->dims.num_queries,
-               absl::ToDoubleMilliseconds(report->took));
+  std::string runs;
+  for (const WarmUpRun& run : report->runs) {
+    absl::StrAppend(&runs, runs.empty() ? "" : ", then ", run.requests,
+                    run.requests == 1 ? " request of " : " requests of ", run.dims.num_queries,
+                    " queries and keys");
+  }
+  spdlog::info("warm-up: model {} version {}: {} in {:.1f} ms on {} engine threads; engine "
+               "scratch kept {:.1f} MiB",
+               model.name, version, runs, absl::ToDoubleMilliseconds(report->took),
+               s.engine->num_threads(), s.engine->kept_scratch_bytes() / 1048576.0);
 }
 
 // Every version served at start-up, then each one loaded later before it is

@@ -26,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/kernels/blas.h"
 #include "core/kernels/finite.h"
+#include "core/engine/group_scratch.h"
 #include "core/engine/request_stop.h"
 #include "core/engine/runners.h"
 #include "core/thread_pool.h"
@@ -132,6 +133,7 @@ absl::Status CheckFinite(const Model& model, const ValidatedRequest& v,
 Engine::Engine(EngineOptions options)
     : pool_(std::make_unique<ThreadPool>(options.num_threads)),
       serial_(std::make_unique<ThreadPool>(1)),
+      scratch_(std::make_unique<internal::ScratchPool>()),
       max_group_floats_(options.max_group_floats > 0 ? options.max_group_floats : kGroupFloats),
       serial_work_(options.serial_work != 0 ? options.serial_work : kSerialWork) {
   RunBlasOnCallingThread();
@@ -140,6 +142,8 @@ Engine::Engine(EngineOptions options)
 Engine::~Engine() = default;
 
 int Engine::num_threads() const { return pool_->num_threads(); }
+
+int64_t Engine::kept_scratch_bytes() const { return scratch_->Bytes(); }
 
 ThreadPool& Engine::PoolFor(double work) const { return work < serial_work_ ? *serial_ : *pool_; }
 
@@ -165,8 +169,9 @@ void Engine::Run(const Model& model, std::span<const ValidatedRequest> requests,
       stops[r] = &stop_storage.emplace_back(requests[r].stop);
     }
   }
-  // Each group as one execution over the whole pool; a request over the
-  // bound is a group of its own.
+  // Each group as one execution over the whole pool, in the engine's kept
+  // buffers; a request over the bound is a group of its own.
+  const internal::ScratchPool::Lease lease(*scratch_);
   for (size_t begin = 0; begin < requests.size();) {
     int64_t floats = GroupFloats(model, requests[begin].dims);
     double work = RequestWork(model, requests[begin].dims);

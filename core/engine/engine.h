@@ -38,6 +38,9 @@ namespace attention {
 
 class ThreadPool;
 struct ValidatedStep;
+namespace internal {
+class ScratchPool;
+}  // namespace internal
 
 struct AttentionResult {
   Tensor output;             // (B, n_q, d_v) or (B, n_q, E)
@@ -107,6 +110,9 @@ class Engine {
   void RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionResult> results);
 
   int num_threads() const;
+  // Bytes of scratch the engine keeps between Run calls (group_scratch.h),
+  // counted while no call holds any.
+  int64_t kept_scratch_bytes() const;
 
  private:
   // The pool for `work` units: serial_ (the caller alone) below serial_work_.
@@ -114,6 +120,8 @@ class Engine {
 
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<ThreadPool> serial_;
+  // Run's kept group buffers, lent to one call at a time (group_scratch.h).
+  std::unique_ptr<internal::ScratchPool> scratch_;
   int64_t max_group_floats_;
   double serial_work_;
 };

@@ -5,9 +5,45 @@
 
 namespace attention::internal {
 
-std::vector<float>& KeptScratch() {
-  thread_local std::vector<float> kept;
-  return kept;
+namespace {
+
+// The calling thread's lease's buffers (ScratchPool::Lease), or null.
+thread_local KeptBuffers* leased = nullptr;
+
+}  // namespace
+
+ScratchPool::Lease::Lease(ScratchPool& pool) : pool_(pool), previous_(leased) {
+  {
+    std::lock_guard<std::mutex> lock(pool_.mu_);
+    if (!pool_.free_.empty()) {
+      buffers_ = std::move(pool_.free_.back());
+      pool_.free_.pop_back();
+    }
+  }
+  if (buffers_ == nullptr) buffers_ = std::make_unique<KeptBuffers>();
+  leased = buffers_.get();
+}
+
+ScratchPool::Lease::~Lease() {
+  leased = previous_;
+  std::lock_guard<std::mutex> lock(pool_.mu_);
+  pool_.free_.push_back(std::move(buffers_));
+}
+
+int64_t ScratchPool::Bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t bytes = 0;
+  for (const std::unique_ptr<KeptBuffers>& set : free_) {
+    bytes += static_cast<int64_t>(set->floats.capacity() * sizeof(float) +
+                                  set->pairs.capacity() * sizeof(uint32_t) +
+                                  set->widened.capacity() * sizeof(float));
+  }
+  return bytes;
+}
+
+KeptBuffers& KeptBuffersOfThread() {
+  thread_local KeptBuffers own;
+  return leased != nullptr ? *leased : own;
 }
 
 const TensorView& QueriesOf(const ValidatedRequest& v) { return v.request->queries; }

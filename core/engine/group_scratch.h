@@ -5,6 +5,8 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <span>
 #include <vector>
 
@@ -12,22 +14,69 @@
 
 namespace attention::internal {
 
-// Largest scratch a thread keeps between calls (16 MiB; see GroupScratch):
+// Largest scratch kept between calls (16 MiB; see GroupScratch):
 // the four (tokens x E) buffers of one multi_head request of 2,048 tokens
 // at E = 512, the largest shape BENCHMARKS.md measures. Larger scratch (an
 // additive model's n_k x h key projections, say) is freed after its run, so
-// a thread's memory returns near its level before an oversized request.
+// the kept memory returns near its level before an oversized request.
 inline constexpr int64_t kKeptScratchFloats = int64_t{1} << 22;
 
-// The calling thread's scratch kept between runs.
-std::vector<float>& KeptScratch();
+// The buffers a run keeps between runs: a group's floats (GroupScratch),
+// its projections' input pairs and their bf16 weights widened
+// (projection.cc).
+struct KeptBuffers {
+  std::vector<float> floats;
+  std::vector<uint32_t> pairs;
+  std::vector<float> widened;
+};
+
+// The engine's kept buffers, lent to one Engine::Run call at a time. Kept
+// by the calling thread instead, they would start empty on every thread
+// that calls Run: the server's first call of a model runs on that model's
+// batcher thread, which had computed nothing, and paid the page faults of
+// growing them (three quarters of that call's faults; a fault costs 13-17
+// us of CPU on the benchmarks' VM: BENCHMARKS.md, "Warm-up (issue 34)").
+// Lent by the engine, they are the ones its warm-up grew, whatever thread
+// ran it; and a server keeps one set per call computing at once rather than
+// one per thread that ever called.
+class ScratchPool {
+ public:
+  // While it lives, KeptBuffersOfThread() on the constructing thread is a
+  // set of the pool's: the one returned last (the warmest), or a new one.
+  class Lease {
+   public:
+    explicit Lease(ScratchPool& pool);
+    ~Lease();
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+
+   private:
+    ScratchPool& pool_;
+    std::unique_ptr<KeptBuffers> buffers_;
+    KeptBuffers* previous_;  // the thread's lease before this one, if any
+  };
+
+  // Bytes the pool's sets hold while none is lent (for a log).
+  int64_t Bytes();
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<KeptBuffers>> free_;  // guarded by mu_
+};
+
+// The buffers of the calling thread's lease, or else its own (decoding
+// steps, Engine::RunSteps, keep theirs per thread).
+KeptBuffers& KeptBuffersOfThread();
+
+// The floats of KeptBuffersOfThread().
+inline std::vector<float>& KeptScratch() { return KeptBuffersOfThread().floats; }
 
 // Consecutive buffers of the given sizes (floats) for one group. Fresh
 // vectors would be zero-filled, and page-faulted in again on every run once
 // glibc hands their memory back to the kernel (mmap'd, or trimmed off the top
-// of the heap), so the calling thread keeps its scratch across runs; groups
+// of the heap), so the scratch is kept across runs (KeptScratch); groups
 // are bounded (Engine::Run), so it stays a few MiB. A rare huge request gets
-// `once` instead, so no thread keeps gigabytes for the rest of its life.
+// `once` instead, so no buffer keeps gigabytes for the rest of its life.
 // Contents are left over: every element is written before it is read.
 template <size_t N>
 std::array<float*, N> GroupScratch(const std::array<int64_t, N>& sizes, std::vector<float>& once) {

@@ -7,6 +7,7 @@
 #include <tuple>
 #include <utility>
 
+#include "core/engine/group_scratch.h"
 #include "core/kernels/packed_gemm.h"
 #include "core/thread_pool.h"
 
@@ -55,13 +56,15 @@ int64_t PanelBlock(const std::vector<Projection>& projections, int threads) {
 
 // Rows [begin, end) of a projection on the calling thread: on the packed
 // weights' panels [panel_begin, panel_end), reading its input's BF16 pairs
-// where given (in_pairs: those of its row 0), or (panel_end 0) on the BLAS.
+// where given (in_pairs: those of its row 0) and its bf16 weights widened
+// where given (widened), or (panel_end 0) on the BLAS.
 void ProjectBlock(const Projection& p, int64_t begin, int64_t end, int64_t panel_begin,
-                  int64_t panel_end, const uint32_t* in_pairs = nullptr) {
+                  int64_t panel_end, const uint32_t* in_pairs = nullptr,
+                  const float* widened = nullptr) {
   if (panel_end > 0) {
     const PackedKernel kernel = PackedKernelFor(ActiveIsa(), p.packed->precision());
-    kernel({p.in, p.in_cols(), p.out, p.out_row_stride(), p.packed, in_pairs}, begin, end,
-           panel_begin, panel_end);
+    kernel({p.in, p.in_cols(), p.out, p.out_row_stride(), p.packed, in_pairs, widened}, begin,
+           end, panel_begin, panel_end);
     return;
   }
   const int64_t rows = end - begin;
@@ -98,15 +101,10 @@ void AddBlocks(const Projection& p, int64_t panel_block, std::vector<ProjectionB
   }
 }
 
-// Most words of input pairs a calling thread keeps between calls (4 MiB):
-// those of an input of 2,048 tokens at E = 1,024. A larger call's are freed
-// after it, as GroupScratch frees an oversized group's buffers.
+// Most words of input pairs kept between calls (4 MiB, KeptBuffers): those
+// of an input of 2,048 tokens at E = 1,024. A larger call's are freed after
+// it, as GroupScratch frees an oversized group's buffers.
 constexpr int64_t kKeptPairWords = int64_t{1} << 20;
-
-std::vector<uint32_t>& KeptPairs() {
-  thread_local std::vector<uint32_t> kept;
-  return kept;
-}
 
 // The inputs of a call's products whose kernel multiplies BF16 pairs
 // (PackedKernelReadsPairs), rounded to pairs before the products run. A
@@ -145,8 +143,8 @@ class InputPairs {
   // whole number of rows from its first, up to one past its last), else
   // starts a run; returns p's first row in its run.
   int64_t Place(const Projection& p);
-  // Points words_ at `total` words: the thread's kept ones, or for an
-  // oversized call its own.
+  // Points words_ at `total` words: the kept ones (KeptBuffersOfThread), or
+  // for an oversized call its own.
   void TakeWords(int64_t total);
 
   std::vector<Run> runs_;
@@ -217,7 +215,7 @@ int64_t InputPairs::Place(const Projection& p) {
 }
 
 void InputPairs::TakeWords(int64_t total) {
-  std::vector<uint32_t>& words = total <= kKeptPairWords ? KeptPairs() : once_;
+  std::vector<uint32_t>& words = total <= kKeptPairWords ? KeptBuffersOfThread().pairs : once_;
   if (words.size() < static_cast<size_t>(total)) words.resize(total);
   words_ = words.data();
 }
@@ -242,6 +240,111 @@ void InputPairs::Round(ThreadPool& pool, WorkStop* stop) {
   });
 }
 
+// Fewest rows, over all of a call's products on the same bf16 weights, for
+// which WidenedWeights widens them once for the call: below it the blocks
+// are few rows each, which the kernel widens in registers at about fp32's
+// speed, and widening whole weights would cost more than their products.
+constexpr int64_t kWidenPerCallRows = 32;
+
+// Most floats of widened weights kept between calls (4 MiB, KeptBuffers):
+// Q, K and V at E = 512. Weights beyond it are widened per block, as
+// without WidenedWeights (at E = 1,024 a block of 96 rows widens a panel in
+// about 3% of its time).
+constexpr int64_t kKeptWidenedFloats = int64_t{1} << 20;
+
+// Alignment of the widened panels, in bytes: the kernel's aligned loads.
+constexpr uintptr_t kWidenedAlignment = 64;
+
+// The bf16 weights of a call's products on a path without BF16 products
+// (PackedKernelWidens), widened to FP32 once for the call before the
+// products run, so that every block of every product on them reads fp32
+// panels as an fp32 model's blocks do. The kernel would widen each panel
+// once per block, and blocks of fewer than 32 rows in registers, slower
+// than fp32 by up to a third at 3 rows: K and V of a masked request are a
+// product per example of its allowed rows, in blocks of 96 and a remainder
+// of any size (BENCHMARKS.md, "BF16 fallback"). The same panels, the same
+// sums in the same order: the products' bits do not change.
+class WidenedWeights {
+ public:
+  explicit WidenedWeights(const std::vector<Projection>& projections);
+  WidenedWeights(const WidenedWeights&) = delete;
+  WidenedWeights& operator=(const WidenedWeights&) = delete;
+
+  // Widens every weight, in blocks of panels spread over the pool, each
+  // asking `stop` (if any) first.
+  void Widen(ThreadPool& pool, WorkStop* stop);
+  // Projection i's weights widened, or null: its kernel widens its own.
+  const float* For(size_t i) const { return of_[i]; }
+
+ private:
+  struct Weights {
+    const PackedWeights* weights;
+    float* widened;
+  };
+
+  std::vector<Weights> weights_;
+  std::vector<const float*> of_;
+};
+
+WidenedWeights::WidenedWeights(const std::vector<Projection>& projections)
+    : of_(projections.size(), nullptr) {
+  // Rows per distinct bf16 weights, in the order first seen.
+  std::vector<std::pair<const PackedWeights*, int64_t>> rows;
+  for (const Projection& p : projections) {
+    if (p.rows == 0 || !p.UsesPackedWeights() ||
+        !PackedKernelWidens(ActiveIsa(), p.packed->precision())) {
+      continue;
+    }
+    auto it = std::find_if(rows.begin(), rows.end(),
+                           [&](const auto& entry) { return entry.first == p.packed; });
+    if (it == rows.end()) {
+      rows.emplace_back(p.packed, p.rows);
+    } else {
+      it->second += p.rows;
+    }
+  }
+  std::vector<float>& kept = KeptBuffersOfThread().widened;
+  int64_t total = 0;
+  std::vector<int64_t> offsets;
+  for (const auto& [weights, count] : rows) {
+    const int64_t floats = weights->panels() * weights->in_cols() * kPanelWidth;
+    if (count < kWidenPerCallRows || total + floats > kKeptWidenedFloats) continue;
+    weights_.push_back({weights, nullptr});
+    offsets.push_back(total);
+    total += floats;
+  }
+  if (weights_.empty()) return;
+  const size_t floats = static_cast<size_t>(total) + kWidenedAlignment / sizeof(float);
+  if (kept.size() < floats) kept.resize(floats);
+  float* const base = reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(kept.data()) + kWidenedAlignment - 1) & ~(kWidenedAlignment - 1));
+  for (size_t w = 0; w < weights_.size(); ++w) weights_[w].widened = base + offsets[w];
+  for (size_t i = 0; i < projections.size(); ++i) {
+    for (const Weights& w : weights_) {
+      if (projections[i].rows > 0 && projections[i].packed == w.weights) of_[i] = w.widened;
+    }
+  }
+}
+
+void WidenedWeights::Widen(ThreadPool& pool, WorkStop* stop) {
+  struct PanelBlock {
+    const Weights* weights;
+    int64_t begin, end;
+  };
+  std::vector<PanelBlock> blocks;
+  for (const Weights& w : weights_) {
+    const int64_t panels = w.weights->panels();
+    for (int64_t begin = 0; begin < panels; begin += kPackedGemmPanelBlock) {
+      blocks.push_back({&w, begin, std::min(panels, begin + kPackedGemmPanelBlock)});
+    }
+  }
+  pool.ParallelFor(static_cast<int64_t>(blocks.size()), [&](int64_t i) {
+    if (stop != nullptr && stop->Stopped()) return;
+    const PanelBlock& b = blocks[i];
+    WidenBf16Panels(ActiveIsa(), *b.weights->weights, b.begin, b.end, b.weights->widened);
+  });
+}
+
 }  // namespace
 
 void ProjectAll(const Projection& p) {
@@ -261,11 +364,14 @@ void RunProjections(ThreadPool& pool, const std::vector<Projection>& projections
   const std::vector<ProjectionBlock> blocks = ProjectionBlocks(projections, pool.num_threads());
   InputPairs pairs(projections);
   pairs.Round(pool, stop);
+  WidenedWeights widened(projections);
+  widened.Widen(pool, stop);
   pool.ParallelFor(static_cast<int64_t>(blocks.size()), [&](int64_t i) {
     if (stop != nullptr && stop->Stopped()) return;
     const ProjectionBlock& block = blocks[i];
+    const auto index = static_cast<size_t>(block.projection - projections.data());
     ProjectBlock(*block.projection, block.begin, block.end, block.panel_begin, block.panel_end,
-                 pairs.For(static_cast<size_t>(block.projection - projections.data())));
+                 pairs.For(index), widened.For(index));
   });
 }
 

@@ -225,14 +225,23 @@ constexpr int64_t kWidenInRegistersBelow = INT64_MAX;
 
 // The path of bf16 weights where the CPU lacks AVX512_BF16 (or --isa chose
 // a lower path). The inputs stay FP32, so the answer is the fp32 model's on
-// the held weights. Each panel is widened to FP32 once per block, into a
-// buffer that stays in L2 like an fp32 panel, and the fp32 kernel reads it:
-// that costs about 3/rows of the block's time (Zen 4), so blocks of few
-// rows widen in registers instead: from half the bytes of an fp32 panel,
-// faster than fp32 for a lone row, 0-10% slower for more (BENCHMARKS.md,
-// "BF16").
+// the held weights. Given the panels widened once for the whole call
+// (PackedProduct::widened), the fp32 kernel reads them. Else each panel is
+// widened to FP32 once per block, into a buffer that stays in L2 like an
+// fp32 panel, and the fp32 kernel reads it: that costs about 3/rows of the
+// block's time (Zen 4), so blocks of few rows widen in registers instead:
+// from half the bytes of an fp32 panel, faster than fp32 for a lone row,
+// 0-10% slower for more (BENCHMARKS.md, "BF16"). All three sum each output
+// in the same order: the same bits.
 void WidenedBf16ProductImpl(const PackedProduct& p, int64_t row_begin, int64_t row_end,
                             int64_t panel_begin, int64_t panel_end) {
+  if (p.widened != nullptr) {
+    const int64_t panel_floats = p.weights->in_cols() * kPanelWidth;
+    for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
+      PanelRows(p, row_begin, row_end, panel, p.widened + panel * panel_floats);
+    }
+    return;
+  }
   if (row_end - row_begin < kWidenInRegistersBelow) {
     for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
       for (int64_t row = row_begin; row < row_end; row += kWidenRows) {
@@ -254,6 +263,13 @@ void WidenedBf16ProductImpl(const PackedProduct& p, int64_t row_begin, int64_t r
   }
 }
 
+void WidenPanelsImpl(const PackedWeights& weights, int64_t panel_begin, int64_t panel_end,
+                     float* widened) {
+  for (int64_t panel = panel_begin; panel < panel_end; ++panel) {
+    WidenPanel(weights, panel, widened + panel * weights.in_cols() * kPanelWidth);
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace attention
 HWY_AFTER_NAMESPACE();
@@ -270,6 +286,16 @@ PackedKernel PackedKernelFor(Isa isa, Precision precision) {
 
 bool PackedKernelReadsPairs(Isa isa, Precision precision) {
   return PackedKernelFor(isa, precision) == &internal::Bf16DotProduct;
+}
+
+bool PackedKernelWidens(Isa isa, Precision precision) {
+  return precision == Precision::kBf16 && !PackedKernelReadsPairs(isa, precision);
+}
+
+void WidenBf16Panels(Isa isa, const PackedWeights& weights, int64_t panel_begin,
+                     int64_t panel_end, float* widened) {
+  static constexpr auto kWidenPanels = ISA_TABLE(WidenPanelsImpl);
+  kWidenPanels.For(isa)(weights, panel_begin, panel_end, widened);
 }
 
 }  // namespace attention

@@ -43,6 +43,11 @@ struct PackedProduct {
   // RoundToBf16Pairs, weights->k_pairs() words a row), which a kernel that
   // reads pairs (PackedKernelReadsPairs) reads instead of rounding `in`.
   const uint32_t* in_pairs = nullptr;
+  // Null, or bf16 weights' panels already widened to FP32 (WidenBf16Panels:
+  // panel p at widened + p * in_cols * kPanelWidth, 64-byte aligned), which
+  // a kernel that widens (PackedKernelWidens) reads instead of widening its
+  // own.
+  const float* widened = nullptr;
 };
 
 // Computes rows [row_begin, row_end) of the product, output columns of
@@ -56,6 +61,16 @@ PackedKernel PackedKernelFor(Isa isa, Precision precision = Precision::kFp32);
 // Whether that kernel multiplies BF16 pairs of its input, and so reads
 // PackedProduct::in_pairs where given: the avx512_bf16 path's bf16 kernel.
 bool PackedKernelReadsPairs(Isa isa, Precision precision);
+
+// Whether that kernel widens bf16 weights to FP32 (every path's bf16
+// kernel but avx512_bf16's), and so reads PackedProduct::widened where given.
+bool PackedKernelWidens(Isa isa, Precision precision);
+
+// Panels [panel_begin, panel_end) of bf16 `weights` widened to FP32 in the
+// fp32 panels' layout, panel p at widened + p * in_cols * kPanelWidth
+// (`widened` 64-byte aligned), with the loads and stores of path `isa`.
+void WidenBf16Panels(Isa isa, const PackedWeights& weights, int64_t panel_begin,
+                     int64_t panel_end, float* widened);
 
 namespace internal {
 

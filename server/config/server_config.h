@@ -70,10 +70,11 @@ struct ServerConfig {
   // Every model computes in fp32, whatever its "precision" says: for
   // comparisons and rollback.
   bool force_fp32 = false;
-  // Before serving, each model version computes one batch (warmup.h), and
-  // health stays NOT_SERVING until every start-up model has.
+  // Before serving, each model version computes a batch and a large request
+  // (warmup.h), and health stays NOT_SERVING until every start-up model has.
   bool warmup = true;
-  // Most work units of one warm-up batch; about 60 ms of one AVX-512 core.
+  // Most work units of one version's warm-up, half each for its batch and
+  // its large request; about 60 ms of one AVX-512 core.
   int64_t warmup_work_budget = int64_t{1} << 31;
 
   // After SIGTERM/SIGINT, time during which health says NOT_SERVING and new

@@ -153,11 +153,11 @@ void AddEngineFlags(CLI::App& app, ServerConfig* c) {
 // What each model version computes before it serves.
 void AddWarmupFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--warmup", &c->warmup,
-       "Before serving, compute one batch per model version (true/false); health is "
-       "NOT_SERVING until the start-up models have");
+       "Before serving, compute a batch and a large request per model version (true/false); "
+       "health is NOT_SERVING until the start-up models have");
   Flag(app, "--warmup-work-budget", &c->warmup_work_budget,
-       "Most work units of one model's warm-up batch (requests as large as the limits allow, "
-       "--max-batch-size of them)")
+       "Most work units of one model's warm-up: half for a batch of --max-batch-size requests, "
+       "half for one large request, each as large as the limits allow")
       ->check(CLI::Range(int64_t{1}, INT64_MAX));
 }
 

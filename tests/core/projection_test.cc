@@ -222,7 +222,9 @@ void ExpectEachProductAlone(const std::vector<Part>& parts) {
 // its rows; and the same memory read as rows of two widths. On the
 // avx512_bf16 path RunProjections rounds the input rows to BF16 pairs once
 // for all the products that read them (core/engine/projection.cc, InputPairs), so
-// a product pointed at the wrong rows' pairs would differ from it alone.
+// a product pointed at the wrong rows' pairs would differ from it alone; on
+// the other paths it widens the bf16 weights of products of 32 rows or more
+// once for all of them (WidenedWeights), so wrong panels would differ too.
 TEST_P(ProjectionThreadsTest, OverlappingInputsGiveTheBitsOfEachProductAlone) {
   const Precision precision = GetParam();
   std::mt19937 rng(26);

@@ -6,7 +6,9 @@ Against real attention-server processes on 127.0.0.1 (port 0):
   grpc.health.v1 answers NOT_SERVING (the server and each service) and
   ServerReady false, REST GET /v2/health/ready 503 (live 200), no port
   file yet; after the byte, SERVING and ready (REST 200), and the log says
-  how long each model and the whole warm-up took;
+  what each model computed (a batch, then one large request), on how many
+  engine threads, the scratch the engine keeps, and how long each model and
+  the whole warm-up took; with --max-batch-size 1, one large request;
 - --warmup false and ATTENTION_WARMUP=false: the server serves without
   that byte and logs no warm-up;
 - a version the repository poller loads later is warmed up before it is
@@ -126,6 +128,14 @@ class WarmupTest(unittest.TestCase):
         os.write(fd, b".")
         os.close(fd)
 
+    def released(self):
+        """Releases the gate once the server reads it: False before."""
+        try:
+            self.release_gate()
+            return True
+        except OSError:
+            return False
+
     def test_not_ready_until_warmed_up(self):
         server = self.start([])
         address, http_address = server.wait_for(
@@ -148,8 +158,19 @@ class WarmupTest(unittest.TestCase):
         server.wait_for(lambda: os.path.exists(server.ports), "the port file")
         log = server.log()
         self.assertRegex(log, r"warm-up: model gate version 1: \d+ requests of \d+ queries")
-        self.assertRegex(log, r"warm-up: model dot_product version 1: 32 requests of \d+ queries")
+        self.assertRegex(log, r"warm-up: model dot_product version 1: 32 requests of \d+ queries "
+                              r"and keys, then 1 request of \d+ queries and keys in [0-9.]+ ms "
+                              r"on 1 engine threads; engine scratch kept [0-9.]+ MiB")
         self.assertRegex(log, r"warm-up: \d+ model versions in [0-9.]+ ms")
+        self.assertEqual(server.stop(), 0)
+
+    def test_without_batching_one_large_request(self):
+        server = self.start(["--max-batch-size", "1"])
+        server.wait_for(self.released, "the gate's warm-up to open the gate")
+        server.wait_for(lambda: os.path.exists(server.ports), "the port file")
+        self.assertRegex(server.log(), r"warm-up: model dot_product version 1: 1 request of \d+ "
+                                       r"queries and keys in [0-9.]+ ms")
+        self.assertNotIn("then", server.log())
         self.assertEqual(server.stop(), 0)
 
     def check_serves_without_warmup(self, flags, env=None):
@@ -175,8 +196,7 @@ class WarmupTest(unittest.TestCase):
         os.makedirs(os.path.join(repository, "m"))
         shutil.copyfile(MODEL, os.path.join(repository, "m", "1.safetensors"))
         server = self.start(["--model-repository", repository, "--repository-poll-seconds", "0.2"])
-        server.wait_for(lambda: "warm-up before serving" in server.log(), "the warm-up to start")
-        self.release_gate()
+        server.wait_for(self.released, "the gate's warm-up to open the gate")
         server.wait_for(lambda: os.path.exists(server.ports), "the port file")
         self.assertIn("warm-up: model m version 1:", server.log())
 
