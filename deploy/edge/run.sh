@@ -23,7 +23,7 @@
 # (from 1) serves metrics at the port of --metrics-address (or
 # ATTENTION_METRICS_ADDRESS; default 0.0.0.0:9464) plus i-1 (port 0: a free
 # one), and a replica that exits is started again at once, then after 1, 2,
-# 4... up to 30 s while it keeps exiting within 30 s of its start; their
+# 4... up to 30 s while it keeps failing within 30 s of its start; their
 # drain delay is 2 s unless set (the edge's checks see NOT_SERVING within
 # about 1 s). With one, a server that exits ends run.sh (non-zero), as before.
 # --edge-metrics-address: HAProxy's Prometheus exporter, /metrics there.
@@ -224,6 +224,8 @@ while :; do
       status=${last_status[i]}
       echo "run.sh: attention-server (replica $i of $replicas) exited ($status) before serving" >&2
       drain_all
+      for ((k = 1; k <= replicas; k++)); do [[ -n "${pid[k]:-}" ]] && wait "${pid[k]}" || true; done
+      pid=()
       exit "$((status == 0 ? 1 : status))"
     fi
     [[ "${state[i]}" == starting ]] && ! check_started "$i" && waiting=1
@@ -280,9 +282,12 @@ while :; do
         echo "run.sh: attention-server exited ($status)" >&2
         exit "$((status == 0 ? 1 : status))"
       fi
-      # Back-off: the first exit is restarted at once; each further exit
+      # Back-off: the first exit is restarted at once; each further failure
       # within 30 s of its start doubles the wait, from 1 s to at most 30 s.
-      if (($(now_us) - started[i] < 30000000)); then
+      # Exit 0 is a drain someone asked for (SIGTERM: a rolling restart).
+      if ((status == 0)); then
+        quick_exits[i]=0
+      elif (($(now_us) - started[i] < 30000000)); then
         quick_exits[i]=$((quick_exits[i] + 1))
       else
         quick_exits[i]=1
