@@ -30,8 +30,9 @@
 # attention-server is $ATTENTION_SERVER_BIN or found on PATH; haproxy is
 # $ATTENTION_EDGE_HAPROXY_BIN or found on PATH.
 # --pid-file: one "server PID GRPC_ADDRESS METRICS_ADDRESS" line per replica
-# serving (METRICS_ADDRESS "-" when off) and an "edge PID" line, rewritten
-# (write, then rename) whenever a replica is replaced. A replica that cannot
+# listening (METRICS_ADDRESS "-" when off; with several, the edge's checks
+# take each into the rotation once it is ready) and an "edge PID" line,
+# rewritten (write, then rename) whenever a replica is replaced. A replica that cannot
 # start at first makes run.sh stop the others and exit with its code (its
 # reason is on stderr). SIGTERM/SIGINT: every replica drains as it does alone
 # (docs/api.md section 6.5), then the edge stops; exit 0, nothing left
@@ -39,7 +40,7 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-usage() { sed -n '2,38s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit "${1:-2}"; }
+usage() { sed -n '2,40s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit "${1:-2}"; }
 
 listen="" pid_file="" tls_cert="" tls_key="" tls_client_ca="" replicas=1 edge_metrics=""
 server_flags=()
@@ -159,15 +160,9 @@ launch() {
   pid[i]=$! state[i]=starting started[i]=$(now_us)
 }
 
-# Whether REST at $1 (HOST:PORT) answers GET /v2/health/ready with 200: the
-# server listens before its warm-up is done (docs/api.md 6.9).
-ready() {
-  (exec 3<>"/dev/tcp/${1%:*}/${1##*:}" &&
-   printf 'GET /v2/health/ready HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n' "$1" >&3 &&
-   read -r -t 2 line <&3 && [[ "$line" == HTTP/1.?" 200"* ]]) 2>/dev/null
-}
-
-# Slot $1 serves once its port file is written and it is ready.
+# Slot $1 serves once its port file is written: it listens (its warm-up may
+# still run, health NOT_SERVING, docs/api.md 6.9; the edge's checks of
+# several replicas wait for it to be ready).
 check_started() {
   local i=$1
   [[ -s "$work/ports.$i" ]] || return 1
@@ -179,7 +174,6 @@ check_started() {
       echo "run.sh: replica $i: attention-server did not start gRPC and REST" >&2; exit 1
     fi
   fi
-  ready "${http_address[i]}" || return 1
   state[i]=serving
 }
 
@@ -212,7 +206,7 @@ drain_all() {
 }
 trap 'stopping=1; drain_all' TERM INT
 
-# Start-up: every replica, until all serve; one that exits first ends it all.
+# Start-up: every replica, until all listen; one that exits first ends it all.
 for ((i = 1; i <= replicas; i++)); do quick_exits[i]=0 last_status[i]=0; launch "$i"; done
 give_up=$(($(now_us) + 600000000))  # models load first: allow a large repository
 while :; do
