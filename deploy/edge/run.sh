@@ -109,10 +109,14 @@ work=$(mktemp -d)
 declare -a pid state grpc_address http_address metrics_address backoff due started last_status \
   quick_exits
 edge_pid="" stopping=0
+# The functions the traps call loop over their own local k: a trap runs
+# between any two commands, and a shared loop variable would move the main
+# loop to another slot.
 cleanup() {
-  [[ -n "$edge_pid" ]] && kill -TERM "$edge_pid" 2>/dev/null
-  for ((i = 1; i <= replicas; i++)); do
-    [[ -n "${pid[i]:-}" ]] && kill -TERM "${pid[i]}" 2>/dev/null
+  local k
+  [[ -z "$edge_pid" ]] || kill -TERM "$edge_pid" 2>/dev/null || true
+  for ((k = 1; k <= replicas; k++)); do
+    [[ -z "${pid[k]:-}" ]] || kill -TERM "${pid[k]}" 2>/dev/null || true
   done
   rm -rf "$work"
 }
@@ -179,10 +183,11 @@ check_started() {
 
 write_pid_file() {
   [[ -n "$pid_file" && -n "$edge_pid" ]] || return 0
+  local k
   {
-    for ((i = 1; i <= replicas; i++)); do
-      [[ "${state[i]}" == serving ]] &&
-        echo "server ${pid[i]} ${grpc_address[i]} ${metrics_address[i]:--}"
+    for ((k = 1; k <= replicas; k++)); do
+      [[ "${state[k]}" == serving ]] &&
+        echo "server ${pid[k]} ${grpc_address[k]} ${metrics_address[k]:--}"
     done
     echo "edge $edge_pid"
   } > "$pid_file.tmp"
@@ -200,14 +205,18 @@ exited() {
 }
 
 drain_all() {
-  for ((i = 1; i <= replicas; i++)); do
-    [[ -n "${pid[i]:-}" ]] && kill -TERM "${pid[i]}" 2>/dev/null || true
+  local k
+  for ((k = 1; k <= replicas; k++)); do
+    [[ -n "${pid[k]:-}" ]] && kill -TERM "${pid[k]}" 2>/dev/null || true
   done
 }
 trap 'stopping=1; drain_all' TERM INT
 
 # Start-up: every replica, until all listen; one that exits first ends it all.
-for ((i = 1; i <= replicas; i++)); do quick_exits[i]=0 last_status[i]=0; launch "$i"; done
+for ((i = 1; i <= replicas; i++)); do
+  quick_exits[i]=0 last_status[i]=0
+  ((stopping)) || launch "$i"
+done
 give_up=$(($(now_us) + 600000000))  # models load first: allow a large repository
 while :; do
   waiting=0
@@ -222,10 +231,12 @@ while :; do
       pid=()
       exit "$((status == 0 ? 1 : status))"
     fi
-    [[ "${state[i]}" == starting ]] && ! check_started "$i" && waiting=1
+    [[ "${state[i]:-}" == starting ]] && ! check_started "$i" && waiting=1
   done
   if ((stopping)); then
+    drain_all  # again: a replica launched as the signal came has not had it
     for ((i = 1; i <= replicas; i++)); do [[ -n "${pid[i]:-}" ]] && wait "${pid[i]}" || true; done
+    pid=()
     exit 0
   fi
   ((waiting)) || break
