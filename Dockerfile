@@ -23,13 +23,14 @@ RUN if [ "$ATTENTION_TESTS" = ON ]; then scripts/install-deps.sh; \
 COPY . .
 # With the tests: the deploy tests need Prometheus, kubectl and npm, and the
 # Node client test installs packages from the npm registry; they run in CI,
-# not here. So does the abuse suite (label abuse), whose latency bound needs
-# a quiet machine.
+# not here. So do the abuse suite (label abuse), whose latency bound needs
+# a quiet machine, and the cluster suite (label cluster: failed calls under
+# faults, network namespaces).
 RUN cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTENTION_BUILD_BENCHMARKS=OFF \
       -DATTENTION_BUILD_TESTS="$ATTENTION_TESTS" \
  && if [ "$ATTENTION_TESTS" = ON ]; then \
       ninja -C /build -j 2 \
-      && ctest --test-dir /build --output-on-failure -j 2 -LE "deploy|npm|abuse"; \
+      && ctest --test-dir /build --output-on-failure -j 2 -LE "deploy|npm|abuse|cluster"; \
     else ninja -C /build -j 2 attention-server attention-client; fi
 RUN install -D -m 0755 /build/server/attention-server /out/attention-server \
  && install -D -m 0755 /build/client/attention-client /out/attention-client
@@ -41,9 +42,12 @@ RUN /tmp/install-deps.sh --runtime && rm -rf /var/lib/apt/lists/* /tmp/install-d
 COPY --from=build /out/ /usr/local/bin/
 COPY models/ /models/
 # The HTTP/2 edge (HAProxy, installed by install-deps.sh --runtime): run.sh
-# starts the server behind it (the compose stack's entrypoint); the
-# Kubernetes sidecar runs haproxy on haproxy.cfg. See docs/api.md section 6.8.
-COPY deploy/edge/run.sh deploy/edge/haproxy.cfg /usr/local/share/attention-edge/
+# starts the servers behind it (the compose stack's entrypoint; backends.sh
+# writes its backends); the Kubernetes sidecar runs haproxy on haproxy.cfg
+# and sidecar.cfg, the edge Deployment on haproxy.cfg and cluster.cfg. See
+# docs/api.md sections 6.8 and 6.11.
+COPY deploy/edge/run.sh deploy/edge/backends.sh deploy/edge/haproxy.cfg deploy/edge/sidecar.cfg \
+     deploy/edge/cluster.cfg /usr/local/share/attention-edge/
 COPY deploy/edge/errors/ /usr/local/share/attention-edge/errors/
 
 ENV ATTENTION_ADDRESS=0.0.0.0:50051 \

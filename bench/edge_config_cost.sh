@@ -12,7 +12,8 @@
 #
 # Give a configuration more than once to alternate (a b a b) on a shared
 # machine. A CONFIG is a copy of haproxy.cfg with one change; its errorfile
-# paths are relative to it (copy deploy/edge/errors/ next to it).
+# paths are relative to it (copy deploy/edge/errors/ next to it). Its
+# backends are deploy/edge/sidecar.cfg's (the one server), loaded after it.
 # Needs build/server/attention-server, build/client/attention-client, haproxy,
 # perf (linux-perf).
 set -euo pipefail
@@ -37,7 +38,7 @@ export ATTENTION_EDGE_LISTEN=127.0.0.1:$(free_port) ATTENTION_EDGE_BIND_OPTIONS=
 
 echo "$(lscpu | grep 'Model name' | tr -s ' '); $(haproxy -v | head -1); $(date -u '+%F %H:%M UTC')"
 for config in "$@"; do
-  haproxy -db -f "$(realpath "$config")" > "$work/haproxy.log" 2>&1 &
+  haproxy -db -f "$(realpath "$config")" -f deploy/edge/sidecar.cfg > "$work/haproxy.log" 2>&1 &
   edge_pid=$!
   until "$client" --target "$ATTENTION_EDGE_LISTEN" --timeout 1 health > /dev/null 2>&1; do
     kill -0 "$edge_pid" 2>/dev/null || { cat "$work/haproxy.log" >&2; exit 1; }

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # edge_overhead.sh: what the HTTP/2 edge (deploy/edge/run.sh, HAProxy) costs:
 # attention-client bench, dot_product B=1 n=8 d=64, closed loop at
-# concurrency 64, against a bare attention-server and through the edge, both
-# up for the whole run, alternating ROUNDS times; prints each run with the
-# CPU time per call of client, server and edge (/proc), and the median
-# throughput, p99 and CPU per call of each side with their ratios (issue 22's
-# target: through the edge >= 80% of the throughput, p99 within 1.5x).
+# concurrency 64, against a bare attention-server, through the edge in front
+# of one server ("edge") and through the edge in front of three replicas
+# (run.sh --replicas 3, "edge3"), all up for the whole run, alternating ROUNDS
+# times; prints each run with the CPU time per call of client, servers and
+# edge (/proc), and the median throughput, p99 and CPU per call of each side
+# with their ratios (issue 22's target: through the edge >= 80% of the
+# throughput, p99 within 1.5x; issue 33's: the edge's CPU per call with three
+# replicas <= 1.1x with one).
 #
 #   bench/edge_overhead.sh [--pinned] [ROUNDS (5)] [SECONDS per run (10)]
 #
-# --pinned: client and both servers on CPU 0, the edge (HAProxy) alone on
+# --pinned: client and the servers on CPU 0, the edges (HAProxy) alone on
 # CPU 1, as a Kubernetes sidecar with a core of its own would run; not the
 # shared-core figure.
 # Needs build/server/attention-server, build/client/attention-client, haproxy.
@@ -26,37 +29,49 @@ trap 'kill -TERM $(jobs -p) 2>/dev/null; wait; rm -rf "$work"' EXIT
 # Prefix of the commands that run on CPU 0 when pinned.
 cpu0=()
 ((pinned)) && cpu0=(taskset -c 0)
-# User plus system CPU time of a process, in clock ticks.
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# User plus system CPU time of processes, in clock ticks.
+cpu_ticks() { local p t=0; for p in "$@"; do t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo "$t"; }
 
 free_port() { /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-bare=127.0.0.1:$(free_port) edge=127.0.0.1:$(free_port)
+bare=127.0.0.1:$(free_port) edge=127.0.0.1:$(free_port) edge3=127.0.0.1:$(free_port)
 "${cpu0[@]}" "$ATTENTION_SERVER_BIN" --address "$bare" --http-address "" --metrics-address "" \
   > "$work/bare.log" 2>&1 &
 bare_server_pid=$!
 "${cpu0[@]}" deploy/edge/run.sh --listen "$edge" --pid-file "$work/pids" -- --metrics-address "" \
   > "$work/edge.log" 2>&1 &
-for target in "$bare" "$edge"; do
+"${cpu0[@]}" deploy/edge/run.sh --listen "$edge3" --replicas 3 --pid-file "$work/pids3" \
+  -- --metrics-address "" > "$work/edge3.log" 2>&1 &
+for target in "$bare" "$edge" "$edge3"; do
   until "$client" --target "$target" --timeout 1 health > /dev/null 2>&1; do sleep 0.2; done
 done
-edge_server_pid=$(awk '$1 == "server" {print $2}' "$work/pids")
+edge_server_pids=$(awk '$1 == "server" {print $2}' "$work/pids")
 edge_pid=$(awk '$1 == "edge" {print $2}' "$work/pids")
-if ((pinned)); then taskset -a -p -c 1 "$edge_pid" > /dev/null; fi
+edge3_server_pids=$(awk '$1 == "server" {print $2}' "$work/pids3")
+edge3_pid=$(awk '$1 == "edge" {print $2}' "$work/pids3")
+if ((pinned)); then
+  taskset -a -p -c 1 "$edge_pid" > /dev/null
+  taskset -a -p -c 1 "$edge3_pid" > /dev/null
+fi
 
 echo "$(lscpu | grep 'Model name' | tr -s ' '); load average $(cut -d' ' -f1-3 /proc/loadavg); $(date -u '+%F %H:%M UTC')"
-((pinned)) && echo "pinned: client and servers on CPU 0, the edge on CPU 1"
+((pinned)) && echo "pinned: client and servers on CPU 0, the edges on CPU 1"
 for ((round = 1; round <= rounds; round++)); do
-  for side in bare edge; do
+  for side in bare edge edge3; do
     target=${!side}
-    server_pid=$bare_server_pid
-    [[ $side == edge ]] && server_pid=$edge_server_pid
-    server_before=$(cpu_ticks "$server_pid") edge_before=$(cpu_ticks "$edge_pid")
+    case $side in
+      bare) server_pids=$bare_server_pid side_edge_pid=$edge_pid ;;
+      edge) server_pids=$edge_server_pids side_edge_pid=$edge_pid ;;
+      edge3) server_pids=$edge3_server_pids side_edge_pid=$edge3_pid ;;
+    esac
+    # shellcheck disable=SC2086 # the list of server PIDs
+    server_before=$(cpu_ticks $server_pids) edge_before=$(cpu_ticks "$side_edge_pid")
     # A run that fails is reported and counted, not retried.
     if result=$("${cpu0[@]}" /usr/bin/time -f '%U %S' -o "$work/client_time" \
                   "$client" --target "$target" bench --model dot_product --batch 1 --n 8 \
                   --dim 64 --concurrency 64 --duration "$seconds" --json 2>&1); then
-      server_cpu=$(($(cpu_ticks "$server_pid") - server_before))
-      edge_cpu=$(($(cpu_ticks "$edge_pid") - edge_before))
+      # shellcheck disable=SC2086
+      server_cpu=$(($(cpu_ticks $server_pids) - server_before))
+      edge_cpu=$(($(cpu_ticks "$side_edge_pid") - edge_before))
       [[ $side == bare ]] && edge_cpu=0
       client_cpu=$(awk '{print ($1 + $2) * 100}' "$work/client_time")
       echo "$side $client_cpu $server_cpu $edge_cpu $result" >> "$work/results"
@@ -78,7 +93,7 @@ echo "load average at the end $(cut -d' ' -f1-3 /proc/loadavg)"
 [[ -e "$work/failed" ]] && echo "failed runs: $(wc -l < "$work/failed")"
 /usr/bin/python3 - "$work/results" <<'PY'
 import json, statistics, sys
-runs = {"bare": [], "edge": []}
+runs = {"bare": [], "edge": [], "edge3": []}
 for line in open(sys.argv[1]):
     side, client, server, edge, result = line.split(" ", 4)
     r = json.loads(result)
@@ -97,4 +112,8 @@ for side, (rps, p99, errors, cpu) in median.items():
 ratio, p99_ratio = median["edge"][0] / median["bare"][0], median["edge"][1] / median["bare"][1]
 print(f"edge/bare: throughput {ratio:.2f} (target >= 0.80: {'met' if ratio >= 0.8 else 'NOT met'}), "
       f"p99 {p99_ratio:.2f}x (target <= 1.5x: {'met' if p99_ratio <= 1.5 else 'NOT met'})")
+edge_cpu, edge3_cpu = median["edge"][3][2], median["edge3"][3][2]
+cpu_ratio = edge3_cpu / edge_cpu
+print(f"edge CPU per call, 3 replicas / 1: {edge3_cpu:.1f} / {edge_cpu:.1f} us = {cpu_ratio:.2f}x "
+      f"(target <= 1.1x: {'met' if cpu_ratio <= 1.1 else 'NOT met'})")
 PY

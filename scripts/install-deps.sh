@@ -32,7 +32,7 @@ test_packages=(
   python3 python3-numpy python3-grpcio python3-grpc-tools python3-matplotlib python3-protobuf
   python3-setuptools python3-wheel python3-venv
   prometheus python3-yaml python3-jsonschema
-  python3-h2 linux-perf
+  python3-h2 linux-perf iproute2
 )
 
 mode=${1:-}

@@ -3,7 +3,10 @@
 `kubectl kustomize`, pass an offline schema check (deploy/validate: the
 Kubernetes and prometheus-operator OpenAPI schemas vendored by npm's
 kubernetes-models), that check rejects type errors, and the rendered objects
-keep the operational promises deploy/README.md makes.
+keep the operational promises deploy/README.md makes; the HAProxy
+configurations the rendered edge containers run (the pods' sidecar and the
+edge Deployment in front of them) pass `haproxy -c` with the containers'
+environment, and a broken one does not.
 
   tests/deploy/k8s_test.py --tools-dir DIR   (npm packages are installed into DIR)
 
@@ -14,6 +17,7 @@ packages.
 
 import argparse
 import filecmp
+import tempfile
 import os
 import re
 import shutil
@@ -24,6 +28,9 @@ import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 K8S = os.path.join(REPO, "deploy/k8s")
+EDGE = os.path.join(REPO, "deploy/edge")
+# Where the Dockerfile puts deploy/edge/ in the image.
+IMAGE_EDGE = "/usr/local/share/attention-edge/"
 VALIDATOR = os.path.join(REPO, "deploy/validate")
 VALIDATOR_FILES = ("package.json", "package-lock.json", "validate-manifests.mjs")
 
@@ -83,7 +90,7 @@ def by_kind(documents, kind, name=None):
 
 def check_promises(documents, checks):
     """What deploy/README.md promises about the rendered objects."""
-    deployment = by_kind(documents, "Deployment")
+    deployment = by_kind(documents, "Deployment", "attention-server")
     pod = deployment["spec"]["template"]["spec"]
     server = next(c for c in pod["containers"] if c["name"] == "attention-server")
     config = by_kind(documents, "ConfigMap")["data"]
@@ -125,17 +132,46 @@ def check_promises(documents, checks):
                   edge_env.get("ATTENTION_EDGE_HTTP_BACKEND") ==
                   server_env.get("ATTENTION_HTTP_ADDRESS"),
                   "REST listens on loopback only, where the edge sends non-gRPC requests")
+    delay = float(config.get("ATTENTION_DRAIN_DELAY_SECONDS", 0))
+    checks.expect(0 < delay and sleep is not None and
+                  pod["terminationGracePeriodSeconds"] > sleep + delay + grace,
+                  f"ATTENTION_DRAIN_DELAY_SECONDS ({delay:g}) lets the edge's checks see NOT_SERVING, "
+                  f"within terminationGracePeriodSeconds with the preStop and the grace")
     edge_stop = (edge or {}).get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
     edge_sleep = int(edge_stop[1]) if edge_stop[:1] == ["sleep"] else None
     checks.expect(edge_sleep is not None and sleep is not None and
-                  sleep + grace <= edge_sleep < pod["terminationGracePeriodSeconds"],
-                  f"the edge stops ({edge_sleep} s) after the server's preStop and drain "
-                  f"({sleep} + {grace:g} s), within terminationGracePeriodSeconds")
+                  sleep + delay + grace <= edge_sleep < pod["terminationGracePeriodSeconds"],
+                  f"the edge stops ({edge_sleep} s) after the server's preStop, drain delay and drain "
+                  f"({sleep} + {delay:g} + {grace:g} s), within terminationGracePeriodSeconds")
     mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
     volumes = {v["name"] for v in pod["volumes"]}
     checks.expect(mounts.get("/models") in volumes, "models come from a volume mounted at /models")
 
     headless = by_kind(documents, "Service", "attention-server-headless")
+    front = by_kind(documents, "Deployment", "attention-edge")
+    front_pod = front["spec"]["template"]["spec"]
+    front_edge = front_pod["containers"][0]
+    front_env = {e["name"]: e.get("value") for e in front_edge.get("env", [])}
+    service = front_env.get("ATTENTION_EDGE_SERVICE", "")
+    checks.expect(service.startswith(headless["metadata"]["name"] + ".") and
+                  service.endswith(":" + str(headless["spec"]["ports"][0]["port"])),
+                  f"the edge Deployment resolves the headless Service's pods ({service})")
+    checks.expect(all(front["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in
+                      by_kind(documents, "Service", "attention-edge")["spec"]["selector"].items()),
+                  "Service attention-edge selects the edge Deployment's pods")
+    hpa_max = by_kind(documents, "HorizontalPodAutoscaler")["spec"]["maxReplicas"]
+    with open(os.path.join(EDGE, "cluster.cfg")) as f:
+        cluster_cfg = f.read()
+    slots = [int(m) for m in re.findall(r"server-template \S+ 1-(\d+) ", cluster_cfg)]
+    checks.expect(len(slots) == 4 and min(slots) >= hpa_max,
+                  f"cluster.cfg has a server slot for each of the HPA's {hpa_max} pods in all 4 backends ({slots})")
+    checks.expect(len(re.findall(r"balance hdr\(attention-sequence-id\)\s+hash-type consistent", cluster_cfg)) == 2,
+                  "the edge Deployment keeps a sequence on its pod (consistent hash of attention-sequence-id)")
+    front_sc = front_edge.get("securityContext", {})
+    checks.expect(front_pod["securityContext"].get("runAsNonRoot") is True and
+                  front_sc.get("readOnlyRootFilesystem") is True and
+                  front_sc.get("allowPrivilegeEscalation") is False,
+                  "the edge Deployment runs as non-root on a read-only root file system")
     cluster_ip = by_kind(documents, "Service", "attention-server")
     labels = pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     for service in (headless, cluster_ip):
@@ -155,7 +191,7 @@ def check_promises(documents, checks):
     checks.expect(any(r["name"]["as"] == "attention_queue_depth" for r in adapter_rules),
                   "prometheus-adapter rule exposes attention_queue_depth")
 
-    monitor = by_kind(documents, "PodMonitor")
+    monitor = by_kind(documents, "PodMonitor", "attention-server")
     checks.expect(all(labels.get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items()) and
                   monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics" and
                   any(p["name"] == "metrics" and p["containerPort"] == 9464 for p in server["ports"]),
@@ -172,6 +208,69 @@ TYPE_ERRORS = [
     ("string where a boolean belongs (readOnlyRootFilesystem)", r"readOnlyRootFilesystem: true",
      'readOnlyRootFilesystem: "yes"'),
 ]
+
+
+def edge_containers(documents):
+    """(name, command, env) of every rendered container that runs haproxy."""
+    found = []
+    for d in documents:
+        if d["kind"] != "Deployment":
+            continue
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            if c.get("command", [""])[0] == "haproxy":
+                found.append((f"{d['metadata']['name']}/{c['name']}", c["command"], c.get("env", [])))
+    return found
+
+
+def haproxy_check(command, env, extra=""):
+    """`haproxy -c` on the files `command` names, read from deploy/edge/ (as
+    the Dockerfile copies them), with the container's environment
+    ($(VAR) references expanded as the kubelet does; the namespace is
+    "attention"); `extra` is appended to the last file. Returns (ok, output)."""
+    variables = {"POD_NAMESPACE": "attention"}
+    for e in (e for e in env if "value" in e):
+        variables[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: variables.get(m.group(1), m.group(0)),
+                                      e["value"])
+    files = [a for a in command if a.startswith(IMAGE_EDGE)]
+    with tempfile.TemporaryDirectory() as scratch:
+        paths = [os.path.join(EDGE, os.path.relpath(f, IMAGE_EDGE)) for f in files]
+        if extra:
+            # A copy next to the original, so its relative errorfile paths hold.
+            broken = os.path.join(EDGE, ".k8s_test_broken.cfg")
+            with open(paths[-1]) as f, open(broken, "w") as out:
+                out.write(f.read() + extra)
+            paths[-1] = broken
+        try:
+            result = subprocess.run(["haproxy", "-c", *[a for p in paths for a in ("-f", p)]],
+                                    env={**os.environ, **{k: v for k, v in variables.items()
+                                                          if k != "POD_NAMESPACE"}},
+                                    capture_output=True, text=True, timeout=60, cwd=scratch)
+        finally:
+            if extra:
+                os.unlink(broken)
+    return result.returncode == 0 and "Configuration file is valid" in result.stdout, \
+        result.stdout + result.stderr
+
+
+def check_edge_configs(documents, checks):
+    """The HAProxy configurations of the rendered edge containers are valid,
+    and every file they name is one the Dockerfile puts in the image."""
+    if not shutil.which("haproxy"):
+        checks.expect(False, "haproxy is installed (scripts/install-deps.sh), to check the edge configurations")
+        return
+    with open(os.path.join(REPO, "Dockerfile")) as f:
+        copied = " ".join(line for line in f.read().replace("\\\n", " ").splitlines()
+                          if line.startswith("COPY") and IMAGE_EDGE in line)
+    containers = edge_containers(documents)
+    checks.expect(len(containers) == 2, f"two edge containers: the sidecar and the edge Deployment ({containers and [c[0] for c in containers]})")
+    for name, command, env in containers:
+        files = [a for a in command if a.startswith(IMAGE_EDGE)]
+        checks.expect(files and all(f"deploy/edge/{os.path.relpath(f, IMAGE_EDGE)}" in copied for f in files),
+                      f"{name}: the Dockerfile copies {files} into the image")
+        ok, output = haproxy_check(command, env)
+        checks.expect(ok, f"{name}: haproxy -c accepts its configuration" + ("" if ok else f"\n{output}"))
+        ok, _ = haproxy_check(command, env, "\nbackend attention\n    server extra 127.0.0.1:1\n")
+        checks.expect(not ok, f"{name}: haproxy -c rejects it with a backend defined twice")
 
 
 def main():
@@ -203,8 +302,10 @@ def main():
                   "schema check rejects a kind it has no schema for")
 
     try:
-        check_promises(list(yaml.safe_load_all(rendered)), checks)
-    except (AssertionError, KeyError, StopIteration, TypeError, ValueError) as err:
+        documents = list(yaml.safe_load_all(rendered))
+        check_promises(documents, checks)
+        check_edge_configs(documents, checks)
+    except (AssertionError, KeyError, StopIteration, TypeError, ValueError, IndexError) as err:
         checks.expect(False, f"rendered manifests have the expected shape: {err!r}")
 
     print(f"{checks.passed} passed, {checks.failed} failed")

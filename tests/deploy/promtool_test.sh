@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # promtool_test.sh: the compose stack's Prometheus configuration and alert
 # rules are valid (promtool check), the alert unit tests in
-# deploy/compose/alerts.test.yml pass (promtool test rules), and every file the
+# deploy/compose/alerts.test.yml and edge-alerts.test.yml (a replica down,
+# replicas unbalanced) pass (promtool test rules), and every file the
 # compose stack mounts exists where the services expect it.
 set -euo pipefail
 
@@ -26,6 +27,8 @@ step() {
 step "promtool check config prometheus.yml" promtool check config prometheus.yml
 step "promtool check rules alerts.yml" promtool check rules alerts.yml
 step "promtool test rules alerts.test.yml" promtool test rules alerts.test.yml
+step "promtool check rules edge-alerts.yml" promtool check rules edge-alerts.yml
+step "promtool test rules edge-alerts.test.yml" promtool test rules edge-alerts.test.yml
 step "docker-compose.yml mounts only files that exist, as the services expect them" \
   /usr/bin/python3 - <<'PY'
 import json, os, sys
@@ -46,6 +49,12 @@ for rule_file in config["rule_files"]:
 targets = [t for job in config["scrape_configs"] for c in job["static_configs"] for t in c["targets"]]
 if "attention-server:9464" not in targets:
     problems.append(f"prometheus.yml does not scrape attention-server:9464: {targets}")
+# The edge's exporter, which edge-alerts.yml reads, where run.sh serves it.
+entrypoint = compose["services"]["attention-server"]["entrypoint"]
+edge_metrics = entrypoint[entrypoint.index("--edge-metrics-address") + 1] \
+    if "--edge-metrics-address" in entrypoint else None
+if not edge_metrics or f"attention-server:{edge_metrics.rsplit(':', 1)[1]}" not in targets:
+    problems.append(f"prometheus.yml does not scrape the edge's metrics ({edge_metrics}): {targets}")
 datasource = yaml.safe_load(open("grafana/provisioning/datasources/prometheus.yml"))["datasources"][0]
 dashboard = json.load(open("grafana/dashboards/attention-service.json"))
 default = next(v for v in dashboard["templating"]["list"] if v["type"] == "datasource")["current"]["value"]

@@ -119,8 +119,9 @@ class Launch:
                                    pid_file, *self.run_flags, "--", "--metrics-address",
                                    self.metrics_address, *self.server_flags])
             wait_for(lambda: os.path.exists(pid_file), "run.sh", process)
+            # "server PID GRPC METRICS" (one server here) and "edge PID".
             with open(pid_file) as f:
-                pids = dict(line.split() for line in f.read().splitlines())
+                pids = {line.split()[0]: line.split()[1] for line in f.read().splitlines()}
             self.server_pid, self.edge_pid = int(pids["server"]), int(pids["edge"])
             wait_for(lambda: listening(self.address), "the edge", process)
         elif self.mode == "nginx":
