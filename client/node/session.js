@@ -20,9 +20,9 @@ const REPLAY_LIMIT_BYTES = 64 << 20;
 // lost, a replica's shutdown: sections 6.5 and 11.5), CANCELLED (a stream
 // reset by a proxy or by a server that stopped without gRPC's shutdown).
 const BREAKS = new Set([grpc.status.UNAVAILABLE, grpc.status.CANCELLED]);
-// Tries at opening the stream again, and the pause before each retry, as
-// the unary calls' retries wait (unary.js).
-const REOPEN_BACKOFF_MS = [50, 100, 200, 400];
+// The pauses between tries at opening the stream again, as the unary calls'
+// retries wait (unary.js): from 50 ms, doubling, at most 1 s.
+const REOPEN_BACKOFF_MS = [50, 1000];
 // SessionRequest: open = 1, step = 2; SessionStep: queries = 1.
 const OPEN = 1;
 const STEP = 2;
@@ -237,12 +237,16 @@ class Session {
       throw new SessionLost(error.code, `${broke} and cannot be replayed: ${this.unreplayable}`);
     }
     const { length } = this;
+    const giveUp = Date.now() + this.client.timeoutMs;
+    let [backoff] = REOPEN_BACKOFF_MS;
+    let tries = 0;
     let last = '';
-    for (const backoff of REOPEN_BACKOFF_MS) {
+    for (;;) {
+      tries += 1;
       try {
         // A target that is restarting: wait for a connection first.
         await new Promise((resolve, reject) => {
-          this.client.stub.waitForReady(Date.now() + this.client.timeoutMs,
+          this.client.stub.waitForReady(giveUp,
             (failed) => (failed ? reject(Object.assign(failed, { ready: false })) : resolve()));
         });
         this.stream = this.start();
@@ -272,11 +276,13 @@ class Session {
           ? `no server took a connection within ${this.client.timeoutMs} ms`
           : `${grpc.status[again.code]}: ${again.details}`;
       }
+      if (Date.now() + backoff > giveUp) break;
       await new Promise((resolve) => setTimeout(resolve, backoff));
+      backoff = Math.min(2 * backoff, REOPEN_BACKOFF_MS[1]);
     }
     this.closed = true;
-    throw new SessionLost(error.code,
-      `${broke}; ${REOPEN_BACKOFF_MS.length} tries at opening it again failed, the last: ${last}`);
+    throw new SessionLost(error.code, `${broke}; ${tries} tries at opening it again in `
+      + `${this.client.timeoutMs} ms failed, the last: ${last}`);
   }
 }
 

@@ -223,7 +223,7 @@ class AttentionClient:
         return session_module.Session(self._attend_session, pb2, request, timeout=timeout,
                                       metadata=self._metadata, memory=memory, replay=replay,
                                       replay_limit_bytes=replay_limit_bytes,
-                                      channel=self._channel, reopen_timeout=self._timeout)
+                                      reopen_timeout=self._timeout)
 
     def attend_stream(self, requests, *, timeout=None):
         """Sends every request of `requests` over one AttendStream call and

@@ -35,10 +35,9 @@ REPLAY_LIMIT_BYTES = 64 << 20
 # lost, a replica's shutdown: section 6.5 and 11.5), CANCELLED (a stream
 # reset by a proxy or a server that stopped without gRPC's shutdown).
 _BREAKS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-# Tries at opening the stream again, and the pause before each retry: the
-# channel's own retry policy (client.py) waits as long.
-_REOPEN_ATTEMPTS = 4
-_REOPEN_BACKOFF_SECONDS = (0.05, 0.1, 0.2, 0.4)
+# The pauses between tries at opening the stream again, as the channel's own
+# retry policy (client.py) waits: from 50 ms, doubling, at most 1 s.
+_REOPEN_BACKOFF_SECONDS = (0.05, 1.0)
 
 
 class StepResult(NamedTuple):
@@ -93,8 +92,7 @@ class Session:
     """
 
     def __init__(self, call, pb2, open_request, *, timeout, metadata, memory="self",
-                 replay=True, replay_limit_bytes=REPLAY_LIMIT_BYTES, channel=None,
-                 reopen_timeout=30.0):
+                 replay=True, replay_limit_bytes=REPLAY_LIMIT_BYTES, reopen_timeout=30.0):
         self._call = call
         self._pb2 = pb2
         self._metadata = metadata
@@ -102,7 +100,6 @@ class Session:
         self._open_request = open_request if replay else None
         self._replay = replay
         self._replay_limit_bytes = replay_limit_bytes
-        self._channel = channel
         self._reopen_timeout = reopen_timeout
         # Cross memory is all in the opening: steps change nothing to replay.
         self._rows = _Rows() if memory == "self" and replay else None
@@ -208,10 +205,13 @@ class Session:
             raise SessionLost(error.code(), f"{broke} and cannot be replayed: "
                                             f"{self._unreplayable}") from error
         length = self.length
-        for attempt in range(_REOPEN_ATTEMPTS):
+        # A target that is restarting fails the tries (UNAVAILABLE) until the
+        # channel connects again.
+        give_up = time.monotonic() + self._reopen_timeout
+        backoff, tries = _REOPEN_BACKOFF_SECONDS[0], 0
+        while True:
+            tries += 1
             try:
-                if self._channel is not None:  # a target that is restarting
-                    grpc.channel_ready_future(self._channel).result(self._reopen_timeout)
                 self._start()
                 opened = self._exchange(self._open_request)
                 refused = opened if isinstance(opened, AttendError) else None
@@ -229,18 +229,20 @@ class Session:
                 self.length = length
                 self.replays += 1
                 return
-            except grpc.FutureTimeoutError:
-                last = f"no server took a connection within {self._reopen_timeout} s"
             except grpc.RpcError as again:
                 if isinstance(again, SessionLost) or again.code() not in _BREAKS:
                     raise
                 self._responses.cancel()  # a stream that broke too, or a refusal in place
                 self._requests.put(None)
                 last = f"{again.code().name}: {again.details()}"
-            time.sleep(_REOPEN_BACKOFF_SECONDS[attempt])
+            if time.monotonic() + backoff > give_up:
+                break
+            time.sleep(backoff)
+            backoff = min(2 * backoff, _REOPEN_BACKOFF_SECONDS[1])
         self._closed = True
-        raise SessionLost(error.code(), f"{broke}; {_REOPEN_ATTEMPTS} tries at opening it "
-                                        f"again failed, the last: {last}") from error
+        raise SessionLost(error.code(), f"{broke}; {tries} tries at opening it again in "
+                                        f"{self._reopen_timeout} s failed, the last: {last}"
+                                        ) from error
 
     def _exchange(self, request):
         """Sends one message on the current stream; its answer as (header,
