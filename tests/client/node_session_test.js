@@ -18,12 +18,11 @@ const { test } = require('node:test');
 
 const NODE_DIR = path.join(__dirname, '..', '..', 'client', 'node');
 const { AttentionClient, AttendError, SessionLost } = require(path.join(NODE_DIR, 'attention_client.js'));
-const { startServer: startAttentionServer } = require('../support/server.js');
+const { startServer: startAttentionServer, randomValues } = require('../support/server.js');
 
 const [SERVER_BIN, MODEL_REPOSITORY] = process.argv.slice(2);
 const INVALID_ARGUMENT = 3;
 const NOT_FOUND = 5;
-const RESOURCE_EXHAUSTED = 8;
 const UNAVAILABLE = 14;
 const MODEL = 'mh_torch_small'; // multi_head, E = 16: self memory
 const STEPS = 8; // a 3-row prompt, then one token a step
@@ -31,17 +30,6 @@ const BREAK_AT = STEPS / 2;
 
 function startServer(address = '127.0.0.1:0', flags = []) {
   return startAttentionServer(SERVER_BIN, MODEL_REPOSITORY, address, flags);
-}
-
-// Uniform values in [-1, 1) from `seed`.
-function randomValues(count, seed) {
-  const values = new Float32Array(count);
-  let state = seed;
-  for (let i = 0; i < count; i += 1) {
-    state = (state * 1103515245 + 12345) % 2147483648;
-    values[i] = state / 1073741824 - 1;
-  }
-  return values;
 }
 
 // The decode's steps: a prompt of 3 rows, then single tokens, `width` wide.

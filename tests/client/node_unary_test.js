@@ -23,7 +23,7 @@ const { test } = require('node:test');
 const NODE_DIR = path.join(__dirname, '..', '..', 'client', 'node');
 const { AttentionClient } = require(path.join(NODE_DIR, 'attention_client.js'));
 const wire = require(path.join(NODE_DIR, 'wire.js'));
-const { startServer: startAttentionServer } = require('../support/server.js');
+const { startServer: startAttentionServer, randomValues } = require('../support/server.js');
 
 const [SERVER_BIN, MODEL_REPOSITORY] = process.argv.slice(2);
 const OK = 0;
@@ -335,17 +335,6 @@ test('scripted server', async (t) => {
 // `flags`; resolves to { address, stop() } once it serves.
 function startServer(address, flags = []) {
   return startAttentionServer(SERVER_BIN, MODEL_REPOSITORY, address, flags);
-}
-
-// Uniform values in [-1, 1) from `seed`.
-function randomValues(count, seed) {
-  const values = new Float32Array(count);
-  let state = seed;
-  for (let i = 0; i < count; i += 1) {
-    state = (state * 1103515245 + 12345) % 2147483648;
-    values[i] = state / 1073741824 - 1;
-  }
-  return values;
 }
 
 // softmax(q q^T / sqrt(d)) q of one (n, d) batch item, in float64.

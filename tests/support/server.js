@@ -1,5 +1,6 @@
-// server.js: starts a real attention-server for the Node client tests
-// (node_unary_test.js, node_session_test.js) and stops it.
+// server.js: what the Node client tests that use real servers share
+// (node_unary_test.js, node_session_test.js): starting and stopping an
+// attention-server, and the reproducible random inputs they send it.
 'use strict';
 
 const { spawn } = require('node:child_process');
@@ -48,4 +49,15 @@ async function startServer(binary, repository, address, flags = []) {
   return { address: lines.grpc, metricsAddress: lines.metrics, stop, metric };
 }
 
-module.exports = { startServer };
+// Uniform values in [-1, 1) from `seed`.
+function randomValues(count, seed) {
+  const values = new Float32Array(count);
+  let state = seed;
+  for (let i = 0; i < count; i += 1) {
+    state = (state * 1103515245 + 12345) % 2147483648;
+    values[i] = state / 1073741824 - 1;
+  }
+  return values;
+}
+
+module.exports = { startServer, randomValues };
