@@ -3,10 +3,13 @@
 // callback examples; AttendStream has its own reactor.
 #include "client/cpp/attention_client.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <span>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -21,6 +24,39 @@ using attention::v1::ListModelsRequest;
 using attention::v1::ListModelsResponse;
 using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
+
+// The header an edge routes a sequence's unary steps by (docs/api.md
+// section 11.3).
+constexpr char kSequenceIdHeader[] = "attention-sequence-id";
+
+// The value of kSequenceIdHeader for `request`: its sequence id, decimal for
+// an integer, the string as it is; nullopt when it names no sequence (no
+// sequence_id, 0 or "") or when the string cannot be a header value (HTTP/2
+// allows visible ASCII and spaces only, and gRPC fails a call that has
+// anything else, whereas the header only helps routing).
+std::optional<std::string> SequenceIdHeaderValue(const inference::ModelInferRequest& request) {
+  const auto found = request.parameters().find("sequence_id");
+  if (found == request.parameters().end()) return std::nullopt;
+  const inference::InferParameter& id = found->second;
+  switch (id.parameter_choice_case()) {
+    case inference::InferParameter::kInt64Param:
+      if (id.int64_param() != 0) return absl::StrCat(id.int64_param());
+      break;
+    case inference::InferParameter::kUint64Param:
+      if (id.uint64_param() != 0) return absl::StrCat(id.uint64_param());
+      break;
+    case inference::InferParameter::kStringParam:
+      if (!id.string_param().empty() &&
+          std::all_of(id.string_param().begin(), id.string_param().end(),
+                      [](char c) { return c >= 0x20 && c <= 0x7e; })) {
+        return id.string_param();
+      }
+      break;
+    default:
+      break;
+  }
+  return std::nullopt;
+}
 
 // Blocks a thread until one callback-API call reports its status.
 class CallAwaiter {
@@ -231,6 +267,9 @@ void AttentionClient::InferAsync(const inference::ModelInferRequest* request,
   StartAsync(std::move(done), [this, request](grpc::ClientContext* context,
                                               inference::ModelInferResponse* response,
                                               std::function<void(grpc::Status)> finished) {
+    if (std::optional<std::string> id = SequenceIdHeaderValue(*request)) {
+      context->AddMetadata(kSequenceIdHeader, *id);
+    }
     inference_stub_->async()->ModelInfer(context, request, response, std::move(finished));
   });
 }
@@ -240,6 +279,10 @@ std::unique_ptr<grpc::ClientReaderWriter<attention::v1::SessionRequest,
 AttentionClient::AttendSession(grpc::ClientContext& context) {
   Prepare(context, absl::InfiniteDuration());
   return stream_stub_->AttendSession(&context);
+}
+
+bool AttentionClient::WaitForStreamConnection(absl::Time deadline) {
+  return stream_channel_->WaitForConnected(absl::ToChronoTime(deadline));
 }
 
 absl::StatusOr<AttentionClient::StreamResults> AttentionClient::AttendStream(

@@ -93,9 +93,18 @@ class AttentionClient {
 
   // An AttendSession stream (docs/api.md section 11) on `context`, which the
   // caller keeps until the stream is finished; with the token, no deadline.
+  // Session (session.h) wraps it, and survives losing its server.
   std::unique_ptr<grpc::ClientReaderWriter<attention::v1::SessionRequest,
                                            attention::v1::SessionResponse>>
   AttendSession(grpc::ClientContext& context);
+
+  // Waits until `deadline` for the streams' channel to connect (it tries
+  // to); false if it did not. For a session reopening through a target that
+  // is restarting.
+  bool WaitForStreamConnection(absl::Time deadline);
+
+  // The deadline each call gets (ClientOptions::timeout).
+  absl::Duration timeout() const { return options_.timeout; }
 
   absl::StatusOr<attention::v1::ListModelsResponse> ListModels();
 
@@ -112,7 +121,10 @@ class AttentionClient {
 
   // Starts an Open Inference Protocol ModelInfer call (docs/api.md section 9)
   // with the same deadline and token, and returns at once; `done` as for
-  // AttendAsync. `request` must outlive the call.
+  // AttendAsync. `request` must outlive the call. A request of a sequence
+  // (a `sequence_id` parameter) also carries the header
+  // `attention-sequence-id` (docs/api.md section 11.3), which an edge hashes
+  // to send every step of the sequence to the replica holding it.
   using InferCallback = std::function<void(absl::StatusOr<inference::ModelInferResponse>)>;
   void InferAsync(const inference::ModelInferRequest* request, InferCallback done);
 

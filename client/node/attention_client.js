@@ -26,6 +26,8 @@ const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const wire = require('./wire');
 const { UnaryTransport, callError, PREFIX_BYTES } = require('./unary');
+const { AttendError, SessionLost, streamError } = require('./errors');
+const { Session } = require('./session');
 
 // The proto ships in the package: `npm ci` and `npm pack` copy it there
 // (scripts/prepare.js), so nothing outside the package is read.
@@ -40,6 +42,9 @@ const RESPONSE_TENSORS = [['output', 1], ['attention_weights', 2]];
 // be read into memory, without yielding to I/O, before much is sent. Twice
 // the answers the server keeps unwritten (32) keeps it busy.
 const STREAM_WINDOW = 64;
+
+// SessionMemory by the name session() takes.
+const MEMORY = { self: 0, cross: 1 };
 
 // Requests this large are written into a client's spare buffer (SpareBuffer);
 // smaller ones come from Node's pool of small Buffers, which costs nothing.
@@ -111,17 +116,18 @@ function requestSerializer(serialize) {
   return (request) => encodeRequest(serialize, request, Buffer.allocUnsafe);
 }
 
-// AttendResponse bytes as an object: the tensors as { shape, data:
-// Float32Array }, every other field through protobufjs. What it throws
-// fails the call with INTERNAL and this message (grpc-js).
-function responseDeserializer(deserialize) {
+// AttendResponse (or SessionResponse: `message`) bytes as an object: the
+// tensors as { shape, data: Float32Array }, every other field through
+// protobufjs. What it throws fails the call with INTERNAL and this message
+// (grpc-js).
+function responseDeserializer(deserialize, message) {
   return (bytes) => {
     const numbers = RESPONSE_TENSORS.map(([, number]) => number);
-    const [tensors, rest] = wire.splitMessage(bytes, numbers, 'AttendResponse');
+    const [tensors, rest] = wire.splitMessage(bytes, numbers, message);
     const response = deserialize(rest);
     for (const [name, number] of RESPONSE_TENSORS) {
       if (tensors[number].length > 0) {
-        response[name] = wire.decodeTensor(bytes, tensors[number], `AttendResponse.${name}`);
+        response[name] = wire.decodeTensor(bytes, tensors[number], `${message}.${name}`);
       }
     }
     return response;
@@ -129,7 +135,8 @@ function responseDeserializer(deserialize) {
 }
 
 // The service's methods (path, serializers), with Attend and AttendStream
-// carrying the bytes above.
+// carrying the bytes above, and AttendSession the bytes session.js writes
+// (SessionResponse has AttendResponse's tensor fields).
 function loadMethods() {
   const definition = protoLoader.loadSync('attention/v1/attention.proto', {
     includeDirs: [PROTO_ROOT],
@@ -143,9 +150,16 @@ function loadMethods() {
       ...methods[name],
       encode: methods[name].requestSerialize,
       requestSerialize: requestSerializer(methods[name].requestSerialize),
-      responseDeserialize: responseDeserializer(methods[name].responseDeserialize),
+      responseDeserialize: responseDeserializer(methods[name].responseDeserialize, 'AttendResponse'),
     };
   }
+  methods.AttendSession = {
+    ...methods.AttendSession,
+    encode: methods.AttendSession.requestSerialize,
+    requestSerialize: (bytes) => bytes,
+    responseDeserialize: responseDeserializer(methods.AttendSession.responseDeserialize,
+      'SessionResponse'),
+  };
   return methods;
 }
 
@@ -158,30 +172,6 @@ function unaryOptions(options) {
     maxAttempts: Math.min(Math.max(maxAttempts, 1), 5),
     headers: token ? { authorization: `Bearer ${token}` } : {},
   };
-}
-
-// Why one request of an AttendStream call failed, as the server answered it
-// (the stream went on). Shaped like grpc-js's call errors: .code is the gRPC
-// status code, .details the server's message.
-class AttendError extends Error {
-  constructor(code, details, requestId = '') {
-    super(`${code} ${grpc.status[code]}: ${details}`);
-    this.name = 'AttendError';
-    this.code = code;
-    this.details = details;
-    this.request_id = requestId;
-  }
-}
-
-// A response's AttendError as an AttendError. A code that is not an error
-// code (0, or beyond the known ones) is still an error: UNKNOWN, naming it.
-function streamError(response) {
-  const { code = 0, message = '' } = response.error;
-  if (code <= grpc.status.OK || code > grpc.status.UNAUTHENTICATED) {
-    return new AttendError(grpc.status.UNKNOWN,
-      `the server answered with error code ${code}: ${message}`, response.request_id);
-  }
-  return new AttendError(code, message, response.request_id);
 }
 
 // 'a:1,b:2' (IPv4 literals) -> 'ipv4:a:1,b:2', which one grpc-js channel
@@ -203,7 +193,7 @@ class AttentionClient {
       : grpc.credentials.createInsecure();
     this.methods = loadMethods();
     const StreamClient = grpc.makeGenericClientConstructor(
-      { AttendStream: this.methods.AttendStream }, SERVICE);
+      { AttendStream: this.methods.AttendStream, AttendSession: this.methods.AttendSession }, SERVICE);
     // grpc-js connects only once a stream is made.
     this.stub = new StreamClient(channelTarget(target), credentials, {
       // No retry policy: gRPC replaying a stream loses or duplicates requests.
@@ -345,6 +335,29 @@ class AttentionClient {
     }
   }
 
+  // Opens a decoding session of `model` (docs/api.md section 11) over one
+  // AttendSession stream; resolves to its Session, whose step(rows) sends
+  // only the new rows: the server keeps the keys and values. Rejects with an
+  // AttendError when the server refuses to open it (NOT_FOUND,
+  // INVALID_ARGUMENT, RESOURCE_EXHAUSTED naming the limit).
+  // options: memory 'self' (multi_head, dot_product: every step's rows are
+  // appended and attended causally, `batch` examples side by side) or
+  // 'cross' (every kind: keys, values (left out: keys) and valid_lens stay,
+  // steps bring queries); scale, version; timeoutMs, the deadline of the
+  // whole session (default: none, since it lives as long as its decoding);
+  // replay (default true): when the stream breaks (UNAVAILABLE, CANCELLED:
+  // its server died or shut down), open the session again through this
+  // client's target, replay its rows as one prefill and resend the step
+  // (session.replays counts it); the session keeps its opening and rows for
+  // that, up to replayLimitBytes (default 64 MiB), past which they are
+  // dropped and a later break rejects with a SessionLost saying so.
+  async session(model, options = {}) {
+    const { memory = 'self', batch, keys, values, valid_lens: validLens, scale, version } = options;
+    if (!(memory in MEMORY)) throw new TypeError(`memory must be 'self' or 'cross'; got ${memory}`);
+    const small = { model, memory: MEMORY[memory], batch, valid_lens: validLens, scale, version };
+    return new Session(this, small, keys, values, options).open();
+  }
+
   // Calls in flight finish; later ones fail with UNAVAILABLE, and no
   // connection is left open.
   close() {
@@ -353,4 +366,4 @@ class AttentionClient {
   }
 }
 
-module.exports = { AttentionClient, AttendError };
+module.exports = { AttentionClient, AttendError, SessionLost };

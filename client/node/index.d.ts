@@ -105,6 +105,62 @@ export class AttendError extends Error {
   request_id: string;
 }
 
+export interface SessionOptions {
+  /** 'self' (default; multi_head, dot_product): steps' rows are appended and attended causally. 'cross': keys/values stay. */
+  memory?: 'self' | 'cross';
+  /** Examples side by side (self memory; default 1). */
+  batch?: number;
+  /** Cross memory: (B, n_k, d_k). */
+  keys?: TensorInput;
+  /** Cross memory: (B, n_k, d_v); left out: the keys. */
+  values?: TensorInput;
+  /** Cross memory: empty or B entries. */
+  valid_lens?: ReadonlyArray<number>;
+  scale?: number;
+  version?: number;
+  /** Deadline of the whole session (default: none). */
+  timeoutMs?: number;
+  /** Replay the session on a new stream when its stream breaks (default true). */
+  replay?: boolean;
+  /** Most bytes of opening and rows kept for a replay (default 64 MiB); past it a break is a SessionLost. */
+  replayLimitBytes?: number;
+}
+
+export interface StepOptions {
+  return_attention_weights?: boolean;
+}
+
+export interface StepResult {
+  /** (B, n_new, d_v); (B, n_new, E) for multi_head */
+  output: Tensor;
+  /** Only when asked: (B, [H,] n_new, length) */
+  attention_weights?: Tensor;
+  /** Tokens the session holds after the step. */
+  length: number;
+}
+
+/** A decoding session over one AttendSession stream (docs/api.md section 11). */
+export interface Session {
+  session_id: string;
+  model: string;
+  model_version: number;
+  length: number;
+  /** Times the stream broke and the session was replayed on a new one. */
+  replays: number;
+  /** The step's rows (B, n_new, d): new tokens (self memory) or queries (cross). Steps run in order. */
+  step(rows: TensorInput, options?: StepOptions): Promise<StepResult>;
+  /** Ends the session: the server frees its keys and values. */
+  close(): void;
+}
+
+/** A session whose stream broke and could not be replayed; `details` says why. */
+export class SessionLost extends Error {
+  constructor(code: number, details: string);
+  /** The break's gRPC status code (e.g. 14, UNAVAILABLE). */
+  code: number;
+  details: string;
+}
+
 export class AttentionClient {
   /** target: 'HOST:PORT', or several comma-separated (IPv4), balanced round-robin. */
   constructor(target?: string, options?: ClientOptions);
@@ -118,5 +174,7 @@ export class AttentionClient {
     requests: Iterable<AttendRequest> | AsyncIterable<AttendRequest>,
     options?: CallOptions,
   ): AsyncGenerator<AttendResponse | AttendError, void, undefined>;
+  /** Opens a decoding session; rejects with an AttendError when the server refuses it. */
+  session(model: string, options?: SessionOptions): Promise<Session>;
   close(): void;
 }

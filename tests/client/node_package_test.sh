@@ -26,10 +26,12 @@ tarball=$work/attention-client-$version.tgz
 
 expected="package/LICENSE
 package/attention_client.js
+package/errors.js
 package/example.js
 package/index.d.ts
 package/package.json
 package/proto/attention/v1/attention.proto
+package/session.js
 package/unary.js
 package/wire.js"
 contents=$(tar tzf "$tarball" | sort)

@@ -7,8 +7,9 @@
 # calls: the reused request buffer, answers as views) against the same
 # server, node_secure_test.js (token and TLS options) against TLS servers,
 # node_unary_test.js (unary calls over node:http2: a scripted HTTP/2 server,
-# and servers it starts itself) and node_wire_test.js (the module's own
-# protobuf encoding, no server).
+# and servers it starts itself), node_session_test.js (sessions, and their
+# replay when their server is lost, on servers it starts) and
+# node_wire_test.js (the module's own protobuf encoding, no server).
 # Exits 77 (a skip, for ctest) only when node or npm is missing.
 #
 #   tests/client/node_test.sh SERVER_BINARY
@@ -116,6 +117,14 @@ if node "$SOURCE_DIR/tests/client/node_unary_test.js" "$SERVER_BIN" "$SOURCE_DIR
 else
   cat "$out"
   fail "node_unary_test.js"
+fi
+
+if node "$SOURCE_DIR/tests/client/node_session_test.js" "$SERVER_BIN" \
+    "$SOURCE_DIR/tests/conformance/models" >"$out" 2>&1; then
+  pass "node_session_test.js"
+else
+  cat "$out"
+  fail "node_session_test.js"
 fi
 
 if node "$SOURCE_DIR/tests/client/node_wire_test.js" >"$out" 2>&1; then

@@ -13,7 +13,6 @@
 'use strict';
 
 const assert = require('node:assert/strict');
-const { spawn } = require('node:child_process');
 const { once } = require('node:events');
 const fs = require('node:fs');
 const http2 = require('node:http2');
@@ -24,6 +23,7 @@ const { test } = require('node:test');
 const NODE_DIR = path.join(__dirname, '..', '..', 'client', 'node');
 const { AttentionClient } = require(path.join(NODE_DIR, 'attention_client.js'));
 const wire = require(path.join(NODE_DIR, 'wire.js'));
+const { startServer: startAttentionServer, randomValues } = require('../support/server.js');
 
 const [SERVER_BIN, MODEL_REPOSITORY] = process.argv.slice(2);
 const OK = 0;
@@ -333,38 +333,8 @@ test('scripted server', async (t) => {
 
 // An attention-server on `address` (port 0: one the system picks) with
 // `flags`; resolves to { address, stop() } once it serves.
-async function startServer(address, flags = []) {
-  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'node-unary-test-'));
-  const ports = path.join(dir, 'ports');
-  const server = spawn(SERVER_BIN, ['--address', address, '--http-address', '127.0.0.1:0',
-    '--metrics-address', '127.0.0.1:0', '--port-file', ports, '--threads', '1',
-    '--model-repository', MODEL_REPOSITORY, ...flags], { stdio: 'ignore' });
-  const exited = once(server, 'exit');
-  const stop = async () => {
-    if (server.exitCode === null) server.kill('SIGTERM');
-    await exited;
-    fs.rmSync(dir, { recursive: true, force: true });
-  };
-  for (let tries = 0; !fs.existsSync(ports); tries += 1) {
-    if (server.exitCode !== null || tries > 600) {
-      await stop();
-      throw new Error(`attention-server did not start on ${address}`);
-    }
-    await new Promise((resolve) => setTimeout(resolve, 100));
-  }
-  const line = fs.readFileSync(ports, 'utf8').split('\n').find((entry) => entry.startsWith('grpc '));
-  return { address: line.split(' ')[1], stop };
-}
-
-// Uniform values in [-1, 1) from `seed`.
-function randomValues(count, seed) {
-  const values = new Float32Array(count);
-  let state = seed;
-  for (let i = 0; i < count; i += 1) {
-    state = (state * 1103515245 + 12345) % 2147483648;
-    values[i] = state / 1073741824 - 1;
-  }
-  return values;
+function startServer(address, flags = []) {
+  return startAttentionServer(SERVER_BIN, MODEL_REPOSITORY, address, flags);
 }
 
 // softmax(q q^T / sqrt(d)) q of one (n, d) batch item, in float64.

@@ -36,14 +36,15 @@ CONFORMANCE = os.path.join(SOURCE_DIR, "tests", "conformance")
 
 
 class Server:
-    """attention-server on 127.0.0.1, ports picked by the system."""
+    """attention-server on 127.0.0.1, ports picked by the system (the gRPC
+    one is `address` when given, e.g. a stopped server's)."""
 
-    def __init__(self, *flags):
+    def __init__(self, *flags, address="127.0.0.1:0"):
         self.dir = tempfile.TemporaryDirectory()
         ports = os.path.join(self.dir.name, "ports")
         self.log = open(os.path.join(self.dir.name, "log"), "wb")
         self.process = subprocess.Popen(
-            [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0",
+            [os.environ["ATTENTION_SERVER_BIN"], "--address", address,
              "--http-address", "127.0.0.1:0",
              "--metrics-address", "127.0.0.1:0", "--port-file", ports, "--threads", "1", *flags],
             stdout=self.log, stderr=subprocess.STDOUT)

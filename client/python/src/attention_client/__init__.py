@@ -22,6 +22,7 @@
             first = session.step(prompt)          # (1, n, E): a prefill
             nxt = session.step(token)             # (1, 1, E)
             nxt.output, nxt.length
+            session.replays   # times its server was lost and the session replayed on another
 
 The gRPC stubs (pb2, pb2_grpc) were generated from attention.proto when the
 package was built. A failed call raises grpc.RpcError; its .code() is the
@@ -32,9 +33,10 @@ from importlib import metadata
 
 from .client import (AttendResult, AttentionClient, attend, attend_request, from_tensor, pb2,
                      pb2_grpc, to_tensor)
-from .errors import AttendError
+from .errors import AttendError, SessionLost
 from .session import Session, StepResult
 
 __version__ = metadata.version("attention-client")
-__all__ = ["AttendError", "AttendResult", "AttentionClient", "Session", "StepResult", "attend",
+__all__ = ["AttendError", "AttendResult", "AttentionClient", "Session", "SessionLost", "StepResult",
+           "attend",
            "attend_request", "from_tensor", "pb2", "pb2_grpc", "to_tensor"]

@@ -190,7 +190,8 @@ class AttentionClient:
         return answer
 
     def session(self, model, *, memory="self", batch=1, keys=None, values=None,
-                valid_lens=None, scale=None, version=None, timeout=None):
+                valid_lens=None, scale=None, version=None, timeout=None, replay=True,
+                replay_limit_bytes=session_module.REPLAY_LIMIT_BYTES):
         """Opens a decoding session of `model` (docs/api.md section 11) over one
         AttendSession stream and returns its Session, whose step(rows) sends
         only the new rows: the server keeps the keys and values.
@@ -202,6 +203,12 @@ class AttentionClient:
         scale: replaces the kind's default scale. version: None: the newest.
         timeout: seconds for the whole session (default: no limit, since a
           session lives as long as its decoding).
+        replay: when the stream breaks (UNAVAILABLE, CANCELLED: its server
+          died or shut down), open the session again through this client's
+          target, replay its rows as one prefill and resend the step
+          (Session.replays counts it). The session keeps its opening and
+          rows for that, up to replay_limit_bytes (default 64 MiB); past it
+          they are dropped, and a later break raises SessionLost saying so.
         Raises AttendError when the server refuses to open it (its code:
         NOT_FOUND, INVALID_ARGUMENT, RESOURCE_EXHAUSTED naming the limit).
         """
@@ -214,7 +221,9 @@ class AttentionClient:
             for name, number, array in (("keys", 5, keys), ("values", 6, values))
             if array is not None])
         return session_module.Session(self._attend_session, pb2, request, timeout=timeout,
-                                      metadata=self._metadata)
+                                      metadata=self._metadata, memory=memory, replay=replay,
+                                      replay_limit_bytes=replay_limit_bytes,
+                                      reopen_timeout=self._timeout)
 
     def attend_stream(self, requests, *, timeout=None):
         """Sends every request of `requests` over one AttendStream call and

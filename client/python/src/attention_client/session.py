@@ -2,9 +2,17 @@
 section 11): opened once, then stepped with the new rows only; the server
 keeps the keys and values. A step's request carries the rows' memory as it
 is and its answer's output is a view of the received bytes (wire.py).
+
+A session lives in one server process, so a replica that restarts or dies
+takes it along. The session therefore keeps what it sent (the opening, and
+for self memory every step's rows), and when its stream breaks it opens a
+new stream through the same channel, replays the rows as one prefill step
+(self memory equals causal attention on the whole prefix, so the state is
+the same) and sends the broken step again (docs/api.md section 11.6).
 """
 
 import queue
+import time
 from typing import NamedTuple, Optional
 
 import grpc
@@ -12,7 +20,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from . import wire
-from .errors import AttendError, status_error
+from .errors import AttendError, SessionLost, status_error
 
 # SessionRequest: open = 1, step = 2; SessionStep: queries = 1,
 # return_attention_weights = 2; SessionResponse: output = 1, attention_weights = 2.
@@ -21,12 +29,51 @@ _STEP_QUERIES = 1
 _OUTPUT, _WEIGHTS = 1, 2
 # SessionMemory by the name session() takes.
 MEMORY = {"self": 0, "cross": 1}
+# What a session keeps for a replay unless told otherwise.
+REPLAY_LIMIT_BYTES = 64 << 20
+# How a stream ends when its server went away: UNAVAILABLE (a connection
+# lost, a replica's shutdown: section 6.5 and 11.5), CANCELLED (a stream
+# reset by a proxy or a server that stopped without gRPC's shutdown).
+_BREAKS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# The pauses between tries at opening the stream again, as the channel's own
+# retry policy (client.py) waits: from 50 ms, doubling, at most 1 s.
+_REOPEN_BACKOFF_SECONDS = (0.05, 1.0)
 
 
 class StepResult(NamedTuple):
     output: np.ndarray                       # (B, n_new, d_v), or (B, n_new, E)
     attention_weights: Optional[np.ndarray]  # (B, [H,] n_new, length), when asked
     length: int                              # tokens the session holds after the step
+
+
+class _Rows:
+    """A self session's rows so far, (B, n, d) float32, in one buffer that
+    grows by doubling, so a step costs one copy of its rows and the replay's
+    prefill is a slice."""
+
+    def __init__(self):
+        self.buffer = None
+        self.count = 0
+
+    def nbytes(self, extra=None):
+        """Bytes of the rows kept, and of `extra` (B, n, d) rows appended."""
+        rows = self.count + (extra.shape[1] if extra is not None else 0)
+        sample = self.buffer if self.buffer is not None else extra
+        return 0 if sample is None else rows * sample.shape[0] * sample.shape[2] * 4
+
+    def append(self, rows):
+        need = self.count + rows.shape[1]
+        if self.buffer is None or need > self.buffer.shape[1]:
+            grown = np.empty((rows.shape[0], max(need, 2 * self.count), rows.shape[2]),
+                             dtype=wire.FLOAT32)
+            if self.buffer is not None:
+                grown[:, :self.count] = self.buffer[:, :self.count]
+            self.buffer = grown
+        self.buffer[:, self.count:need] = rows
+        self.count = need
+
+    def all(self):
+        return np.ascontiguousarray(self.buffer[:, :self.count])
 
 
 class Session:
@@ -36,26 +83,36 @@ class Session:
     step(rows): self memory: rows (B, n_new, d_q) are the new tokens,
       appended and attended causally; cross memory: the step's queries.
       Returns a StepResult; raises AttendError for a step the server refused
-      (the session is as before it and can go on), grpc.RpcError when the
-      stream itself ends (e.g. UNAVAILABLE at a server's shutdown).
+      (the session is as before it and can go on). When the stream breaks
+      (UNAVAILABLE, CANCELLED) the session is replayed on a new stream and
+      the step sent again (`replays` counts them); without replay, or when
+      it cannot be done, SessionLost (replay on, its reason in .details())
+      or the stream's grpc.RpcError (replay off).
     close(): ends the session (also on leaving a `with` block).
     """
 
-    def __init__(self, call, pb2, open_request, *, timeout, metadata):
+    def __init__(self, call, pb2, open_request, *, timeout, metadata, memory="self",
+                 replay=True, replay_limit_bytes=REPLAY_LIMIT_BYTES, reopen_timeout=30.0):
+        self._call = call
         self._pb2 = pb2
-        self._requests = queue.SimpleQueue()
-        self._responses = call(iter(self._requests.get, None), timeout=timeout,
-                               metadata=metadata)
+        self._metadata = metadata
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._open_request = open_request if replay else None
+        self._replay = replay
+        self._replay_limit_bytes = replay_limit_bytes
+        self._reopen_timeout = reopen_timeout
+        # Cross memory is all in the opening: steps change nothing to replay.
+        self._rows = _Rows() if memory == "self" and replay else None
+        self._unreplayable = None  # why a break can no longer be replayed
+        self._forget_past(len(open_request))
+        self.replays = 0
         self._closed = False
-        opened = self._send(open_request)
+        self._start()
+        opened = self._exchange(open_request)
         if isinstance(opened, AttendError):
             self.close()
             raise opened
-        header, _, _ = opened
-        self.session_id = header.session_id
-        self.model = header.model
-        self.model_version = header.model_version
-        self.length = header.length
+        self._opened(opened)
 
     def __enter__(self):
         return self
@@ -67,14 +124,15 @@ class Session:
         array = np.ascontiguousarray(rows, dtype=wire.FLOAT32)
         if array.ndim != 3:
             raise ValueError(f"rows must have 3 dimensions (B, n_new, d); got shape {array.shape}")
-        step = wire.tensor_parts(_STEP_QUERIES, array)
-        if return_attention_weights:
-            step.insert(0, b"\x10\x01")  # field 2, true
-        answer = self._send(b"".join(wire.message_field(_STEP, step)))
+        answer = self._send(_step_request(array, return_attention_weights))
         if isinstance(answer, AttendError):
             raise answer
         header, view, tensors = answer
         self.length = header.length
+        if self._rows is not None and self._unreplayable is None:
+            self._forget_past(len(self._open_request) + self._rows.nbytes(array))
+            if self._unreplayable is None:
+                self._rows.append(array)
         weights = tensors[_WEIGHTS]
         return StepResult(
             wire.tensor_array(view, tensors[_OUTPUT], "SessionResponse.output"),
@@ -87,6 +145,16 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        self._end_call()
+
+    def _start(self):
+        """Opens a new AttendSession call; the requests go through a queue."""
+        timeout = None if self._deadline is None else max(self._deadline - time.monotonic(), 0)
+        self._requests = queue.SimpleQueue()
+        self._responses = self._call(iter(self._requests.get, None), timeout=timeout,
+                                     metadata=self._metadata)
+
+    def _end_call(self):
         self._requests.put(None)
         try:
             for _ in self._responses:
@@ -94,11 +162,91 @@ class Session:
         except grpc.RpcError:  # the stream had failed already; step() said so
             pass
 
+    def _opened(self, answer):
+        header, _, _ = answer
+        self.session_id = header.session_id
+        self.model = header.model
+        self.model_version = header.model_version
+        self.length = header.length
+
+    def _forget_past(self, nbytes):
+        """Drops what the session keeps for a replay once it needs `nbytes`,
+        more than the limit: a later break then fails, saying why."""
+        if self._replay and nbytes > self._replay_limit_bytes:
+            self._unreplayable = (f"its opening and rows take {nbytes} bytes, more than "
+                                  f"replay_limit_bytes={self._replay_limit_bytes}")
+            if self._rows is not None:
+                self._rows = _Rows()
+
     def _send(self, request):
         """Sends one message; its answer as (header, bytes, tensors), or the
-        AttendError it carries."""
+        AttendError it carries. A broken stream is replayed, then `request`
+        sent again."""
         if self._closed:
             raise ValueError("the session is closed")
+        try:
+            return self._exchange(request)
+        except AttendError:
+            raise
+        except grpc.RpcError as error:
+            if error.code() not in _BREAKS or not self._replay:
+                raise
+            self._replay_on_new_stream(error)
+        return self._exchange(request)
+
+    def _replay_on_new_stream(self, error):
+        """After `error` broke the stream: a new stream holding the session as
+        it was, or SessionLost."""
+        self._responses.cancel()
+        self._requests.put(None)
+        broke = f"the session's stream broke ({error.code().name}: {error.details()})"
+        if self._unreplayable is not None:
+            self._closed = True
+            raise SessionLost(error.code(), f"{broke} and cannot be replayed: "
+                                            f"{self._unreplayable}") from error
+        length = self.length
+        # A target that is restarting fails the tries (UNAVAILABLE) until the
+        # channel connects again.
+        give_up = time.monotonic() + self._reopen_timeout
+        backoff, tries = _REOPEN_BACKOFF_SECONDS[0], 0
+        while True:
+            tries += 1
+            try:
+                self._start()
+                opened = self._exchange(self._open_request)
+                refused = opened if isinstance(opened, AttendError) else None
+                if refused is None and self._rows is not None and self._rows.count:
+                    prefill = self._exchange(_step_request(self._rows.all(), False))
+                    refused = prefill if isinstance(prefill, AttendError) else None
+                if refused is not None:
+                    if refused.code() in _BREAKS:  # a server draining: another may take it
+                        raise refused
+                    self._closed = True
+                    self._end_call()
+                    raise SessionLost(refused.code(), f"{broke}; replaying it on a new stream "
+                                                      f"was refused: {refused.details()}")
+                self._opened(opened)
+                self.length = length
+                self.replays += 1
+                return
+            except grpc.RpcError as again:
+                if isinstance(again, SessionLost) or again.code() not in _BREAKS:
+                    raise
+                self._responses.cancel()  # a stream that broke too, or a refusal in place
+                self._requests.put(None)
+                last = f"{again.code().name}: {again.details()}"
+            if time.monotonic() + backoff > give_up:
+                break
+            time.sleep(backoff)
+            backoff = min(2 * backoff, _REOPEN_BACKOFF_SECONDS[1])
+        self._closed = True
+        raise SessionLost(error.code(), f"{broke}; {tries} tries at opening it again in "
+                                        f"{self._reopen_timeout} s failed, the last: {last}"
+                                        ) from error
+
+    def _exchange(self, request):
+        """Sends one message on the current stream; its answer as (header,
+        bytes, tensors), or the AttendError it carries."""
         self._requests.put(request)
         try:
             data = next(self._responses)
@@ -117,6 +265,14 @@ class Session:
             self.length = header.length
             return status_error(header.error.code, header.error.message, header.request_id)
         return header, view, tensors
+
+
+def _step_request(array, return_attention_weights):
+    """A SessionRequest's bytes stepping with `array` (float32, C-contiguous)."""
+    step = wire.tensor_parts(_STEP_QUERIES, array)
+    if return_attention_weights:
+        step.insert(0, b"\x10\x01")  # field 2, true
+    return b"".join(wire.message_field(_STEP, step))
 
 
 def open_request(header, tensors):
