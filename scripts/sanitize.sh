@@ -2,7 +2,8 @@
 # sanitize.sh: the tests under sanitizers, built with gcc (the compiler of the
 # shipped build) in their own dirs.
 #
-#   asan  every ctest test but the "deploy" label, with everything (core,
+#   asan  every ctest test but the "deploy" and "cluster" labels (the
+#         cluster suite's faults run on the Release build only), with everything (core,
 #         server, client, attention-server itself) built with ASan+UBSan
 #         (build-asan). Leaks are errors.
 #   tsan  the batcher, server and reliability tests, with attention-server
@@ -66,7 +67,7 @@ run_asan() {
   ASAN_OPTIONS="detect_leaks=1:detect_stack_use_after_return=1:strict_string_checks=1:log_path=$reports/asan" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan" \
   LSAN_OPTIONS="suppressions=$root/tests/lsan.supp" \
-    ctest --test-dir "$build" -LE deploy --output-on-failure -j "$jobs" --timeout 1200 || status=1
+    ctest --test-dir "$build" -LE "deploy|cluster" --output-on-failure -j "$jobs" --timeout 1200 || status=1
   check_reports "$reports" || status=1
   return $status
 }

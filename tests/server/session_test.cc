@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -32,6 +33,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "attention.grpc.pb.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -664,19 +668,41 @@ TEST_F(SessionTest, AStepWhoseDeadlinePassesBetweenItsPiecesIsRolledBack) {
   }
   {
     // Its first piece waits at the gate past the deadline; the second asks
-    // the step's stop before it begins.
-    inference::ModelInferResponse response;
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-    const grpc::Status late =
-        infer.ModelInfer(&context, SequenceRequest("gate", prompt, id, false, false), &response);
-    EXPECT_EQ(late.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << late.error_message();
+    // the step's stop before it begins. The deadline leaves a loaded machine
+    // time to admit the step (one that never reached the server would not
+    // be counted below), and the step is seen in flight before it passes.
+    const auto sent = std::chrono::system_clock::now();
+    const auto deadline = sent + std::chrono::seconds(2);
+    std::future<grpc::Status> late = std::async(std::launch::async, [&] {
+      inference::ModelInferResponse response;
+      grpc::ClientContext context;
+      context.set_deadline(deadline);
+      return infer.ModelInfer(&context, SequenceRequest("gate", prompt, id, false, false),
+                              &response);
+    });
+    EXPECT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+      return MetricValue(text, "attention_inflight_requests") == 1;
+    })) << "the step was never admitted";
+    const auto admitted = std::chrono::system_clock::now();
+    const grpc::Status status = late.get();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+    // gRPC sends the time left, so the server's deadline is the client's plus
+    // the request's transit, which ended before the step was seen admitted:
+    // past this, the second piece surely finds it passed (a third piece
+    // would wait at the gate for a byte that never comes).
+    std::this_thread::sleep_until(deadline + (admitted - sent) + std::chrono::milliseconds(100));
   }
   ASSERT_TRUE(gate.Release(2));
   ASSERT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
     return MetricValue(text, "attention_requests_total",
                        {{"model", "gate"}, {"code", "DEADLINE_EXCEEDED"}}) == 1;
-  })) << "the step was not answered DEADLINE_EXCEEDED";
+  })) << "the step was not answered DEADLINE_EXCEEDED: " << [&] {
+    std::string lines;
+    for (const absl::string_view line : absl::StrSplit(ScrapeMetrics(server_->metrics_address()), '\n')) {
+      if (absl::StrContains(line, "gate")) absl::StrAppend(&lines, line, "\n");
+    }
+    return lines;
+  }();
   ASSERT_TRUE(gate.Release(1));
   // The refusal is counted just before the sequence is free again: until
   // then a step is FAILED_PRECONDITION (refused before any batch).
