@@ -348,10 +348,12 @@ TEST_F(BatcherTest, UnfinishedTaskRunsWithoutWaitingForTheDelay) {
 
 // After a batch that answered others, a piece waits up to piece_wait_us for
 // a task to join it, and no longer; after one that answered none, not at
-// all.
+// all. kFixed with a delay the clock never reaches makes the first batch
+// {0, 1} whatever the threads' timing (it runs once full); carried pieces
+// wait for no delay, only for the piece wait.
 TEST_F(BatcherTest, APieceWaitsBrieflyForTheTasksJustAnsweredToComeBack) {
-  auto batcher = Make(/*max_batch_size=*/2, /*max_queue_delay_us=*/0, /*queue_capacity=*/100,
-                      BatchingDelay::kWhileBusy, /*piece_wait_us=*/500);
+  auto batcher = Make(/*max_batch_size=*/2, /*max_queue_delay_us=*/3'600'000'000,
+                      /*queue_capacity=*/100, BatchingDelay::kFixed, /*piece_wait_us=*/500);
   ScheduleOk(*batcher, 0, absl::InfiniteFuture(), /*pieces=*/4);
   ScheduleOk(*batcher, 1);
   ASSERT_TRUE(recorder_.WaitForAnswered(1));
