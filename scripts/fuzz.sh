@@ -7,7 +7,8 @@
 #
 # Options: -t SECONDS per target (default 60), -j JOBS build jobs and targets
 # fuzzed at once (default 2: each fuzzer is one process on one core, so two
-# cores fuzz two targets in the time of one).
+# cores fuzz two targets in the time of one), -b build only (.ci/run builds
+# while the Release tests run).
 # Environment: ATTENTION_FUZZ_BUILD_DIR (default build-fuzz),
 # ATTENTION_FUZZ_WORK_DIR (corpus and crash artifacts; default
 # $ATTENTION_FUZZ_BUILD_DIR/fuzz-work). The corpus grows across runs in the
@@ -26,11 +27,13 @@ cd "$(dirname "$0")/.."
 
 seconds=60
 jobs=2
-while getopts "t:j:" opt; do
+build_only=false
+while getopts "t:j:b" opt; do
   case $opt in
     t) seconds=$OPTARG ;;
     j) jobs=$OPTARG ;;
-    *) sed -n '2,23p' "$0"; exit 2 ;;
+    b) build_only=true ;;
+    *) sed -n '2,24p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
@@ -58,6 +61,7 @@ CC=clang CXX=clang++ cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Fuzz
   -DATTENTION_FUZZ=ON -DATTENTION_BUILD_TESTS=OFF -DATTENTION_BUILD_BENCHMARKS=OFF >/dev/null
 nice cmake --build "$build_dir" -j "$jobs" --target write_seed_corpus \
   "${targets[@]/%/_fuzzer}"
+$build_only && exit 0
 
 mkdir -p "$work_dir"
 "$build_dir"/tests/fuzz/write_seed_corpus "$work_dir/seeds"

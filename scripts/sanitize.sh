@@ -14,7 +14,9 @@
 #
 #   scripts/sanitize.sh            both
 #   scripts/sanitize.sh tsan       one
-# Options: -j JOBS (default 2). Environment: ATTENTION_ASAN_BUILD_DIR,
+#   scripts/sanitize.sh -b         build both, run nothing (.ci/run builds
+#                                  them while the Release tests run)
+# Options: -j JOBS (default 2), -b. Environment: ATTENTION_ASAN_BUILD_DIR,
 # ATTENTION_TSAN_BUILD_DIR. Every sanitizer report, of a test or of a server
 # it started, is written under <build dir>/sanitizer-reports/ and fails the
 # run, even when the process that hit it exited 0.
@@ -23,10 +25,12 @@ cd "$(dirname "$0")/.."
 root=$PWD
 
 jobs=2
-while getopts "j:" opt; do
+build_only=false
+while getopts "j:b" opt; do
   case $opt in
     j) jobs=$OPTARG ;;
-    *) sed -n '2,21p' "$0"; exit 2 ;;
+    b) build_only=true ;;
+    *) sed -n '2,23p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
@@ -35,10 +39,13 @@ modes=("$@")
 
 # Build type "Sanitize" has no flags of its own: -O1 -g1 compiles in about
 # half the time of -O2 -g and still gives file:line stacks; assertions stay on.
+# The protoc-generated code is built without UBSan (ATTENTION_GENERATED_CODE_OPTIONS
+# in CMakeLists.txt): it more than doubles their compile time and checks no
+# code of ours; ASan and TSan still instrument it.
 configure() {  # build_dir, sanitizer flags
   CC=gcc CXX=g++ cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Sanitize \
     -DCMAKE_CXX_FLAGS="$2 -O1 -g1 -fno-omit-frame-pointer" -DATTENTION_BUILD_BENCHMARKS=OFF \
-    >/dev/null
+    -DATTENTION_GENERATED_CODE_OPTIONS=-fno-sanitize=undefined >/dev/null
 }
 
 # Fails if any process reported an error in $1 (files holding only the
@@ -55,32 +62,52 @@ check_reports() {
   return 1
 }
 
-# run_asan and run_tsan are called as `run_x || status=1`, where bash ignores
+# build_x and run_x are called as `x || status=1`, where bash ignores
 # set -e inside them: every step that can fail returns or sets the status.
+asan_build=${ATTENTION_ASAN_BUILD_DIR:-build-asan}
+tsan_build=${ATTENTION_TSAN_BUILD_DIR:-build-tsan}
+
+build_asan() {
+  configure "$asan_build" "-fsanitize=address,undefined -fno-sanitize-recover=undefined" || return 1
+  nice cmake --build "$asan_build" -j "$jobs"
+}
+
 run_asan() {
-  local build=${ATTENTION_ASAN_BUILD_DIR:-build-asan} status=0
-  configure "$build" "-fsanitize=address,undefined -fno-sanitize-recover=undefined" || return 1
-  nice cmake --build "$build" -j "$jobs" || return 1
+  local status=0
+  build_asan || return 1
   local reports
-  reports=$(cd "$build" && pwd)/sanitizer-reports
+  reports=$(cd "$asan_build" && pwd)/sanitizer-reports
   rm -rf "$reports" && mkdir -p "$reports"
   ASAN_OPTIONS="detect_leaks=1:detect_stack_use_after_return=1:strict_string_checks=1:log_path=$reports/asan" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan" \
   LSAN_OPTIONS="suppressions=$root/tests/lsan.supp" \
-    ctest --test-dir "$build" -LE "deploy|cluster" --output-on-failure -j "$jobs" --timeout 1200 || status=1
+    ctest --test-dir "$asan_build" -LE "deploy|cluster" --output-on-failure -j "$jobs" --timeout 1200 || status=1
   check_reports "$reports" || status=1
   return $status
 }
 
-run_tsan() {
-  local build=${ATTENTION_TSAN_BUILD_DIR:-build-tsan}
-  configure "$build" "-fsanitize=thread" || return 1
+# The TSan suite's targets: the batcher, server and reliability tests and
+# the server they start.
+tsan_targets() {
   local pattern='^(server_[a-z_]+_test|reliability_[a-z_]+_test|attention-server)$'
-  mapfile -t targets < <(ninja -C "$build" -t targets all | sed -n 's/: phony$//p' | grep -E "$pattern")
-  ((${#targets[@]})) || { echo "no TSan targets found in $build"; return 1; }
-  nice cmake --build "$build" -j "$jobs" --target "${targets[@]}" || return 1
+  ninja -C "$tsan_build" -t targets all | sed -n 's/: phony$//p' | grep -E "$pattern"
+}
+
+build_tsan() {
+  configure "$tsan_build" "-fsanitize=thread" || return 1
+  local targets
+  mapfile -t targets < <(tsan_targets)
+  ((${#targets[@]})) || { echo "no TSan targets found in $tsan_build"; return 1; }
+  nice cmake --build "$tsan_build" -j "$jobs" --target "${targets[@]}" || return 1
   g++ -std=c++20 -shared -fPIC -O1 -g tests/tsan/absl_sync_annotations.cc \
-    -o "$build/libabsl_sync_annotations.so" -labsl_synchronization -ldl || return 1
+    -o "$tsan_build/libabsl_sync_annotations.so" -labsl_synchronization -ldl
+}
+
+run_tsan() {
+  local build=$tsan_build
+  build_tsan || return 1
+  local targets
+  mapfile -t targets < <(tsan_targets)
   local build_path
   build_path=$(cd "$build" && pwd)
   local reports=$build_path/sanitizer-reports
@@ -104,10 +131,14 @@ status=0
 for mode in "${modes[@]}"; do
   start=$SECONDS
   case $mode in
-    asan) run_asan || status=1 ;;
-    tsan) run_tsan || status=1 ;;
+    asan | tsan) ;;
     *) echo "unknown mode '$mode' (asan or tsan)"; exit 2 ;;
   esac
+  if $build_only; then
+    "build_$mode" || status=1
+  else
+    "run_$mode" || status=1
+  fi
   echo "== $mode: $((SECONDS - start)) s"
 done
 exit $status
