@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -105,6 +106,10 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   if (std::find(flags.begin(), flags.end(), "--address") == flags.end()) {
     args.insert(args.end(), {"--address", "127.0.0.1:0"});
   }
+  const bool names_warmup = std::any_of(flags.begin(), flags.end(), [](const std::string& flag) {
+    return absl::StartsWith(flag, "--warmup") || absl::StartsWith(flag, "--test-gate-warmup");
+  });
+  if (!names_warmup) args.insert(args.end(), {"--warmup", "false"});
   args.insert(args.end(), flags.begin(), flags.end());
   server->pid_ = Spawn(args, env, server->dir_.path() / "log");
   if (server->pid_ < 0) return absl::InternalError("cannot start attention-server");
