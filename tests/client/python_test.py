@@ -37,9 +37,13 @@ CONFORMANCE = os.path.join(SOURCE_DIR, "tests", "conformance")
 
 class Server:
     """attention-server on 127.0.0.1, ports picked by the system (the gRPC
-    one is `address` when given, e.g. a stopped server's)."""
+    one is `address` when given, e.g. a stopped server's). Its warm-up is off
+    unless `flags` name --warmup: it is most of a start's time under ASan
+    (tests/README.md), and these tests start many servers."""
 
     def __init__(self, *flags, address="127.0.0.1:0"):
+        if not any(flag.startswith("--warmup") for flag in flags):
+            flags = (*flags, "--warmup", "false")
         self.dir = tempfile.TemporaryDirectory()
         ports = os.path.join(self.dir.name, "ports")
         self.log = open(os.path.join(self.dir.name, "log"), "wb")
