@@ -52,8 +52,9 @@ class ServerProcess {
   // --test-gate-warmup flag: it is what a server start costs (0.17 against
   // 8.9 s under ASan on the conformance repository), and the tests that
   // start hundreds of servers test what the server does once it serves.
-  // The warm-up's own tests (server_warmup_python_test, config_test) and the
-  // Python, edge and cluster suites, whose servers warm up, cover it.
+  // The warm-up's own tests (server_warmup_python_test, config_test), and the
+  // server's Python tests, the edge and cluster suites and the shell tests,
+  // whose servers warm up, cover it.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
       const std::vector<std::string>& flags, const std::map<std::string, std::string>& env = {});
   // Runs attention-server with exactly `args` (no added flags) to completion;
