@@ -104,17 +104,16 @@ build_tsan() {
 }
 
 run_tsan() {
-  local build=$tsan_build
   build_tsan || return 1
   local targets
   mapfile -t targets < <(tsan_targets)
   local build_path
-  build_path=$(cd "$build" && pwd)
+  build_path=$(cd "$tsan_build" && pwd)
   local reports=$build_path/sanitizer-reports
   rm -rf "$reports" && mkdir -p "$reports"
   local tests=() status=0
   for target in "${targets[@]}"; do
-    [[ $target == attention-server ]] || tests+=("$build/tests/$target")
+    [[ $target == attention-server ]] || tests+=("$tsan_build/tests/$target")
   done
   # The server tests start their own servers; two at a time share 2 cores.
   export LD_PRELOAD=$build_path/libabsl_sync_annotations.so

@@ -38,11 +38,12 @@ CONFORMANCE = os.path.join(SOURCE_DIR, "tests", "conformance")
 class Server:
     """attention-server on 127.0.0.1, ports picked by the system (the gRPC
     one is `address` when given, e.g. a stopped server's). Its warm-up is off
-    unless `flags` name --warmup: it is most of a start's time under ASan
+    unless `flags` name a --warmup or --test-gate-warmup flag (the server
+    refuses a flag given twice): it is most of a start's time under ASan
     (tests/README.md), and these tests start many servers."""
 
     def __init__(self, *flags, address="127.0.0.1:0"):
-        if not any(flag.startswith("--warmup") for flag in flags):
+        if not any(flag.startswith(("--warmup", "--test-gate-warmup")) for flag in flags):
             flags = (*flags, "--warmup", "false")
         self.dir = tempfile.TemporaryDirectory()
         ports = os.path.join(self.dir.name, "ports")

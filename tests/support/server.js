@@ -14,14 +14,18 @@ const path = require('node:path');
 // serving `repository`, with `flags`; resolves once it serves to { address,
 // metricsAddress, stop(signal = 'SIGTERM') (resolves once it has exited),
 // metric(name) (the sum of the samples of `name`) }. Its warm-up is off
-// (`flags` may turn it on): these tests start a server for every case, and
-// under ASan the warm-up is most of a start's 9 s (tests/README.md).
+// unless `flags` name a --warmup or --test-gate-warmup flag (the server
+// refuses a flag given twice): these tests start a server for every case,
+// and under ASan the warm-up is most of a start's 9 s (tests/README.md).
 async function startServer(binary, repository, address, flags = []) {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'node-test-server-'));
   const ports = path.join(dir, 'ports');
+  const namesWarmup = flags.some((flag) => flag.startsWith('--warmup')
+    || flag.startsWith('--test-gate-warmup'));
+  const warmup = namesWarmup ? [] : ['--warmup', 'false'];
   const server = spawn(binary, ['--address', address, '--http-address', '127.0.0.1:0',
     '--metrics-address', '127.0.0.1:0', '--port-file', ports, '--threads', '1',
-    '--model-repository', repository, '--warmup', 'false', ...flags], { stdio: 'ignore' });
+    '--model-repository', repository, ...warmup, ...flags], { stdio: 'ignore' });
   const exited = once(server, 'exit');
   const stop = async (signal = 'SIGTERM') => {
     if (server.exitCode === null && server.signalCode === null) server.kill(signal);
