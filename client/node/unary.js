@@ -324,7 +324,8 @@ class UnaryTransport {
         if (this.closed) throw callError(Status.UNAVAILABLE, 'The client is closed');
         const outcome = await Promise.race([this.attempt(path, bytes, stop, writes), stop.promise]);
         if (outcome.error === undefined) return outcome.message;
-        const retry = outcome.error.code === Status.UNAVAILABLE && !outcome.committed && attempt < this.maxAttempts;
+        const retry = ((outcome.error.code === Status.UNAVAILABLE && !outcome.committed) || outcome.cutOff) &&
+          attempt < this.maxAttempts;
         if (!retry || this.closed) throw outcome.error;
         await Promise.race([new Promise((resolve) => setTimeout(resolve, Math.random() * backoff)), stop.promise]);
         backoff = Math.min(2 * backoff, MAX_BACKOFF_MS);
@@ -335,8 +336,11 @@ class UnaryTransport {
     }
   }
 
-  // One try on one server: resolves to { message } or { error, committed }
-  // (committed: the server sent headers, so gRPC would not retry it).
+  // One try on one server: resolves to { message } or { error, committed,
+  // cutOff } (committed: the server sent headers, so gRPC would not retry it;
+  // cutOff: the answer ended without its status, as an edge ends it when the
+  // replica behind it is killed mid-answer: attention-server always sends
+  // one, and these calls are idempotent, so it is sent again).
   attempt(path, bytes, stop, writes) {
     return new Promise((resolve) => {
       const connection = this.pick();
@@ -401,7 +405,9 @@ class UnaryTransport {
         return;
       }
       const error = trailers === null ? resetError(stream, session, streamError) : trailerError(trailers, httpStatus);
-      resolve(error === null ? reader.result() : { error, committed });
+      const cutOff = trailers === null && stream.rstCode === NGHTTP2_NO_ERROR && !session.destroyed &&
+        streamError === null;
+      resolve(error === null ? reader.result() : { error, committed, cutOff });
     });
   }
 

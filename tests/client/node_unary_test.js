@@ -4,7 +4,7 @@
 // sent, one session for sequential and concurrent calls, a new one after
 // GOAWAY, deadlines,
 // AbortSignal, statuses from trailers and from HTTP statuses, retries only
-// before the server committed, round-robin past a stopped server, close().
+// before the server committed or of an answer cut off before its status, round-robin past a stopped server, close().
 // Against real attention-servers this test starts itself: an error status
 // with its message, a 16 MiB request and answer, the bearer token, and a
 // server restart on the same port. Run by tests/client/node_test.sh:
@@ -239,6 +239,19 @@ test('scripted server', async (t) => {
   await t.test('UNAVAILABLE before any answer is retried', () => withServer((stream, headers, request, index) => {
     if (index === 0) trailersOnly(stream, { 'grpc-status': '14' });
     else echoOutput(stream);
+  }, { maxAttempts: 2 }, async (client, server) => {
+    const response = await client.attend(SMALL);
+    assert.deepEqual(Array.from(response.output.data), [3, 4]);
+    assert.equal(server.streams.length, 2);
+  }));
+
+  await t.test('an answer cut off before its status is sent again', () => withServer((stream, headers, request, index) => {
+    if (index > 0) {
+      echoOutput(stream);
+      return;
+    }
+    stream.respond({ ':status': 200, 'content-type': 'application/grpc' }, { endStream: false });
+    stream.end(frame(attendResponse(Float32Array.of(1))));
   }, { maxAttempts: 2 }, async (client, server) => {
     const response = await client.attend(SMALL);
     assert.deepEqual(Array.from(response.output.data), [3, 4]);

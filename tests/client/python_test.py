@@ -5,6 +5,8 @@ in order, equal to attend's, a refused request's error in place), and the
 heatmap example writing a valid PNG. Against a scripted service in this
 process (the real server cannot fail a stream on demand): a stream is never
 retried, odd error codes, answer counts that do not match the requests.
+Against a bare HTTP/2 service: answers cut off before their status are sent
+again.
 
 Run with the Python of a virtual environment the package is installed in
 (tests/client/python_install.sh):
@@ -17,6 +19,7 @@ import json
 import os
 import re
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -466,6 +469,91 @@ class ScriptedStreamTest(unittest.TestCase):
         items, error, _ = self.stream("answer_twice")
         self.assertEqual(error.code(), grpc.StatusCode.INTERNAL)
         self.assertRegex(error.details(), r"sent answer \d+ with only \d+ requests sent")
+
+
+class CutOffService:
+    """Attend on 127.0.0.1 over a bare HTTP/2 connection (h2), for what no
+    gRPC server does: its first `cut_offs` answers end after their message
+    without the status trailers, as an edge's does when the replica behind
+    it is killed mid-answer (gRPC reports UNKNOWN). Later ones are answered
+    as ScriptedService.answer does."""
+
+    def __init__(self, cut_offs):
+        import h2.config
+        import h2.connection
+        import h2.events
+        self.h2 = h2
+        self.cut_offs = cut_offs
+        self.calls = 0
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def stop(self):
+        self.listener.close()
+
+    def _accept(self):
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, sock):
+        h2 = self.h2
+        connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        connection.initiate_connection()
+        bodies = {}
+        with sock:
+            sock.sendall(connection.data_to_send())
+            while data := sock.recv(65536):
+                for event in connection.receive_data(data):
+                    if isinstance(event, h2.events.DataReceived):
+                        bodies[event.stream_id] = bodies.get(event.stream_id, b"") + event.data
+                        connection.acknowledge_received_data(len(event.data), event.stream_id)
+                    elif isinstance(event, h2.events.StreamEnded):
+                        self._answer(connection, event.stream_id, bodies.pop(event.stream_id, b""))
+                sock.sendall(connection.data_to_send())
+
+    def _answer(self, connection, stream_id, body):
+        with self.lock:
+            self.calls += 1
+            cut_off = self.calls <= self.cut_offs
+        request = attention_client.pb2.AttendRequest.FromString(body[5:])
+        message = ScriptedService.answer(request).SerializeToString()
+        connection.send_headers(stream_id, [(":status", "200"), ("content-type", "application/grpc")])
+        connection.send_data(stream_id, struct.pack(">BI", 0, len(message)) + message)
+        if cut_off:
+            connection.end_stream(stream_id)
+        else:
+            connection.send_headers(stream_id, [("grpc-status", "0")], end_stream=True)
+
+
+class CutOffAnswerTest(unittest.TestCase):
+    """An answer cut off on its way is sent again (attend(), up to
+    max_attempts tries); max_attempts=1 reports it as gRPC does."""
+
+    def test_cut_off_answers_are_sent_again(self):
+        service = CutOffService(cut_offs=2)
+        self.addCleanup(service.stop)
+        queries = np.arange(8, dtype=np.float32).reshape(1, 2, 4)
+        with attention_client.AttentionClient(service.address, timeout=10) as client:
+            answer = client.attend(queries, model="m")
+        np.testing.assert_array_equal(answer.output, queries)
+        self.assertEqual(service.calls, 3)
+
+    def test_tries_stop_at_max_attempts(self):
+        for max_attempts in (1, 3):
+            service = CutOffService(cut_offs=10)
+            self.addCleanup(service.stop)
+            with attention_client.AttentionClient(service.address, timeout=10,
+                                                  max_attempts=max_attempts) as client:
+                with self.assertRaises(grpc.RpcError) as raised:
+                    client.attend(np.ones((1, 1, 4), dtype=np.float32), model="m")
+            self.assertEqual(raised.exception.code(), grpc.StatusCode.UNKNOWN)
+            self.assertEqual(service.calls, max_attempts)
 
 
 class BalancedPythonClientTest(unittest.TestCase):

@@ -85,7 +85,7 @@ def check_kill9(checks, replica_set, slot=2):
         replaced = time.monotonic() - fault
         time.sleep(2.0)
     report = failures_report(load.calls, fault)
-    figure("kill -9", f"{report['failed']} of {report['calls']} calls failed {report['codes']}; "
+    figure("kill -9", f"{report['failed']} of {report['calls']} calls failed {report['codes']} {report['details']}; "
            f"replaced and UP at the edge in {replaced:.2f} s")
     checks.expect(report["failed"] == 0, f"kill -9: no call failed ({report['failed']})")
     checks.expect(replaced <= 5.0, f"kill -9: replaced within 5 s ({replaced:.2f} s)")
@@ -106,7 +106,7 @@ def check_rolling(checks, replica_set):
         time.sleep(2.0)
     report = failures_report(load.calls, start)
     figure("rolling SIGTERM", f"{report['failed']} of {report['calls']} calls failed "
-           f"{report['codes']}; each replica replaced in " +
+           f"{report['codes']} {report['details']}; each replica replaced in " +
            ", ".join(f"{t:.1f} s" for t in times))
     checks.expect(report["failed"] == 0, f"rolling SIGTERM: no call failed ({report['failed']})",
                   after=SERVER_DRAIN)
@@ -171,7 +171,7 @@ def check_outage(checks, replica_set, name, begin, end, seconds, during=None):
     latest = report["latest_start_s"]
     starts = sorted(round(c.start - fault, 1) for c in load.between(fault - 2.0, float("inf"))
                     if c.code != "OK")
-    figure(name, f"{report['failed']} of {report['calls']} calls failed {report['codes']}; "
+    figure(name, f"{report['failed']} of {report['calls']} calls failed {report['codes']} {report['details']}; "
            f"per thread {dict(sorted(report['per_thread'].items()))}; failed calls began at "
            f"{starts} s into the fault; the edge saw: {watch.text()}")
     checks.expect(worst <= 2, f"{name}: at most 2 failed calls per thread ({worst})")

@@ -94,6 +94,7 @@ class Call(NamedTuple):
     start: float  # time.monotonic()
     end: float
     code: str     # "OK" or the status code's name
+    details: str = ""  # a failure's details, for the report
 
 
 class Load:
@@ -131,13 +132,14 @@ class Load:
         queries = np.random.default_rng(t).standard_normal((1, 4, 16), dtype=np.float32)
         while not self._stop.is_set():
             start = time.monotonic()
+            details = ""
             try:
                 self.client.attend(queries, model="dot_product")
                 code = "OK"
             except grpc.RpcError as error:
-                code = error.code().name
+                code, details = error.code().name, error.details()
             with self._lock:
-                self.calls.append(Call(t, start, time.monotonic(), code))
+                self.calls.append(Call(t, start, time.monotonic(), code, details))
 
     def between(self, t0, t1):
         with self._lock:
@@ -149,8 +151,9 @@ class Load:
 
 
 def failures_report(calls, fault_start):
-    """Failed calls of a window: how many, per thread, their codes, and how
-    late into the fault the last failed one began."""
+    """Failed calls of a window: how many, per thread, their codes, the
+    details of a few, and how late into the fault the last failed one
+    began."""
     failed = [c for c in calls if c.code != "OK"]
     per_thread = {}
     for c in failed:
@@ -159,8 +162,9 @@ def failures_report(calls, fault_start):
     for c in failed:
         codes[c.code] = codes.get(c.code, 0) + 1
     latest = max((c.start - fault_start for c in failed), default=None)
+    details = sorted({f"{c.code}: {c.details}" for c in failed})[:3]
     return {"calls": len(calls), "failed": len(failed), "per_thread": per_thread,
-            "codes": codes, "latest_start_s": latest}
+            "codes": codes, "details": details, "latest_start_s": latest}
 
 
 # --- Triton-style sequences over unary ModelInfer ---------------------------

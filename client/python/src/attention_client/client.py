@@ -7,6 +7,8 @@ per value; the wire is exactly what the generated classes would write
 """
 
 import json
+import random
+import time
 from typing import NamedTuple, Optional
 
 import grpc
@@ -104,6 +106,15 @@ def _service_config(max_attempts):
     return json.dumps(config)
 
 
+# An answer cut off on its way (a replica killed while the edge relayed it:
+# the stream ends without its status) reaches gRPC as UNKNOWN, which
+# attention-server itself never answers. gRPC's retry policy cannot resend it
+# (the call is committed once headers arrived), so attend() does, with the
+# policy's back-off: from 50 ms, doubling, at most 1 s, jittered.
+_CUT_OFF = grpc.StatusCode.UNKNOWN
+_RETRY_BACKOFF_SECONDS = (0.05, 1.0)
+
+
 def _channel_target(target):
     """A comma-separated list of IPv4 HOST:PORT becomes one ipv4: target, so the
     channel balances over all of them; anything else goes to gRPC as is."""
@@ -118,6 +129,9 @@ class AttentionClient:
       round-robin. timeout: seconds per call. token: sent as
       `authorization: Bearer <token>`. root_certificates (PEM bytes) or
       tls=True: use TLS; certificate_chain/private_key: mutual TLS.
+      max_attempts: tries of a unary call, again on UNAVAILABLE (gRPC's
+      retry policy) and, for attend(), on an answer cut off on its way
+      (UNKNOWN); 1 turns retries off.
     """
 
     def __init__(self, target="127.0.0.1:50051", *, timeout=30.0, token=None, tls=False,
@@ -139,6 +153,7 @@ class AttentionClient:
         self._attend_stream = self._channel.stream_stream(_SERVICE + "AttendStream")
         self._attend_session = self._channel.stream_stream(_SERVICE + "AttendSession")
         self._timeout = timeout
+        self._max_attempts = max_attempts
         self._metadata = [("authorization", f"Bearer {token}")] if token else []
 
     def __enter__(self):
@@ -182,12 +197,31 @@ class AttentionClient:
                                  causal=causal, scale=scale,
                                  return_attention_weights=return_attention_weights,
                                  request_id=request_id, version=version)
-        answer = _answer(self._attend(request, timeout=self._timeout, metadata=self._metadata))
+        answer = _answer(self._attend_resending_cut_offs(request))
         if isinstance(answer, AttendError):  # only streams carry errors in answers
             raise AttendError(grpc.StatusCode.INTERNAL,
                               f"Attend: the server answered with an error in the message: "
                               f"{answer}")
         return answer
+
+    def _attend_resending_cut_offs(self, request):
+        """One Attend, sent again while its answer is cut off (_CUT_OFF), up to
+        max_attempts tries in all and within the call's timeout."""
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        backoff, most = _RETRY_BACKOFF_SECONDS
+        attempt = 1
+        while True:
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                return self._attend(request, timeout=timeout, metadata=self._metadata)
+            except grpc.RpcError as error:
+                pause = random.uniform(0.8, 1.2) * backoff
+                if error.code() != _CUT_OFF or attempt >= self._max_attempts or (
+                        deadline is not None and time.monotonic() + pause >= deadline):
+                    raise
+            time.sleep(pause)
+            attempt += 1
+            backoff = min(backoff * 2, most)
 
     def session(self, model, *, memory="self", batch=1, keys=None, values=None,
                 valid_lens=None, scale=None, version=None, timeout=None, replay=True,
@@ -203,7 +237,7 @@ class AttentionClient:
         scale: replaces the kind's default scale. version: None: the newest.
         timeout: seconds for the whole session (default: no limit, since a
           session lives as long as its decoding).
-        replay: when the stream breaks (UNAVAILABLE, CANCELLED: its server
+        replay: when the stream breaks (UNAVAILABLE, CANCELLED, UNKNOWN: its server
           died or shut down), open the session again through this client's
           target, replay its rows as one prefill and resend the step
           (Session.replays counts it). The session keeps its opening and

@@ -33,8 +33,10 @@ MEMORY = {"self": 0, "cross": 1}
 REPLAY_LIMIT_BYTES = 64 << 20
 # How a stream ends when its server went away: UNAVAILABLE (a connection
 # lost, a replica's shutdown: section 6.5 and 11.5), CANCELLED (a stream
-# reset by a proxy or a server that stopped without gRPC's shutdown).
-_BREAKS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# reset by a proxy or a server that stopped without gRPC's shutdown),
+# UNKNOWN (a stream a proxy ended without its status: attention-server never
+# answers UNKNOWN).
+_BREAKS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 # The pauses between tries at opening the stream again, as the channel's own
 # retry policy (client.py) waits: from 50 ms, doubling, at most 1 s.
 _REOPEN_BACKOFF_SECONDS = (0.05, 1.0)
@@ -84,7 +86,7 @@ class Session:
       appended and attended causally; cross memory: the step's queries.
       Returns a StepResult; raises AttendError for a step the server refused
       (the session is as before it and can go on). When the stream breaks
-      (UNAVAILABLE, CANCELLED) the session is replayed on a new stream and
+      (UNAVAILABLE, CANCELLED, UNKNOWN) the session is replayed on a new stream and
       the step sent again (`replays` counts them); without replay, or when
       it cannot be done, SessionLost (replay on, its reason in .details())
       or the stream's grpc.RpcError (replay off).
