@@ -3,9 +3,9 @@
 # shipped build) in their own dirs.
 #
 #   asan  every ctest test but the "deploy" and "cluster" labels (the
-#         cluster suite's faults run on the Release build only), with everything (core,
-#         server, client, attention-server itself) built with ASan+UBSan
-#         (build-asan). Leaks are errors.
+#         cluster suite's faults run on the Release build only), with core,
+#         server, client and attention-server itself built with ASan+UBSan
+#         and the tests' own code with ASan (build-asan). Leaks are errors.
 #   tsan  the batcher, server and reliability tests, with attention-server
 #         built with TSan (build-tsan). Debian's Abseil and gRPC are not
 #         instrumented: tests/tsan/absl_sync_annotations.cc (LD_PRELOADed)
@@ -39,13 +39,17 @@ modes=("$@")
 
 # Build type "Sanitize" has no flags of its own: -O1 -g1 compiles in about
 # half the time of -O2 -g and still gives file:line stacks; assertions stay on.
-# The protoc-generated code is built without UBSan (ATTENTION_GENERATED_CODE_OPTIONS
-# in CMakeLists.txt): it more than doubles their compile time and checks no
-# code of ours; ASan and TSan still instrument it.
+# The protoc-generated code and the tests' own sources are built without
+# UBSan (ATTENTION_GENERATED_CODE_OPTIONS, ATTENTION_TEST_CODE_OPTIONS in
+# CMakeLists.txt): it nearly doubles their compile time, and the code it is
+# there to check keeps it; ASan and TSan still instrument them. The vector
+# kernels' hot loops are built at -O2 (ATTENTION_KERNEL_OPTIONS), which the
+# kernel tests' run time follows.
 configure() {  # build_dir, sanitizer flags
   CC=gcc CXX=g++ cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Sanitize \
     -DCMAKE_CXX_FLAGS="$2 -O1 -g1 -fno-omit-frame-pointer" -DATTENTION_BUILD_BENCHMARKS=OFF \
-    -DATTENTION_GENERATED_CODE_OPTIONS=-fno-sanitize=undefined >/dev/null
+    -DATTENTION_GENERATED_CODE_OPTIONS=-fno-sanitize=undefined \
+    -DATTENTION_TEST_CODE_OPTIONS=-fno-sanitize=undefined -DATTENTION_KERNEL_OPTIONS=-O2 >/dev/null
 }
 
 # Fails if any process reported an error in $1 (files holding only the

@@ -51,7 +51,9 @@ def read_json(*parts):
 
 
 class Server:
-    """attention-server on 127.0.0.1 with the conformance models, ports picked by the system."""
+    """attention-server on 127.0.0.1 with the conformance models, ports picked
+    by the system, without the warm-up (server_warmup_python_test covers it;
+    under ASan it would take most of this suite's time)."""
 
     def __init__(self):
         self.dir = tempfile.TemporaryDirectory()
@@ -62,7 +64,8 @@ class Server:
             [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0",
              "--http-address", "127.0.0.1:0",
              "--metrics-address", "127.0.0.1:0", "--port-file", ports, "--threads", "1",
-             "--model-repository", os.path.join(CONFORMANCE, "models"), "--strict"],
+             "--model-repository", os.path.join(CONFORMANCE, "models"), "--strict",
+             "--warmup", "false"],
             stdout=self.log, stderr=subprocess.STDOUT)
         give_up = time.monotonic() + 60
         while not os.path.exists(ports):
