@@ -24,8 +24,10 @@
 // copy the linker keeps for every caller.
 // GCC 12 warns that _mm512_undefined_ps's deliberately undefined value,
 // the pass-through operand of _mm512_roundscale_ps, "may be used
-// uninitialized" (GCC bug 105593, fixed in GCC 13).
+// uninitialized" (GCC bug 105593, fixed in GCC 13); clang has no such warning.
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <algorithm>

@@ -26,7 +26,8 @@ std::pair<const float*, const uint32_t*> GrowOnAThread(ScratchPool& pool) {
 TEST(ScratchPoolTest, ALeaseOnAnotherThreadGetsTheBuffersGrownBefore) {
   ScratchPool pool;
   const auto [floats, pairs] = GrowOnAThread(pool);
-  std::thread([&] {
+  // Named again for the lambda: clang 14 cannot capture structured bindings.
+  std::thread([&, floats = floats, pairs = pairs] {
     const ScratchPool::Lease lease(pool);
     EXPECT_EQ(KeptScratch().size(), size_t{1} << 16);
     EXPECT_EQ(KeptScratch().data(), floats);

@@ -145,7 +145,10 @@ TEST_P(ProjectionThreadsTest, FewRowsGiveTheSameBitsAtEveryThreadCount) {
   const Precision precision = GetParam();
   const double input_rounding = precision == Precision::kBf16 ? 1.0 / 256 : 0.0;
   std::mt19937 rng(5);
-  for (const auto& [out_cols, in_cols] : {std::pair<int64_t, int64_t>{1024, 1024}, {100, 67}}) {
+  for (const std::pair<int64_t, int64_t>& shape : {std::pair<int64_t, int64_t>{1024, 1024}, {100, 67}}) {
+    // Not a structured binding: clang 14 cannot capture one in the lambda
+    // below.
+    const int64_t out_cols = shape.first, in_cols = shape.second;
     const Weights qkv[3] = {RandomWeights(rng, out_cols, in_cols, precision),
                             RandomWeights(rng, out_cols, in_cols, precision),
                             RandomWeights(rng, out_cols, in_cols, precision)};

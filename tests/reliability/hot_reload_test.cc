@@ -301,7 +301,7 @@ InferReply Infer(inference::GRPCInferenceService::Stub& stub, const std::string&
                  const std::string& version) {
   grpc::ClientContext context;
   inference::ModelInferResponse response;
-  InferReply reply{stub.ModelInfer(&context, InferProbe(model, version), &response)};
+  InferReply reply{stub.ModelInfer(&context, InferProbe(model, version), &response), 0, ""};
   if (reply.status.ok() && response.raw_output_contents_size() == 1) {
     float output0;
     std::memcpy(&output0, response.raw_output_contents(0).data(), sizeof output0);

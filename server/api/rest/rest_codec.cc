@@ -519,8 +519,9 @@ absl::StatusOr<bool> ReadBoolField(std::string_view body, const char* field, boo
   if (body.empty()) return fallback;
   rapidjson::Document document;
   if (absl::Status s = ParseJson(body, &document); !s.ok()) return s;
-  const auto member = document.FindMember(field);
-  if (member == document.MemberEnd()) return fallback;
+  const rapidjson::Document& read = document;
+  const auto member = read.FindMember(field);
+  if (member == read.MemberEnd()) return fallback;
   if (!member->value.IsBool()) return WrongType(field, "a bool", member->value);
   return member->value.GetBool();
 }
