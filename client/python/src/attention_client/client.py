@@ -110,9 +110,8 @@ def _service_config(max_attempts):
 # the stream ends without its status) reaches gRPC as UNKNOWN, which
 # attention-server itself never answers. gRPC's retry policy cannot resend it
 # (the call is committed once headers arrived), so attend() does, with the
-# policy's back-off: from 50 ms, doubling, at most 1 s, jittered.
+# policy's back-off (session.RETRY_BACKOFF_SECONDS), jittered.
 _CUT_OFF = grpc.StatusCode.UNKNOWN
-_RETRY_BACKOFF_SECONDS = (0.05, 1.0)
 
 
 def _channel_target(target):
@@ -208,7 +207,7 @@ class AttentionClient:
         """One Attend, sent again while its answer is cut off (_CUT_OFF), up to
         max_attempts tries in all and within the call's timeout."""
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
-        backoff, most = _RETRY_BACKOFF_SECONDS
+        backoff, most = session_module.RETRY_BACKOFF_SECONDS
         attempt = 1
         while True:
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)

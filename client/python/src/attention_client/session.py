@@ -37,9 +37,10 @@ REPLAY_LIMIT_BYTES = 64 << 20
 # UNKNOWN (a stream a proxy ended without its status: attention-server never
 # answers UNKNOWN).
 _BREAKS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
-# The pauses between tries at opening the stream again, as the channel's own
-# retry policy (client.py) waits: from 50 ms, doubling, at most 1 s.
-_REOPEN_BACKOFF_SECONDS = (0.05, 1.0)
+# The pauses between tries, at opening the stream again here and at resending
+# a cut-off Attend (client.py), as the channel's own retry policy waits: from
+# 50 ms, doubling, at most 1 s.
+RETRY_BACKOFF_SECONDS = (0.05, 1.0)
 
 
 class StepResult(NamedTuple):
@@ -210,7 +211,7 @@ class Session:
         # A target that is restarting fails the tries (UNAVAILABLE) until the
         # channel connects again.
         give_up = time.monotonic() + self._reopen_timeout
-        backoff, tries = _REOPEN_BACKOFF_SECONDS[0], 0
+        backoff, tries = RETRY_BACKOFF_SECONDS[0], 0
         while True:
             tries += 1
             try:
@@ -240,7 +241,7 @@ class Session:
             if time.monotonic() + backoff > give_up:
                 break
             time.sleep(backoff)
-            backoff = min(2 * backoff, _REOPEN_BACKOFF_SECONDS[1])
+            backoff = min(2 * backoff, RETRY_BACKOFF_SECONDS[1])
         self._closed = True
         raise SessionLost(error.code(), f"{broke}; {tries} tries at opening it again in "
                                         f"{self._reopen_timeout} s failed, the last: {last}"
