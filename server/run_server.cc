@@ -5,6 +5,7 @@
 #include <semaphore.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +26,12 @@ namespace {
 
 // Least time from NOT_SERVING to the end of the process (see RunServer).
 constexpr absl::Duration kFlushPause = absl::Milliseconds(100);
+// Least time from the last accepted call's end to the end of the process:
+// its answer's frames, written just before, reach a proxy in front and are
+// relayed whole before the connection closes (an edge that loses the
+// connection between an answer's frames ends the client's stream without a
+// status, which clients see as UNKNOWN).
+constexpr absl::Duration kLastAnswerPause = absl::Milliseconds(50);
 // Time the streams of sessions ended after the grace period get to answer
 // their steps in flight and finish UNAVAILABLE.
 constexpr absl::Duration kSessionEndPause = absl::Seconds(5);
@@ -119,7 +126,8 @@ int Serve(const ServerConfig& config, RunningServer& s) {
   // Health watchers and refused calls are not waited for; a moment lets
   // gRPC flush their NOT_SERVING and UNAVAILABLE (lost, the client still
   // sees UNAVAILABLE, from the closed connection).
-  absl::SleepFor(not_serving_since + kFlushPause - absl::Now());
+  absl::SleepFor(std::max(not_serving_since + kFlushPause, absl::Now() + kLastAnswerPause) -
+                 absl::Now());
   spdlog::info("stopped");
   // Not spdlog::shutdown(): gRPC threads may still be logging refused calls
   // (TSan caught the logger freed under one), and every line is already

@@ -10,7 +10,10 @@ Against a real attention-server (127.0.0.1, port 0, --log-format json
 - without one, a new trace id in W3C form is logged and echoed, a new one
   per call;
 - a malformed one (each rule of the specification broken once) is replaced
-  by a new trace; a later version's header with more fields is kept.
+  by a new trace; a later version's header with more fields is kept;
+- a call refused because the server is draining is answered with one
+  HEADERS frame that ends the stream (its status and the traceparent, no
+  initial metadata of its own), read off the wire with h2.
 
     ATTENTION_SERVER_BIN=build/server/attention-server /usr/bin/python3 tests/server/trace_python_test.py
 """
@@ -19,6 +22,7 @@ import json
 import os
 import re
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -28,6 +32,9 @@ import unittest
 import urllib.request
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
 from grpc_tools import protoc
 
 SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,7 +61,7 @@ from inference import grpc_service_pb2_grpc as ipb_grpc  # noqa: E402
 
 
 class Server:
-    def __init__(self):
+    def __init__(self, *flags):
         self.dir = tempfile.TemporaryDirectory()
         ports = os.path.join(self.dir.name, "ports")
         self.log_path = os.path.join(self.dir.name, "log")
@@ -63,7 +70,7 @@ class Server:
                 [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0",
                  "--metrics-address", "", "--http-address", "127.0.0.1:0",
                  "--port-file", ports, "--threads", "1",
-                 "--log-format", "json", "--log-level", "debug"],
+                 "--log-format", "json", "--log-level", "debug", *flags],
                 stdout=subprocess.DEVNULL, stderr=log)
         give_up = time.monotonic() + 60
         while not os.path.exists(ports):
@@ -240,6 +247,80 @@ class TraceTest(unittest.TestCase):
         self.assertEqual(line["trace_id"], TRACE_ID)
         self.assertTrue(echoed.startswith("00-"), "the server answers in the version it speaks")
 
+
+class RefusalWhileDrainingTest(unittest.TestCase):
+    """Once the server stopped accepting (SIGTERM, while the gate model holds
+    one call open), a new call's refusal is a single frame: a proxy in front
+    relays all of it or, when the connection closes first, none of it, and
+    never initial metadata without a status (docs/api.md 6.10)."""
+
+    def setUp(self):
+        self.gate_dir = tempfile.TemporaryDirectory()
+        fifo = os.path.join(self.gate_dir.name, "gate")
+        os.mkfifo(fifo)
+        self.server = Server("--test-gate-fifo", fifo, "--warmup", "false")
+        self.gate = os.open(fifo, os.O_RDWR)
+        host, port = self.server.address.rsplit(":", 1)
+        self.socket = socket.create_connection((host, int(port)), timeout=10)
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(header_encoding="utf-8"))
+        self.h2.initiate_connection()
+        self.socket.sendall(self.h2.data_to_send())
+
+    def tearDown(self):
+        self.socket.close()
+        os.write(self.gate, b".")
+        self.assertEqual(self.server.process.wait(timeout=60), 0)
+        os.close(self.gate)
+        self.server.channel.close()
+        self.server.dir.cleanup()
+        self.gate_dir.cleanup()
+
+    def raw_attend(self, stream_id, model):
+        """The HEADERS and DATA frames of stream `stream_id`'s answer, as h2 events."""
+        message = attend_request(model, f"raw-{stream_id}")
+        self.h2.send_headers(stream_id, [
+            (":method", "POST"), (":scheme", "http"), (":authority", self.server.address),
+            (":path", "/attention.v1.AttentionService/Attend"),
+            ("content-type", "application/grpc"), ("te", "trailers"), ("traceparent", VALID)])
+        self.h2.send_data(stream_id, b"\x00" + struct.pack(">I", len(message)) + message,
+                          end_stream=True)
+        self.socket.sendall(self.h2.data_to_send())
+        events = []
+        while not any(isinstance(e, (h2.events.StreamEnded, h2.events.StreamReset))
+                      for e in events):
+            data = self.socket.recv(65536)
+            self.assertTrue(data, "the server closed the connection")
+            events += [e for e in self.h2.receive_data(data)
+                       if getattr(e, "stream_id", None) == stream_id]
+            self.socket.sendall(self.h2.data_to_send())
+        return [e for e in events if isinstance(e, (h2.events.ResponseReceived,
+                                                    h2.events.TrailersReceived,
+                                                    h2.events.DataReceived))]
+
+    def test_refusal_is_one_frame_with_status_and_traceparent(self):
+        held = self.server.channel.unary_unary("/attention.v1.AttentionService/Attend").future(
+            attend_request("gate", "held"), timeout=60)
+        time.sleep(0.3)
+        self.server.process.send_signal(signal.SIGTERM)
+        # Calls are still computed until the signal is handled; the first
+        # refusal then ends the loop.
+        give_up = time.monotonic() + 30
+        while True:
+            frames = self.raw_attend(self.h2.get_next_available_stream_id(), "dot_product")
+            statuses = [dict(f.headers).get("grpc-status") for f in frames
+                        if not isinstance(f, h2.events.DataReceived)]
+            if statuses[-1] != "0" or time.monotonic() > give_up:
+                break
+        self.assertEqual(len(frames), 1, f"one frame, not {frames}")
+        (frame,) = frames
+        self.assertIsInstance(frame, h2.events.ResponseReceived)
+        self.assertIsNotNone(frame.stream_ended, "the frame ends the stream")
+        headers = dict(frame.headers)
+        self.assertEqual(headers.get("grpc-status"), "14", headers)
+        self.assertIn("shutting down", headers.get("grpc-message", ""))
+        self.assertEqual(W3C.match(headers.get("traceparent", "")).group(1), TRACE_ID)
+        os.write(self.gate, b".")
+        held.result()
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
