@@ -64,8 +64,22 @@ class ServerCounters:
         self.url = f"http://{metrics_address}/metrics"
         self.model = model
 
+    def batcher_faults(self):
+        """Minor faults of the batcher threads ("batch:<model>"), where requests compute."""
+        faults = 0
+        for task in os.listdir(f"/proc/{self.pid}/task"):
+            try:
+                with open(f"/proc/{self.pid}/task/{task}/stat") as f:
+                    name, fields = f.read().split("(", 1)[1].rsplit(")", 1)
+            except FileNotFoundError:
+                continue  # a thread that ended meanwhile
+            if name.startswith("batch:"):
+                faults += int(fields.split()[7])
+        return faults
+
     def read(self):
-        """(compute seconds summed, requests computed, CPU seconds, minor faults)."""
+        """(compute seconds summed, requests computed, CPU seconds, minor faults,
+        the batcher threads' minor faults)."""
         with urllib.request.urlopen(self.url, timeout=10) as answer:
             text = answer.read().decode()
         label = f'model="{self.model}"'
@@ -79,12 +93,13 @@ class ServerCounters:
             fields = f.read().rsplit(")", 1)[1].split()
         # After the command: minflt is field 10, utime 14 and stime 15 (1-based).
         minflt, utime, stime = int(fields[7]), int(fields[11]), int(fields[12])
-        return total, count, (utime + stime) / CLOCK_TICKS, minflt
+        return total, count, (utime + stime) / CLOCK_TICKS, minflt, self.batcher_faults()
 
 
 def burst(stub, request, concurrency, counters):
     """The slowest of `concurrency` concurrent calls (ms), and the server's
-    mean compute per request (ms), CPU time (ms) and page faults over them."""
+    mean compute per request (ms), CPU time (ms), page faults and its batcher
+    threads' page faults over them."""
     def call(_):
         begin = time.perf_counter()
         stub.Attend(request, timeout=60)
@@ -95,7 +110,8 @@ def burst(stub, request, concurrency, counters):
         slowest = max(pool.map(call, range(concurrency)))
     after = counters.read()
     computed = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1000
-    return slowest, computed, (after[2] - before[2]) * 1000, after[3] - before[3]
+    return (slowest, computed, (after[2] - before[2]) * 1000, after[3] - before[3],
+            after[4] - before[4])
 
 
 def run(warmup, args, request):
@@ -115,7 +131,8 @@ def run(warmup, args, request):
                 "compute": bursts[0][1], "steady_compute": steady[1],
                 "compute_ratio": bursts[0][1] / steady[1],
                 "cpu_ratio": bursts[0][2] / steady[2] if steady[2] > 0 else float("nan"),
-                "faults": bursts[0][3], "steady_faults": steady[3]}
+                "faults": bursts[0][3], "steady_faults": steady[3],
+                "batcher_faults": bursts[0][4], "steady_batcher_faults": steady[4]}
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
@@ -151,7 +168,9 @@ def main():
             print(f"run {round_index + 1} --warmup {warmup:5}: first call's compute "
                   f"{r['compute']:6.1f} ms, steady {r['steady_compute']:6.1f} ms, "
                   f"ratio {r['compute_ratio']:4.2f}; server CPU ratio {r['cpu_ratio']:4.2f}; "
-                  f"page faults {r['faults']:6d} against {r['steady_faults']:6.0f}", flush=True)
+                  f"page faults {r['faults']:6d} against {r['steady_faults']:6.0f} "
+                  f"(batcher thread {r['batcher_faults']:5d} against "
+                  f"{r['steady_batcher_faults']:4.0f})", flush=True)
     print(f"model {args.model} [{args.batch}, {args.n}, {args.dim}], {args.concurrency} "
           f"concurrent calls, --threads {args.threads}, {args.runs} runs (median), "
           f"load average {os.getloadavg()[0]:.1f}")
@@ -163,7 +182,8 @@ def main():
               f"compute / steady {median['compute_ratio']:4.2f} "
               f"({ratios}), "
               f"server CPU / steady {median['cpu_ratio']:4.2f}, page faults "
-              f"{median['faults']:.0f} against {median['steady_faults']:.0f}")
+              f"{median['faults']:.0f} against {median['steady_faults']:.0f} (batcher thread "
+              f"{median['batcher_faults']:.0f} against {median['steady_batcher_faults']:.0f})")
 
 
 if __name__ == "__main__":

@@ -49,10 +49,12 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/thread_name.h"
@@ -151,6 +153,12 @@ class Batcher {
   // it: RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE once draining.
   absl::Status Schedule(std::unique_ptr<Task>* task);
 
+  // Runs `chore` on the batcher's thread, between two batches, and returns
+  // once it ran; UNAVAILABLE once draining. What a batch allocates on this
+  // thread comes from memory only this thread's work warms (its malloc
+  // arena), so work meant to warm a model's first batches runs here.
+  absl::Status RunOnThread(absl::FunctionRef<void()> chore);
+
   // Tasks waiting in the queue now.
   int queue_depth() const;
   int queue_capacity() const { return options_.queue_capacity; }
@@ -171,16 +179,26 @@ class Batcher {
     std::unique_ptr<Task> task;
     absl::Status why;
   };
+  // A RunOnThread() call, alive on its caller's stack until `ran`.
+  struct Chore {
+    absl::FunctionRef<void()> run;
+    absl::Notification ran;
+  };
 
   Batcher(Options options, ProcessBatch process_batch, DropTask drop_task,
           std::string thread_name);
 
   void Loop();
   bool HasWorkOrDraining() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !queue_.empty() || draining_;
+    return !queue_.empty() || !chores_.empty() || draining_;
   }
-  bool BatchFullOrDraining() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return static_cast<int>(queue_.size()) >= options_.max_batch_size || draining_;
+  // Runs the chores queued so far.
+  void RunChores();
+  // A partial batch's delay ends early: the batch is full, a chore waits
+  // (it runs first, then the delay goes on), or the batcher drains.
+  bool DelayEnds() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return static_cast<int>(queue_.size()) >= options_.max_batch_size || !chores_.empty() ||
+           draining_;
   }
   // Why `entry` must not run at `now`; OK when it may.
   static absl::Status Unrunnable(const Entry& entry, absl::Time now);
@@ -196,6 +214,7 @@ class Batcher {
   mutable absl::Mutex mu_;
   // Invariant: every entry was accepted and is answered by Loop() exactly once.
   std::deque<Entry> queue_ ABSL_GUARDED_BY(mu_);
+  std::vector<Chore*> chores_ ABSL_GUARDED_BY(mu_);
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
 
   absl::Mutex join_mu_;  // serialises Drain() callers around the join
@@ -272,6 +291,31 @@ absl::Status Batcher<Task>::Schedule(std::unique_ptr<Task>* task) {
 }
 
 template <typename Task>
+absl::Status Batcher<Task>::RunOnThread(absl::FunctionRef<void()> chore) {
+  Chore queued{.run = chore, .ran = {}};
+  {
+    absl::MutexLock lock(&mu_);
+    if (draining_) return absl::UnavailableError("the batcher is draining");
+    chores_.push_back(&queued);
+  }
+  queued.ran.WaitForNotification();
+  return absl::OkStatus();
+}
+
+template <typename Task>
+void Batcher<Task>::RunChores() {
+  std::vector<Chore*> chores;
+  {
+    absl::MutexLock lock(&mu_);
+    chores.swap(chores_);
+  }
+  for (Chore* chore : chores) {
+    chore->run();
+    chore->ran.Notify();
+  }
+}
+
+template <typename Task>
 int Batcher<Task>::queue_depth() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(queue_.size());
@@ -325,6 +369,7 @@ void Batcher<Task>::Loop() {
   std::vector<std::unique_ptr<Task>> carried;  // unfinished tasks of the last batch
   bool answered_others = false;                // the last batch finished some tasks
   for (;;) {
+    RunChores();
     std::vector<std::unique_ptr<Task>> batch = std::move(carried);
     carried.clear();
     std::vector<Dropped> dropped;
@@ -338,12 +383,13 @@ void Batcher<Task>::Loop() {
       }
       if (batch.empty()) {
         mu_.Await(absl::Condition(this, &Batcher::HasWorkOrDraining));
+        if (!chores_.empty()) continue;
         if (queue_.empty()) return;  // draining and every task answered
         if (options_.delay == BatchingDelay::kFixed) {
           const absl::Time close_at =
               queue_.front().enqueued + absl::Microseconds(options_.max_queue_delay_us);
-          clock_->AwaitWithDeadline(mu_, absl::Condition(this, &Batcher::BatchFullOrDraining),
-                                    close_at);
+          clock_->AwaitWithDeadline(mu_, absl::Condition(this, &Batcher::DelayEnds), close_at);
+          if (!chores_.empty()) continue;
         }
       }
       const absl::Time now = clock_->Now();

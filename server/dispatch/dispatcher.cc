@@ -78,6 +78,13 @@ absl::StatusOr<Dispatcher::ModelQueue*> Dispatcher::QueueFor(std::string_view na
   return q;
 }
 
+absl::Status Dispatcher::RunOnBatcherThread(std::string_view name,
+                                            absl::FunctionRef<void()> work) {
+  absl::StatusOr<ModelQueue*> queue = QueueFor(name);
+  if (!queue.ok()) return queue.status();
+  return (*queue)->batcher->RunOnThread(work);
+}
+
 absl::Status Dispatcher::OpenCall(std::string_view what) {
   absl::MutexLock lock(&calls_mu_);
   if (!accepting_.load()) {

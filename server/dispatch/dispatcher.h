@@ -145,6 +145,12 @@ class Dispatcher {
   // and logged as any request of its model.
   void SubmitOpening(const CallOrigin& origin, Request request, OpenSession open, Done done);
 
+  // Runs `work` on the batcher thread of the model `name` (started now if
+  // no call named it yet) and returns once it ran: the start-up warm-up, so
+  // that what it grows is what the model's first calls use (batcher.h,
+  // RunOnThread). UNAVAILABLE once draining.
+  absl::Status RunOnBatcherThread(std::string_view name, absl::FunctionRef<void()> work);
+
   // A call counts as open from OpenCall() (an error once StopAccepting() ran:
   // UNAVAILABLE, "takes no new `what`") until CloseCall(), which its API
   // calls when the transport is done with it; drain waits for open calls.

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -85,6 +86,7 @@ class Recorder {
         release_.WaitForNotification();
       }
       absl::MutexLock lock(&mu_);
+      thread_ = std::this_thread::get_id();
       std::vector<int>& ids = batches_.emplace_back();
       std::vector<std::unique_ptr<TestTask>> unfinished;
       for (auto& task : batch) {
@@ -123,6 +125,11 @@ class Recorder {
     absl::MutexLock lock(&mu_);
     return dropped_;
   }
+  // The thread that processed the last batch.
+  std::thread::id thread() {
+    absl::MutexLock lock(&mu_);
+    return thread_;
+  }
 
  private:
   std::atomic<bool> hold_first_batch_{false};
@@ -132,6 +139,7 @@ class Recorder {
   std::vector<std::vector<int>> batches_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<int, absl::StatusCode>> dropped_ ABSL_GUARDED_BY(mu_);
   int answered_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread::id thread_ ABSL_GUARDED_BY(mu_);
 };
 
 class BatcherTest : public ::testing::Test {
@@ -305,6 +313,28 @@ TEST_F(BatcherTest, DrainAnswersEveryAcceptedTaskAndRefusesNewOnes) {
   EXPECT_EQ(batcher->Schedule(&late).code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(late, nullptr);
   batcher->Drain();
+}
+
+// A chore (the start-up warm-up) runs on the thread that computes the
+// batches, at once: not held back by a partial batch waiting for its delay
+// (the clock never moves here), and not run inside a batch.
+TEST_F(BatcherTest, ChoreRunsOnTheBatchThreadWithoutWaitingForTheBatch) {
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/3'600'000'000);
+  ScheduleOk(*batcher, 0);
+  std::thread::id chore_thread;
+  std::vector<std::vector<int>> batches_before_chore = {{-1}};
+  ASSERT_TRUE(batcher
+                  ->RunOnThread([&] {
+                    chore_thread = std::this_thread::get_id();
+                    batches_before_chore = recorder_.batches();
+                  })
+                  .ok());
+  EXPECT_THAT(batches_before_chore, IsEmpty()) << "task 0 still waits for its delay";
+  batcher->Drain();
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0)));
+  EXPECT_EQ(chore_thread, recorder_.thread());
+  EXPECT_NE(chore_thread, std::this_thread::get_id());
+  EXPECT_EQ(batcher->RunOnThread([] {}).code(), absl::StatusCode::kUnavailable);
 }
 
 TEST_F(BatcherTest, DestructionDrains) {
