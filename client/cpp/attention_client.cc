@@ -8,12 +8,14 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "client/cpp/channel.h"
+#include "grpcpp/alarm.h"
 
 namespace attention::client {
 namespace {
@@ -160,16 +162,52 @@ class StreamCall final : public grpc::ClientBidiReactor<AttendRequest, AttendRes
   const std::function<void(grpc::Status)> done_ = awaiter_.Done();
 };
 
-// What an AttendAsync or InferAsync call keeps alive until it ends; deleted
-// then.
-template <typename Response>
-struct AsyncCall {
-  grpc::ClientContext context;
-  Response response;
-  std::function<void(absl::StatusOr<Response>)> done;
+// When an Attend is sent again: its answer was cut off on its way (UNKNOWN:
+// an edge in front lost the replica that was sending it, and ended the
+// stream after the message without the status; attention-server itself
+// never answers UNKNOWN). gRPC's retry policy cannot resend it, as a call is
+// committed once its answer's headers arrived. So it is sent again here,
+// with the policy's back-off, up to its max_attempts tries in all and within
+// the call's deadline.
+class CutOffResends {
+ public:
+  CutOffResends(const RetryOptions& retry, absl::Time deadline)
+      : retry_(retry), deadline_(deadline), backoff_(retry.initial_backoff) {}
+
+  // The pause before sending again after `status`; nullopt: report it.
+  std::optional<absl::Duration> Next(const grpc::Status& status) {
+    if (status.error_code() != grpc::StatusCode::UNKNOWN || sent_ >= retry_.max_attempts) {
+      return std::nullopt;
+    }
+    thread_local std::minstd_rand random(std::random_device{}());
+    const absl::Duration pause =
+        backoff_ * std::uniform_real_distribution<double>(0.8, 1.2)(random);
+    if (absl::Now() + pause >= deadline_) return std::nullopt;
+    backoff_ = std::min(backoff_ * retry_.backoff_multiplier, retry_.max_backoff);
+    ++sent_;
+    return pause;
+  }
+
+ private:
+  const RetryOptions retry_;
+  const absl::Time deadline_;
+  absl::Duration backoff_;
+  int sent_ = 1;
 };
 
+
 }  // namespace
+
+// What an AttendAsync or InferAsync call keeps alive until it ends; deleted
+// then. A call sent again gets a new context.
+template <typename Response>
+struct AttentionClient::AsyncCall {
+  std::optional<grpc::ClientContext> context;
+  Response response;
+  std::function<void(absl::StatusOr<Response>)> done;
+  std::optional<CutOffResends> resends;  // set for an Attend
+  grpc::Alarm pause;                     // before it is sent again
+};
 
 absl::Status ToAbslStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
@@ -203,9 +241,15 @@ AttentionClient::AttentionClient(ClientOptions options, std::shared_ptr<grpc::Ch
       stream_stub_(attention::v1::AttentionService::NewStub(stream_channel_)) {}
 
 void AttentionClient::Prepare(grpc::ClientContext& context, absl::Duration timeout) const {
-  if (timeout != absl::InfiniteDuration()) {
-    context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  }
+  Prepare(context, DeadlineAfter(timeout));
+}
+
+absl::Time AttentionClient::DeadlineAfter(absl::Duration timeout) {
+  return timeout == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + timeout;
+}
+
+void AttentionClient::Prepare(grpc::ClientContext& context, absl::Time deadline) const {
+  if (deadline != absl::InfiniteFuture()) context.set_deadline(absl::ToChronoTime(deadline));
   if (!options_.token.empty()) {
     context.AddMetadata("authorization", absl::StrCat("Bearer ", options_.token));
   }
@@ -217,13 +261,20 @@ absl::StatusOr<AttendResponse> AttentionClient::Attend(const AttendRequest& requ
 
 absl::StatusOr<AttendResponse> AttentionClient::Attend(const AttendRequest& request,
                                                        absl::Duration timeout) {
-  grpc::ClientContext context;
-  Prepare(context, timeout);
-  AttendResponse response;
-  CallAwaiter awaiter;
-  stub_->async()->Attend(&context, &request, &response, awaiter.Done());
-  if (grpc::Status status = awaiter.Await(); !status.ok()) return ToAbslStatus(status);
-  return response;
+  const absl::Time deadline = DeadlineAfter(timeout);
+  CutOffResends resends(options_.retry, deadline);
+  for (;;) {
+    grpc::ClientContext context;
+    Prepare(context, deadline);
+    AttendResponse response;
+    CallAwaiter awaiter;
+    stub_->async()->Attend(&context, &request, &response, awaiter.Done());
+    const grpc::Status status = awaiter.Await();
+    if (status.ok()) return response;
+    const std::optional<absl::Duration> pause = resends.Next(status);
+    if (!pause) return ToAbslStatus(status);
+    absl::SleepFor(*pause);
+  }
 }
 
 AttentionClient::~AttentionClient() {
@@ -234,15 +285,31 @@ AttentionClient::~AttentionClient() {
 
 template <typename Response, typename Start>
 void AttentionClient::StartAsync(std::function<void(absl::StatusOr<Response>)> done,
-                                 Start start) {
+                                 Start start, CutOffs cut_offs) {
   {
     absl::MutexLock lock(&async_mu_);
     ++async_calls_;
   }
   auto* call = new AsyncCall<Response>;
   call->done = std::move(done);
-  Prepare(call->context, options_.timeout);
-  start(&call->context, &call->response, [this, call](grpc::Status status) {
+  const absl::Time deadline = DeadlineAfter(options_.timeout);
+  if (cut_offs == CutOffs::kSendAgain) call->resends.emplace(options_.retry, deadline);
+  SendAsync(call, std::move(start), deadline);
+}
+
+template <typename Response, typename Start>
+void AttentionClient::SendAsync(AsyncCall<Response>* call, Start start, absl::Time deadline) {
+  call->context.emplace();
+  Prepare(*call->context, deadline);
+  call->response.Clear();
+  start(&*call->context, &call->response, [this, call, start, deadline](grpc::Status status) {
+    const std::optional<absl::Duration> pause =
+        call->resends ? call->resends->Next(status) : std::nullopt;
+    if (pause) {
+      call->pause.Set(absl::ToChronoTime(absl::Now() + *pause),
+                      [this, call, start, deadline](bool) { SendAsync(call, start, deadline); });
+      return;
+    }
     if (status.ok()) {
       call->done(std::move(call->response));
     } else {
@@ -259,7 +326,7 @@ void AttentionClient::AttendAsync(const AttendRequest* request, AttendCallback d
                                               AttendResponse* response,
                                               std::function<void(grpc::Status)> finished) {
     stub_->async()->Attend(context, request, response, std::move(finished));
-  });
+  }, CutOffs::kSendAgain);
 }
 
 void AttentionClient::InferAsync(const inference::ModelInferRequest* request,
@@ -271,7 +338,7 @@ void AttentionClient::InferAsync(const inference::ModelInferRequest* request,
       context->AddMetadata(kSequenceIdHeader, *id);
     }
     inference_stub_->async()->ModelInfer(context, request, response, std::move(finished));
-  });
+  }, CutOffs::kReport);
 }
 
 std::unique_ptr<grpc::ClientReaderWriter<attention::v1::SessionRequest,

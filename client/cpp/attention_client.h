@@ -11,6 +11,10 @@
 //     call did not run (no server, or the server went away), so repeating it
 //     is safe; every other code is the server's answer and is returned as is.
 //     AttendStream is the exception: a stream is never retried.
+//   - Attend and AttendAsync sent again, with the same back-off and within
+//     the same attempts and deadline, when an answer was cut off on its way
+//     (UNKNOWN: an edge lost the replica sending it; docs/api.md 6.11), which
+//     gRPC's retry policy cannot do once the answer's headers arrived.
 //
 // Use it when you want one answer per call with errors as values, or
 // AttendStream() for many requests over one call. Calls are thread-safe; one
@@ -137,11 +141,24 @@ class AttentionClient {
 
   // Deadline and credentials every call carries.
   void Prepare(grpc::ClientContext& context, absl::Duration timeout) const;
+  void Prepare(grpc::ClientContext& context, absl::Time deadline) const;
+  static absl::Time DeadlineAfter(absl::Duration timeout);
 
+  // Whether an *Async call whose answer was cut off is sent again (Attend:
+  // attention_client.cc, CutOffResends) or reported (ModelInfer, whose
+  // sequences' steps are not sent twice).
+  enum class CutOffs { kSendAgain, kReport };
+  // What an *Async call keeps alive until it ends (attention_client.cc).
+  template <typename Response>
+  struct AsyncCall;
   // Counts an *Async call until it ends: `start(context, response, finished)`
-  // starts it on a stub, and `finished` hands its outcome to `done`.
+  // starts it on a stub (again, on a new context, for each send), and
+  // `finished` hands its outcome to `done`.
   template <typename Response, typename Start>
-  void StartAsync(std::function<void(absl::StatusOr<Response>)> done, Start start);
+  void StartAsync(std::function<void(absl::StatusOr<Response>)> done, Start start,
+                  CutOffs cut_offs);
+  template <typename Response, typename Start>
+  void SendAsync(AsyncCall<Response>* call, Start start, absl::Time deadline);
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -19,9 +19,10 @@ using attention::v1::Tensor;
 // How a stream ends when its server went away: UNAVAILABLE (a connection
 // lost, a replica's shutdown: docs/api.md sections 6.5 and 11.5), CANCELLED
 // (a stream reset by a proxy or a server that stopped without gRPC's
-// shutdown).
+// shutdown), UNKNOWN (a stream an edge ended without its status when the
+// replica behind it died; attention-server never answers UNKNOWN).
 bool IsBreak(const absl::Status& status) {
-  return absl::IsUnavailable(status) || absl::IsCancelled(status);
+  return absl::IsUnavailable(status) || absl::IsCancelled(status) || absl::IsUnknown(status);
 }
 
 // The pauses between tries at opening the stream again, as the channel's

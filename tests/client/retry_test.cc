@@ -1,6 +1,7 @@
 // client_retry_test.cc: the AttentionClient's call semantics: retries with
-// backoff on UNAVAILABLE and on nothing else, deadlines, the bearer token
-// header, and the async call.
+// backoff on UNAVAILABLE, Attend sent again when its answer was cut off
+// (UNKNOWN), nothing else retried, deadlines, the bearer token header, and
+// the async call.
 //
 // The real attention-server cannot be told to answer UNAVAILABLE on demand,
 // so these tests run a scripted AttentionService in this process, listening
@@ -153,6 +154,57 @@ TEST(ClientRetryTest, EveryOtherCodeIsReturnedAfterOneCall) {
     EXPECT_EQ(response.status().message(), "scripted failure");
     EXPECT_EQ(server.service().calls(), 1) << "code " << code;
   }
+}
+
+// An answer cut off on its way (an edge ends the stream without its status
+// when the replica behind it dies, and gRPC reports UNKNOWN, which
+// attention-server itself never answers) is sent again, up to max_attempts
+// tries in all; the scripted UNKNOWN stands for it here.
+TEST(ClientRetryTest, CutOffAnswersAreSentAgainUpToMaxAttempts) {
+  ScriptedServer answers_third({grpc::StatusCode::UNKNOWN, grpc::StatusCode::UNKNOWN,
+                                grpc::StatusCode::OK});
+  absl::StatusOr<AttendResponse> response = ClientFor(answers_third)->Attend(Request("r1"));
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(response->request_id(), "r1");
+  EXPECT_EQ(answers_third.service().calls(), 3);
+  for (int max_attempts : {1, 3}) {
+    ScriptedServer never({grpc::StatusCode::UNKNOWN});
+    auto client = ClientFor(never, [&](ClientOptions& o) { o.retry.max_attempts = max_attempts; });
+    EXPECT_EQ(client->Attend(Request("r")).status().code(), absl::StatusCode::kUnknown);
+    EXPECT_EQ(never.service().calls(), max_attempts);
+  }
+}
+
+TEST(ClientRetryTest, CutOffAnswerIsNotSentAgainPastTheDeadline) {
+  ScriptedServer server({grpc::StatusCode::UNKNOWN, grpc::StatusCode::OK});
+  // A pause of at least 0.8 s (the first back-off, 1 s, less its jitter)
+  // would end past the 0.5 s deadline, so the cut-off answer is reported.
+  ClientOptions slow;
+  slow.target = server.address();
+  slow.timeout = absl::Milliseconds(500);
+  slow.retry.initial_backoff = absl::Seconds(1);
+  slow.retry.max_backoff = absl::Seconds(1);
+  absl::StatusOr<std::unique_ptr<AttentionClient>> patient = AttentionClient::Create(slow);
+  ASSERT_TRUE(patient.ok()) << patient.status();
+  EXPECT_EQ((*patient)->Attend(Request("r")).status().code(), absl::StatusCode::kUnknown);
+  EXPECT_EQ(server.service().calls(), 1);
+  EXPECT_TRUE(ClientFor(server)->Attend(Request("r")).ok()) << "the next call is answered";
+}
+
+TEST(ClientRetryTest, AsyncCutOffAnswerIsSentAgain) {
+  ScriptedServer server({grpc::StatusCode::UNKNOWN, grpc::StatusCode::OK});
+  auto client = ClientFor(server);
+  const AttendRequest request = Request("async");
+  absl::Notification done;
+  absl::StatusOr<AttendResponse> answer;
+  client->AttendAsync(&request, [&](absl::StatusOr<AttendResponse> response) {
+    answer = std::move(response);
+    done.Notify();
+  });
+  done.WaitForNotification();
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(answer->request_id(), "async");
+  EXPECT_EQ(server.service().calls(), 2);
 }
 
 TEST(ClientRetryTest, DeadlineEndsACallThatGetsNoAnswer) {
