@@ -206,7 +206,9 @@ struct AttentionClient::AsyncCall {
   Response response;
   std::function<void(absl::StatusOr<Response>)> done;
   std::optional<CutOffResends> resends;  // set for an Attend
-  grpc::Alarm pause;                     // before it is sent again
+  // Before it is sent again; a new one each time, as the send may end (and
+  // need the next pause) inside the last one's callback.
+  std::optional<grpc::Alarm> pause;
 };
 
 absl::Status ToAbslStatus(const grpc::Status& status) {
@@ -306,8 +308,9 @@ void AttentionClient::SendAsync(AsyncCall<Response>* call, Start start, absl::Ti
     const std::optional<absl::Duration> pause =
         call->resends ? call->resends->Next(status) : std::nullopt;
     if (pause) {
-      call->pause.Set(absl::ToChronoTime(absl::Now() + *pause),
-                      [this, call, start, deadline](bool) { SendAsync(call, start, deadline); });
+      call->pause.emplace();
+      call->pause->Set(absl::ToChronoTime(absl::Now() + *pause),
+                       [this, call, start, deadline](bool) { SendAsync(call, start, deadline); });
       return;
     }
     if (status.ok()) {
