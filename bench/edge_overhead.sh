@@ -10,16 +10,22 @@
 # throughput, p99 within 1.5x; issue 33's: the edge's CPU per call with three
 # replicas <= 1.1x with one).
 #
-#   bench/edge_overhead.sh [--pinned] [ROUNDS (5)] [SECONDS per run (10)]
+#   bench/edge_overhead.sh [--pinned] [--rate CALLS_PER_S] [ROUNDS (5)] [SECONDS per run (10)]
 #
 # --pinned: client and the servers on CPU 0, the edges (HAProxy) alone on
 # CPU 1, as a Kubernetes sidecar with a core of its own would run; not the
 # shared-core figure.
+# --rate: an open loop at that many calls a second on every side instead of
+# the closed loop, so that the edges' CPU per call is compared at one load:
+# in the closed loop three replicas on 2 cores answer fewer calls a second
+# than one, and an edge's CPU per call grows as its load falls (fewer
+# frames per read and write).
 # Needs build/server/attention-server, build/client/attention-client, haproxy.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-pinned=0
+pinned=0 load=(--concurrency 64)
 if [[ "${1:-}" == --pinned ]]; then pinned=1; shift; fi
+if [[ "${1:-}" == --rate ]]; then load=(--rate "${2:?--rate needs calls per second}" --max-in-flight 256); shift 2; fi
 rounds=${1:-5} seconds=${2:-10}
 client=build/client/attention-client
 export ATTENTION_SERVER_BIN=$PWD/build/server/attention-server
@@ -55,6 +61,7 @@ fi
 
 echo "$(lscpu | grep 'Model name' | tr -s ' '); load average $(cut -d' ' -f1-3 /proc/loadavg); $(date -u '+%F %H:%M UTC')"
 ((pinned)) && echo "pinned: client and servers on CPU 0, the edges on CPU 1"
+echo "load: ${load[*]}"
 for ((round = 1; round <= rounds; round++)); do
   for side in bare edge edge3; do
     target=${!side}
@@ -68,7 +75,7 @@ for ((round = 1; round <= rounds; round++)); do
     # A run that fails is reported and counted, not retried.
     if result=$("${cpu0[@]}" /usr/bin/time -f '%U %S' -o "$work/client_time" \
                   "$client" --target "$target" bench --model dot_product --batch 1 --n 8 \
-                  --dim 64 --concurrency 64 --duration "$seconds" --json 2>&1); then
+                  --dim 64 "${load[@]}" --duration "$seconds" --json 2>&1); then
       # shellcheck disable=SC2086
       server_cpu=$(($(cpu_ticks $server_pids) - server_before))
       edge_cpu=$(($(cpu_ticks "$side_edge_pid") - edge_before))
