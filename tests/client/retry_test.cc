@@ -106,6 +106,19 @@ AttendRequest Request(const std::string& id) {
   return request;
 }
 
+// AttendAsync's answer, waited for.
+absl::StatusOr<AttendResponse> AttendAsyncAndWait(AttentionClient& client,
+                                                  const AttendRequest& request) {
+  absl::Notification done;
+  absl::StatusOr<AttendResponse> answer;
+  client.AttendAsync(&request, [&](absl::StatusOr<AttendResponse> response) {
+    answer = std::move(response);
+    done.Notify();
+  });
+  done.WaitForNotification();
+  return answer;
+}
+
 TEST(ClientRetryTest, RetriesUnavailableUntilAnAnswer) {
   ScriptedServer server({grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::UNAVAILABLE,
                          grpc::StatusCode::OK});
@@ -195,14 +208,7 @@ TEST(ClientRetryTest, AsyncCutOffAnswerIsSentAgain) {
   ScriptedServer server({grpc::StatusCode::UNKNOWN, grpc::StatusCode::UNKNOWN,
                          grpc::StatusCode::OK});
   auto client = ClientFor(server);
-  const AttendRequest request = Request("async");
-  absl::Notification done;
-  absl::StatusOr<AttendResponse> answer;
-  client->AttendAsync(&request, [&](absl::StatusOr<AttendResponse> response) {
-    answer = std::move(response);
-    done.Notify();
-  });
-  done.WaitForNotification();
+  const absl::StatusOr<AttendResponse> answer = AttendAsyncAndWait(*client, Request("async"));
   ASSERT_TRUE(answer.ok()) << answer.status();
   EXPECT_EQ(answer->request_id(), "async");
   EXPECT_EQ(server.service().calls(), 3);
@@ -238,14 +244,7 @@ TEST(ClientRetryTest, TokenIsSentAsBearerAuthorization) {
 TEST(ClientRetryTest, AsyncCallDeliversTheAnswerAndRetriesToo) {
   ScriptedServer server({grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::OK});
   auto client = ClientFor(server);
-  const AttendRequest request = Request("async");
-  absl::Notification done;
-  absl::StatusOr<AttendResponse> answer;
-  client->AttendAsync(&request, [&](absl::StatusOr<AttendResponse> response) {
-    answer = std::move(response);
-    done.Notify();
-  });
-  done.WaitForNotification();
+  const absl::StatusOr<AttendResponse> answer = AttendAsyncAndWait(*client, Request("async"));
   ASSERT_TRUE(answer.ok()) << answer.status();
   EXPECT_EQ(answer->request_id(), "async");
   EXPECT_EQ(server.service().calls(), 2);
