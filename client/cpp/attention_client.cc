@@ -167,8 +167,9 @@ class StreamCall final : public grpc::ClientBidiReactor<AttendRequest, AttendRes
 // stream after the message without the status; attention-server itself
 // never answers UNKNOWN). gRPC's retry policy cannot resend it, as a call is
 // committed once its answer's headers arrived. So it is sent again here,
-// with the policy's back-off, up to its max_attempts tries in all and within
-// the call's deadline.
+// up to the policy's max_attempts tries in all and within the call's
+// deadline, after pauses from its initial_backoff, times its multiplier each
+// time, up to its max_backoff, each varied by up to 20% either way.
 class CutOffResends {
  public:
   CutOffResends(const RetryOptions& retry, absl::Time deadline)
@@ -194,7 +195,6 @@ class CutOffResends {
   absl::Duration backoff_;
   int sent_ = 1;
 };
-
 
 }  // namespace
 

@@ -11,10 +11,11 @@
 //     call did not run (no server, or the server went away), so repeating it
 //     is safe; every other code is the server's answer and is returned as is.
 //     AttendStream is the exception: a stream is never retried.
-//   - Attend and AttendAsync sent again, with the same back-off and within
-//     the same attempts and deadline, when an answer was cut off on its way
-//     (UNKNOWN: an edge lost the replica sending it; docs/api.md 6.11), which
-//     gRPC's retry policy cannot do once the answer's headers arrived.
+//   - Attend and AttendAsync sent again, with a back-off from the same
+//     options and within the same attempts and deadline, when an answer was
+//     cut off on its way (UNKNOWN: an edge lost the replica sending it;
+//     docs/api.md 6.11), which gRPC's retry policy cannot do once the
+//     answer's headers arrived.
 //
 // Use it when you want one answer per call with errors as values, or
 // AttendStream() for many requests over one call. Calls are thread-safe; one
