@@ -192,8 +192,8 @@ class Batcher {
   bool HasWorkOrDraining() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return !queue_.empty() || !chores_.empty() || draining_;
   }
-  // Runs the chores queued so far.
-  void RunChores();
+  // Runs `chores` (taken from chores_ under mu_) and empties it.
+  static void RunChores(std::vector<Chore*>& chores);
   // A partial batch's delay ends early: the batch is full, a chore waits
   // (it runs first, then the delay goes on), or the batcher drains.
   bool DelayEnds() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -303,16 +303,12 @@ absl::Status Batcher<Task>::RunOnThread(absl::FunctionRef<void()> chore) {
 }
 
 template <typename Task>
-void Batcher<Task>::RunChores() {
-  std::vector<Chore*> chores;
-  {
-    absl::MutexLock lock(&mu_);
-    chores.swap(chores_);
-  }
+void Batcher<Task>::RunChores(std::vector<Chore*>& chores) {
   for (Chore* chore : chores) {
     chore->run();
     chore->ran.Notify();
   }
+  chores.clear();
 }
 
 template <typename Task>
@@ -368,8 +364,11 @@ template <typename Task>
 void Batcher<Task>::Loop() {
   std::vector<std::unique_ptr<Task>> carried;  // unfinished tasks of the last batch
   bool answered_others = false;                // the last batch finished some tasks
+  // Taken from chores_ where the loop holds mu_ anyway, and run before the
+  // next batch forms: after the batch in flight, or at once when idle.
+  std::vector<Chore*> chores;
   for (;;) {
-    RunChores();
+    RunChores(chores);
     std::vector<std::unique_ptr<Task>> batch = std::move(carried);
     carried.clear();
     std::vector<Dropped> dropped;
@@ -383,15 +382,18 @@ void Batcher<Task>::Loop() {
       }
       if (batch.empty()) {
         mu_.Await(absl::Condition(this, &Batcher::HasWorkOrDraining));
-        if (!chores_.empty()) continue;
+        chores.swap(chores_);
+        if (!chores.empty()) continue;
         if (queue_.empty()) return;  // draining and every task answered
         if (options_.delay == BatchingDelay::kFixed) {
           const absl::Time close_at =
               queue_.front().enqueued + absl::Microseconds(options_.max_queue_delay_us);
           clock_->AwaitWithDeadline(mu_, absl::Condition(this, &Batcher::DelayEnds), close_at);
-          if (!chores_.empty()) continue;
+          chores.swap(chores_);
+          if (!chores.empty()) continue;
         }
       }
+      chores.swap(chores_);
       const absl::Time now = clock_->Now();
       const size_t full = batch.size() + static_cast<size_t>(options_.max_batch_size);
       while (batch.size() < full && !queue_.empty()) {
