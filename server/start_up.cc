@@ -114,6 +114,7 @@ absl::StatusOr<DispatchOptions> ReadDispatchOptions(const ServerConfig& config) 
   options.batching = config.batching;
   options.max_queued_bytes = config.max_queued_bytes;
   options.chunk_work = config.chunk_work;
+  options.inline_work = config.inline_work;
   if (!config.auth_token_file.empty()) {
     absl::StatusOr<std::vector<std::string>> tokens = ReadTokenFile(config.auth_token_file);
     if (!tokens.ok()) return tokens.status();
@@ -307,13 +308,13 @@ void LogServing(const ServerConfig& config, const RunningServer& s) {
   spdlog::info("batching: --max-batch-size {} --batching-delay {} --max-queue-delay-us {} "
                "--queue-capacity {}; engine threads {}; --max-message-bytes {} "
                "--max-request-elements {} --max-request-work {} --max-request-scratch-elements {} "
-               "--max-queued-bytes {} --chunk-work {}",
+               "--max-queued-bytes {} --chunk-work {} --inline-work {}",
                config.batching.max_batch_size, BatchingDelayName(config.batching.delay),
                config.batching.max_queue_delay_us,
                config.batching.queue_capacity, s.engine->num_threads(), config.max_message_bytes,
                config.limits.max_request_elements, config.limits.max_request_work,
                config.limits.max_request_scratch_elements, config.max_queued_bytes,
-               config.chunk_work);
+               config.chunk_work, config.inline_work);
   // Scoped: a snapshot held on would keep these weights alive after a reload.
   const std::shared_ptr<const ModelRegistry::Index> served = s.registry.snapshot();
   spdlog::info("serving {} models (--version-policy {}, --model-control {}):", served->size(),

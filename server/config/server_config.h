@@ -59,6 +59,9 @@ struct ServerConfig {
   int64_t max_queued_bytes = DispatchOptions{}.max_queued_bytes;
   // Work units of one piece of a long session step (--chunk-work); 0: whole.
   int64_t chunk_work = DispatchOptions{}.chunk_work;
+  // Work units of the largest request computed on its receiving thread
+  // (--inline-work); 0: none.
+  int64_t inline_work = DispatchOptions{}.inline_work;
   // Decoding sessions: --session-memory-bytes, --max-sessions,
   // --max-session-length, --session-idle-seconds.
   SessionOptions sessions;

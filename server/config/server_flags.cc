@@ -113,6 +113,10 @@ void AddLimitFlags(CLI::App& app, ServerConfig* c) {
        "Most work units of one piece of a session step: a longer step (a prompt's prefill) is "
        "computed in pieces, other batches running between them (0: steps whole)")
       ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  Flag(app, "--inline-work", &c->inline_work,
+       "Most work units of a request computed on the thread that received it when its model's "
+       "batcher is idle, skipping the hand-over to the batcher's thread (0: never)")
+      ->check(CLI::Range(int64_t{0}, INT64_MAX));
   Flag(app, "--max-queued-bytes", &c->max_queued_bytes,
        "Most bytes of request messages held at once (admitted, not yet answered), all models "
        "together; beyond it RESOURCE_EXHAUSTED (0: no cap)")

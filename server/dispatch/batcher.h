@@ -24,6 +24,12 @@
 // as soon as it is answered, and a piece computed without its step holds
 // that step for a whole piece.
 //
+// A caller may also compute a task on its own thread, in a turn
+// (TakeIdleTurn): only when the batcher is idle (nothing queued, no batch in
+// flight, kWhileBusy), and no batch forms until the turn ends, so turns and
+// batches never overlap. A task that would have been a batch of one at once
+// then skips the hand-over to the thread and back.
+//
 // Worst-case queueing latency of a task: the compute time of the batches
 // ahead of it (at most queue_capacity / max_batch_size of them), plus
 // max_queue_delay_us with kFixed.
@@ -159,6 +165,32 @@ class Batcher {
   // arena), so work meant to warm a model's first batches runs here.
   absl::Status RunOnThread(absl::FunctionRef<void()> chore);
 
+  // The turn of a caller that computes a task on its own thread instead of
+  // queueing it: while one is held, the batcher forms no batch and runs no
+  // chore. Ends when destroyed. An empty Turn (false) is no turn.
+  class Turn {
+   public:
+    Turn() = default;
+    Turn(Turn&& other) noexcept : batcher_(std::exchange(other.batcher_, nullptr)) {}
+    Turn& operator=(Turn&&) = delete;
+    ~Turn() {
+      if (batcher_ != nullptr) batcher_->EndTurn();
+    }
+    explicit operator bool() const { return batcher_ != nullptr; }
+
+   private:
+    friend class Batcher;
+    explicit Turn(Batcher* batcher) : batcher_(batcher) {}
+    Batcher* batcher_ = nullptr;
+  };
+
+  // A turn when a task computed now would wait for nothing and delay no
+  // one: nothing is queued, the thread is waiting for work (no batch or
+  // chore in flight), no other turn is held, the delay is kWhileBusy and the
+  // batcher is not draining. An empty Turn otherwise: Schedule() the task.
+  // Drain() waits for a held turn to end.
+  Turn TakeIdleTurn();
+
   // Tasks waiting in the queue now.
   int queue_depth() const;
   int queue_capacity() const { return options_.queue_capacity; }
@@ -189,6 +221,8 @@ class Batcher {
           std::string thread_name);
 
   void Loop();
+  void EndTurn();
+  bool NoTurnHeld() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !turn_held_; }
   bool HasWorkOrDraining() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return !queue_.empty() || !chores_.empty() || draining_;
   }
@@ -216,6 +250,10 @@ class Batcher {
   std::deque<Entry> queue_ ABSL_GUARDED_BY(mu_);
   std::vector<Chore*> chores_ ABSL_GUARDED_BY(mu_);
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  // The thread is past its wait for work: forming or computing a batch, or
+  // running chores. No turn is taken while it is.
+  bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  bool turn_held_ ABSL_GUARDED_BY(mu_) = false;
 
   absl::Mutex join_mu_;  // serialises Drain() callers around the join
   std::thread thread_;   // runs Loop(); joined by Drain(); started last
@@ -312,6 +350,23 @@ void Batcher<Task>::RunChores(std::vector<Chore*>& chores) {
 }
 
 template <typename Task>
+typename Batcher<Task>::Turn Batcher<Task>::TakeIdleTurn() {
+  absl::MutexLock lock(&mu_);
+  if (draining_ || in_flight_ || turn_held_ || !queue_.empty() || !chores_.empty() ||
+      options_.delay != BatchingDelay::kWhileBusy) {
+    return Turn();
+  }
+  turn_held_ = true;
+  return Turn(this);
+}
+
+template <typename Task>
+void Batcher<Task>::EndTurn() {
+  absl::MutexLock lock(&mu_);
+  turn_held_ = false;
+}
+
+template <typename Task>
 int Batcher<Task>::queue_depth() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(queue_.size());
@@ -381,7 +436,11 @@ void Batcher<Task>::Loop() {
                                   clock_->Now() + absl::Microseconds(options_.piece_wait_us));
       }
       if (batch.empty()) {
+        in_flight_ = false;
         mu_.Await(absl::Condition(this, &Batcher::HasWorkOrDraining));
+        in_flight_ = true;
+        // A caller's turn ends first; no other begins meanwhile.
+        mu_.Await(absl::Condition(this, &Batcher::NoTurnHeld));
         chores.swap(chores_);
         if (!chores.empty()) continue;
         if (queue_.empty()) return;  // draining and every task answered

@@ -204,6 +204,11 @@ void Dispatcher::Schedule(std::unique_ptr<Task> task) {
   ModelQueue& queue = *task->queue;
   task->enqueued = absl::Now();
   queue.metrics->queue_depth->Increment();
+  if (ComputesHere(*task)) {
+    if (Batcher<Task>::Turn turn = queue.batcher->TakeIdleTurn()) {
+      return ComputeInTurn(queue, std::move(task));
+    }
+  }
   if (absl::Status scheduled = queue.batcher->Schedule(&task); !scheduled.ok()) {
     queue.metrics->queue_depth->Decrement();
     Answer(*task, scheduled, nullptr);

@@ -15,7 +15,12 @@
 // then handed to the request's completion; a computed batch's answers go out
 // on the answer threads (answer_pool.h) while its batcher forms the next.
 // A batch of one is answered by its batcher thread when the answer threads
-// are idle (nothing to overlap it with; AnswerPool::RunOrPost).
+// are idle (nothing to overlap it with; AnswerPool::RunOrPost). A plain
+// request of at most DispatchOptions::inline_work units that finds its
+// batcher idle is computed and answered on the thread that submitted it, in
+// the batcher's turn (Batcher::TakeIdleTurn): it would have been a batch of
+// one at once, and handing it to the batcher's thread and its answer back
+// costs more than its compute.
 //
 // A session's step (core/sessions/session.h; SubmitStep) takes the same way into its
 // model's batcher, where the steps of a batch run as one Engine::RunSteps
@@ -211,9 +216,15 @@ class Dispatcher {
   absl::Status AdmitStep(Task& task, DecodeStep decode);
   // The checks before the model: the server's state, readability, names.
   absl::Status AdmitCall(const Task& task) const;
-  // Queues an admitted task in its model's batcher, or answers it now when
+  // Queues an admitted task in its model's batcher, or computes it now in
+  // the batcher's turn (ComputesHere), or answers it now when
   // --max-queued-bytes or the queue refuse it.
   void Schedule(std::unique_ptr<Task> task);
+  // Whether `task` is a plain request within inline_work, on a model
+  // without the test gate (which holds batches, and would hold the caller).
+  bool ComputesHere(const Task& task) const;
+  // Computes and answers `task` on this thread, the batcher's turn held.
+  void ComputeInTurn(ModelQueue& queue, std::unique_ptr<Task> task);
   // Counts `task`'s bytes against --max-queued-bytes; RESOURCE_EXHAUSTED
   // beyond it.
   absl::Status HoldBytes(Task& task);
@@ -221,11 +232,15 @@ class Dispatcher {
   // which the batcher carries into its next batch.
   std::vector<std::unique_ptr<Task>> ProcessBatch(ModelQueue& queue,
                                                   std::vector<std::unique_ptr<Task>> batch);
+  // Where RunBatch answers: the answer threads, or (a batch of one while
+  // they are idle) the thread that computed it; or always that thread.
+  enum class AnswerOn { kAnswerThreads, kThisThread };
   // Computes `tasks`, all of one model version, in one Engine::Run (the
   // requests) and one Engine::RunSteps (the steps, or their next pieces),
   // and answers every task finished.
   std::vector<std::unique_ptr<Task>> RunBatch(ModelQueue& queue,
-                                              std::vector<std::unique_ptr<Task>> tasks);
+                                              std::vector<std::unique_ptr<Task>> tasks,
+                                              AnswerOn answer_on);
   // The engine's part of RunBatch: `results` answers `batch`, whose first
   // `num_requests` tasks are requests and the rest steps.
   void Compute(const Model& model, std::span<const std::unique_ptr<Task>> batch,

@@ -62,7 +62,9 @@ std::vector<std::unique_ptr<Dispatcher::Task>> Dispatcher::ProcessBatch(
     for (auto& task : batch) {
       (task->served.model.get() == model ? same : rest).push_back(std::move(task));
     }
-    for (auto& task : RunBatch(queue, std::move(same))) unfinished.push_back(std::move(task));
+    for (auto& task : RunBatch(queue, std::move(same), AnswerOn::kAnswerThreads)) {
+      unfinished.push_back(std::move(task));
+    }
     batch = std::move(rest);
   }
   return unfinished;
@@ -96,8 +98,32 @@ void Dispatcher::Compute(const Model& model, std::span<const std::unique_ptr<Tas
   if (!steps.empty()) engine_->RunSteps(steps, results.subspan(num_requests));
 }
 
+bool Dispatcher::ComputesHere(const Task& task) const {
+  return !task.is_step && task.queue->gate == nullptr && options_.inline_work > 0 &&
+         RequestWork(*task.served.model, task.validated.dims) <=
+             static_cast<double>(options_.inline_work);
+}
+
+void Dispatcher::ComputeInTurn(ModelQueue& queue, std::unique_ptr<Task> task) {
+  // As the batcher checks a queued task before its batch: a request whose
+  // client is gone is answered, not computed.
+  if (absl::Now() >= task->deadline_at) {
+    return DropTask(queue, std::move(task),
+                    absl::DeadlineExceededError(
+                        "the deadline passed before the request was computed"));
+  }
+  if (task->cancelled()) {
+    return DropTask(queue, std::move(task),
+                    absl::CancelledError("the call was cancelled before its request was computed"));
+  }
+  std::vector<std::unique_ptr<Task>> batch;
+  batch.push_back(std::move(task));
+  // A plain request is finished in one batch: nothing is carried.
+  RunBatch(queue, std::move(batch), AnswerOn::kThisThread);
+}
+
 std::vector<std::unique_ptr<Dispatcher::Task>> Dispatcher::RunBatch(
-    ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch) {
+    ModelQueue& queue, std::vector<std::unique_ptr<Task>> batch, AnswerOn answer_on) {
   const absl::Time start = absl::Now();
   for (auto& task : batch) {
     if (task->queued) continue;  // a step's later piece: it left the queue before
@@ -134,7 +160,9 @@ std::vector<std::unique_ptr<Dispatcher::Task>> Dispatcher::RunBatch(
                          results = std::move(results)]() mutable {
     AnswerBatch(std::move(batch), status, std::move(results));
   };
-  if (small) {
+  if (answer_on == AnswerOn::kThisThread) {
+    std::move(job)();
+  } else if (small) {
     answers_.RunOrPost(std::move(job));
   } else {
     answers_.Post(std::move(job));

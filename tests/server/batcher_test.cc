@@ -437,6 +437,72 @@ TEST_F(BatcherTest, WhileBusyPartialBatchRunsAsSoonAsTheOneInFlightEnds) {
   EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0), ElementsAre(1, 2)));
 }
 
+// A caller's turn (TakeIdleTurn): one at a time, only from an idle batcher,
+// and no batch forms while it is held.
+TEST_F(BatcherTest, AnIdleBatcherGivesOneTurnAndFormsNoBatchUntilItEnds) {
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1'000'000,
+                      /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
+  {
+    TestBatcher::Turn turn = batcher->TakeIdleTurn();
+    ASSERT_TRUE(turn);
+    EXPECT_FALSE(batcher->TakeIdleTurn()) << "a second turn while one is held";
+    ScheduleOk(*batcher, 0);
+    LetBatcherRun();
+    EXPECT_THAT(recorder_.batches(), IsEmpty()) << "a batch formed during the turn";
+    EXPECT_EQ(batcher->queue_depth(), 1);
+  }
+  ASSERT_TRUE(recorder_.WaitForAnswered(1));
+  EXPECT_THAT(recorder_.batches(), ElementsAre(ElementsAre(0)));
+}
+
+TEST_F(BatcherTest, NoTurnWhileABatchRunsOrATaskIsQueued) {
+  recorder_.HoldFirstBatch();
+  auto batcher = Make(/*max_batch_size=*/1, /*max_queue_delay_us=*/1'000'000,
+                      /*queue_capacity=*/100, BatchingDelay::kWhileBusy);
+  ScheduleOk(*batcher, 0);
+  recorder_.WaitUntilFirstBatchStarted();
+  EXPECT_FALSE(batcher->TakeIdleTurn()) << "a turn beside the batch in flight";
+  ScheduleOk(*batcher, 1);
+  recorder_.ReleaseFirstBatch();
+  ASSERT_TRUE(recorder_.WaitForAnswered(2));
+  // Idle again once the thread is back waiting for work.
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  bool turned = false;
+  while (!turned && absl::Now() < give_up) {
+    turned = static_cast<bool>(batcher->TakeIdleTurn());
+    if (!turned) absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_TRUE(turned);
+}
+
+TEST_F(BatcherTest, NoTurnWithTheFixedDelayOrOnceDraining) {
+  EXPECT_FALSE(Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/0)->TakeIdleTurn())
+      << "kFixed promises to wait for company";
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/0, /*queue_capacity=*/100,
+                      BatchingDelay::kWhileBusy);
+  batcher->Drain();
+  EXPECT_FALSE(batcher->TakeIdleTurn());
+}
+
+TEST_F(BatcherTest, DrainWaitsForAHeldTurn) {
+  auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/0, /*queue_capacity=*/100,
+                      BatchingDelay::kWhileBusy);
+  std::atomic<bool> drained{false};
+  std::thread drain;
+  {
+    TestBatcher::Turn turn = batcher->TakeIdleTurn();
+    ASSERT_TRUE(turn);
+    drain = std::thread([&] {
+      batcher->Drain();
+      drained.store(true);
+    });
+    LetBatcherRun();
+    EXPECT_FALSE(drained.load()) << "drained while a caller still computed in its turn";
+  }
+  drain.join();
+  EXPECT_TRUE(drained.load());
+}
+
 // The contrast: kFixed holds an idle batcher's lone task for the delay.
 TEST_F(BatcherTest, FixedHoldsAnIdleBatchersTaskForTheDelay) {
   auto batcher = Make(/*max_batch_size=*/4, /*max_queue_delay_us=*/1000);

@@ -74,10 +74,13 @@ float MaxAbsDiff(const v1::Tensor& actual, const Tensor& expected) {
 
 class ServerBatchingTest : public ::testing::Test {
  protected:
+  // --inline-work 0: these requests are small enough to be computed on the
+  // receiving thread whenever their batcher is idle, and this test is about
+  // the ones merged.
   void SetUp() override {
-    auto started = ServerProcess::Start({"--model-repository",
-                                         (ConformanceDir() / "models").string(),
-                                         "--max-batch-size", "16", "--max-queue-delay-us", "2000"});
+    auto started = ServerProcess::Start(
+        {"--model-repository", (ConformanceDir() / "models").string(), "--max-batch-size", "16",
+         "--max-queue-delay-us", "2000", "--inline-work", "0"});
     ASSERT_TRUE(started.ok()) << started.status();
     server_ = *std::move(started);
   }

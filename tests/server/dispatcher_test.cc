@@ -6,9 +6,11 @@
 
 #include <atomic>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -19,9 +21,11 @@
 #include "core/engine/engine.h"
 #include "core/model/model.h"
 #include "core/sessions/session.h"
+#include "prometheus/text_serializer.h"
 #include "server/observability/metrics.h"
 #include "server/repository/registry.h"
 #include "server/security/access_policy.h"
+#include "tests/support/metrics.h"
 
 namespace attention::server {
 namespace {
@@ -58,15 +62,18 @@ struct Answer {
   absl::Notification done;
   absl::Status status;
   std::vector<float> output;
+  std::thread::id thread;  // the one that answered
 };
 
 class DispatcherTest : public ::testing::Test {
  protected:
-  void Start(std::vector<std::string> tokens = {}) {
+  void Start(std::vector<std::string> tokens = {},
+             int64_t inline_work = DispatchOptions{}.inline_work) {
     ASSERT_TRUE(registry_.AddBuiltIn(DotProductModel()).ok());
     metrics_ = std::make_unique<ServerMetrics>(std::vector<std::string>{"dot_product"}, 8, 64);
     DispatchOptions options;
     options.auth_tokens = std::move(tokens);
+    options.inline_work = inline_work;
     auto dispatcher = Dispatcher::Create(&registry_, &engine_, metrics_.get(), options);
     ASSERT_TRUE(dispatcher.ok()) << dispatcher.status();
     dispatcher_ = *std::move(dispatcher);
@@ -94,6 +101,7 @@ class DispatcherTest : public ::testing::Test {
         [answer](const absl::Status& status, const AttentionResult* result) {
           answer->status = status;
           if (result != nullptr) answer->output = result->output.data;
+          answer->thread = std::this_thread::get_id();
           answer->done.Notify();
         });
   }
@@ -123,6 +131,7 @@ class DispatcherTest : public ::testing::Test {
         [answer](const absl::Status& status, const AttentionResult* result) {
           answer->status = status;
           if (result != nullptr) answer->output = result->output.data;
+          answer->thread = std::this_thread::get_id();
           answer->done.Notify();
         });
   }
@@ -150,6 +159,48 @@ TEST_F(DispatcherTest, ComputesARequestAndAnswersOnce) {
   EXPECT_THAT(answer.output, ::testing::Pointwise(::testing::FloatNear(1e-5f),
                                                   {self, 1 - self, 1 - self, self}));
   EXPECT_EQ(origin.authentications(), 1);
+}
+
+// A request within --inline-work that finds its batcher idle is computed and
+// answered inside Submit(), on the caller's thread, with the same result.
+TEST_F(DispatcherTest, ASmallRequestOnAnIdleBatcherIsComputedOnTheCallersThread) {
+  Start();
+  FakeOrigin origin;
+  Answer answer;
+  Submit(origin, &answer);
+  ASSERT_TRUE(answer.done.HasBeenNotified()) << "not answered inside Submit()";
+  ASSERT_TRUE(answer.status.ok()) << answer.status;
+  EXPECT_EQ(answer.thread, std::this_thread::get_id());
+  const float self = 1.0f / (1.0f + std::exp(-1.0f / std::sqrt(2.0f)));
+  EXPECT_THAT(answer.output, ::testing::Pointwise(::testing::FloatNear(1e-5f),
+                                                  {self, 1 - self, 1 - self, self}));
+  // Counted as a batch of one that left the queue.
+  const std::string text = prometheus::TextSerializer().Serialize(metrics_->registry()->Collect());
+  const std::map<std::string, std::string> model = {{"model", "dot_product"}};
+  EXPECT_EQ(testing::MetricValue(text, "attention_batch_size_count", model), 1);
+  EXPECT_EQ(testing::MetricValue(text, "attention_batch_size_sum", model), 1);
+  EXPECT_EQ(testing::MetricValue(text, "attention_queue_depth", model), 0);
+}
+
+// Over --inline-work (1 unit: less than any request), or with it 0, a
+// request goes to the batcher's thread.
+TEST_F(DispatcherTest, ARequestOverInlineWorkGoesToTheBatchersThread) {
+  Start({}, /*inline_work=*/1);
+  FakeOrigin origin;
+  Answer answer;
+  Submit(origin, &answer);
+  ASSERT_TRUE(Wait(answer).ok()) << answer.status;
+  EXPECT_NE(answer.thread, std::this_thread::get_id());
+  EXPECT_EQ(answer.output.size(), 4u);
+}
+
+TEST_F(DispatcherTest, InlineWorkZeroSendsEveryRequestToTheBatchersThread) {
+  Start({}, /*inline_work=*/0);
+  FakeOrigin origin;
+  Answer answer;
+  Submit(origin, &answer);
+  ASSERT_TRUE(Wait(answer).ok()) << answer.status;
+  EXPECT_NE(answer.thread, std::this_thread::get_id());
 }
 
 TEST_F(DispatcherTest, ChecksRunInTheDocumentedOrderAndRefusedCallsAreNeverDecoded) {

@@ -93,7 +93,8 @@ class WireUnaryReactor final : public grpc::ServerUnaryReactor {
         wire_response_(wire_response),
         open_(dispatcher->OpenCall("requests").ok()) {}
 
-  // Sends `status`, with the response when it is OK.
+  // Sends `status`, with the response when it is OK. The reactor may be
+  // deleted before this returns (InternalInlineable).
   void Answer(const absl::Status& status) {
     if (status.ok()) WriteWire(response, wire_response_);
     Finish(ToGrpcStatus(status));
@@ -103,6 +104,14 @@ class WireUnaryReactor final : public grpc::ServerUnaryReactor {
     if (open_) dispatcher_->CloseCall();
     delete this;
   }
+  // gRPC runs OnDone where the call ends, instead of handing it to its
+  // executor thread: that hand-over (a wake-up, and the call's teardown on
+  // another core) was about 2 of a trivial call's 40 us of server CPU. Sound while
+  // OnDone stays as short as it is and nothing after Answer() touches the
+  // reactor: it may be gone once Finish returns. gRPC's own DefaultReactor
+  // says the same of itself; the hook is public but marked internal, and
+  // `override` fails the build should a gRPC drop it.
+  bool InternalInlineable() override { return true; }
 
   const GrpcCallOrigin origin;
   Request request;
