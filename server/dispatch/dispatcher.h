@@ -220,8 +220,10 @@ class Dispatcher {
   // the batcher's turn (ComputesHere), or answers it now when
   // --max-queued-bytes or the queue refuse it.
   void Schedule(std::unique_ptr<Task> task);
-  // Whether `task` is a plain request within inline_work, on a model
-  // without the test gate (which holds batches, and would hold the caller).
+  // Whether `task` is a plain request within inline_work.
+  bool WithinInlineWork(const Task& task) const;
+  // WithinInlineWork, on a model without the test gate (which holds
+  // batches, and would hold the caller).
   bool ComputesHere(const Task& task) const;
   // Computes and answers `task` on this thread, the batcher's turn held.
   void ComputeInTurn(ModelQueue& queue, std::unique_ptr<Task> task);

@@ -18,10 +18,11 @@
 namespace attention::server {
 namespace {
 
-// A batch of at most this many tasks is answered on its batcher thread when
-// the answer pool is idle: one answer is a few microseconds, less than
-// handing it to another thread costs, and with nothing else to send there is
-// nothing to overlap.
+// A batch of at most this many tasks, or of requests each within
+// --inline-work, is answered on its batcher thread when the answer pool is
+// idle: one answer is a few microseconds, less than handing it to another
+// thread costs, and next to such a batch's compute there is nothing to
+// overlap.
 constexpr size_t kAnswerInlineTasks = 1;
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
@@ -98,10 +99,14 @@ void Dispatcher::Compute(const Model& model, std::span<const std::unique_ptr<Tas
   if (!steps.empty()) engine_->RunSteps(steps, results.subspan(num_requests));
 }
 
-bool Dispatcher::ComputesHere(const Task& task) const {
-  return !task.is_step && task.queue->gate == nullptr && options_.inline_work > 0 &&
+bool Dispatcher::WithinInlineWork(const Task& task) const {
+  return !task.is_step && options_.inline_work > 0 &&
          RequestWork(*task.served.model, task.validated.dims) <=
              static_cast<double>(options_.inline_work);
+}
+
+bool Dispatcher::ComputesHere(const Task& task) const {
+  return task.queue->gate == nullptr && WithinInlineWork(task);
 }
 
 void Dispatcher::ComputeInTurn(ModelQueue& queue, std::unique_ptr<Task> task) {
@@ -155,7 +160,9 @@ std::vector<std::unique_ptr<Dispatcher::Task>> Dispatcher::RunBatch(
   // Moved, not copied: a copy would share the status's reference-counted
   // message with this thread, and Debian's Abseil (not built for TSan) drops
   // the answer thread's reference where TSan cannot see it.
-  const bool small = batch.size() <= kAnswerInlineTasks;
+  const bool small =
+      batch.size() <= kAnswerInlineTasks ||
+      std::all_of(batch.begin(), batch.end(), [this](const auto& t) { return WithinInlineWork(*t); });
   AnswerPool::Job job = [this, batch = std::move(batch), status = std::move(status),
                          results = std::move(results)]() mutable {
     AnswerBatch(std::move(batch), status, std::move(results));
