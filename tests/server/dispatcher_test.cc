@@ -184,8 +184,11 @@ TEST_F(DispatcherTest, ASmallRequestOnAnIdleBatcherIsComputedOnTheCallersThread)
 
 // Over --inline-work (1 unit: less than any request), or with it 0, a
 // request goes to the batcher's thread.
-TEST_F(DispatcherTest, ARequestOverInlineWorkGoesToTheBatchersThread) {
-  Start({}, /*inline_work=*/1);
+class DispatcherInlineWorkTest : public DispatcherTest,
+                                 public ::testing::WithParamInterface<int64_t> {};
+
+TEST_P(DispatcherInlineWorkTest, ARequestOverItGoesToTheBatchersThread) {
+  Start({}, /*inline_work=*/GetParam());
   FakeOrigin origin;
   Answer answer;
   Submit(origin, &answer);
@@ -194,14 +197,8 @@ TEST_F(DispatcherTest, ARequestOverInlineWorkGoesToTheBatchersThread) {
   EXPECT_EQ(answer.output.size(), 4u);
 }
 
-TEST_F(DispatcherTest, InlineWorkZeroSendsEveryRequestToTheBatchersThread) {
-  Start({}, /*inline_work=*/0);
-  FakeOrigin origin;
-  Answer answer;
-  Submit(origin, &answer);
-  ASSERT_TRUE(Wait(answer).ok()) << answer.status;
-  EXPECT_NE(answer.thread, std::this_thread::get_id());
-}
+INSTANTIATE_TEST_SUITE_P(OneUnitOrNone, DispatcherInlineWorkTest,
+                         ::testing::Values(int64_t{1}, int64_t{0}));
 
 TEST_F(DispatcherTest, ChecksRunInTheDocumentedOrderAndRefusedCallsAreNeverDecoded) {
   Start({"secret"});
