@@ -191,6 +191,11 @@ class Batcher {
   // Drain() waits for a held turn to end.
   Turn TakeIdleTurn();
 
+  // Why `task`, accepted at `enqueued`, must not run at `now` (its deadline
+  // passed, or its caller gave up); OK when it may. What a queued task is
+  // dropped for, and what a turn's caller checks before computing.
+  static absl::Status Unrunnable(const Task& task, absl::Time enqueued, absl::Time now);
+
   // Tasks waiting in the queue now.
   int queue_depth() const;
   int queue_capacity() const { return options_.queue_capacity; }
@@ -234,8 +239,6 @@ class Batcher {
     return static_cast<int>(queue_.size()) >= options_.max_batch_size || !chores_.empty() ||
            draining_;
   }
-  // Why `entry` must not run at `now`; OK when it may.
-  static absl::Status Unrunnable(const Entry& entry, absl::Time now);
   // Moves every queued task that must not run into `dropped`.
   void PurgeUnrunnable(std::vector<Dropped>* dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AnswerDropped(std::vector<Dropped> dropped);
@@ -383,13 +386,13 @@ void Batcher<Task>::Drain() {
 }
 
 template <typename Task>
-absl::Status Batcher<Task>::Unrunnable(const Entry& entry, absl::Time now) {
-  if (now >= entry.task->deadline()) {
+absl::Status Batcher<Task>::Unrunnable(const Task& task, absl::Time enqueued, absl::Time now) {
+  if (now >= task.deadline()) {
     return absl::DeadlineExceededError(
-        absl::StrCat("the deadline passed after ", absl::ToInt64Microseconds(now - entry.enqueued),
+        absl::StrCat("the deadline passed after ", absl::ToInt64Microseconds(now - enqueued),
                      " us in the queue, before the request was computed"));
   }
-  if (entry.task->cancelled()) {
+  if (task.cancelled()) {
     return absl::CancelledError("the call was cancelled while its request was queued");
   }
   return absl::OkStatus();
@@ -400,7 +403,7 @@ void Batcher<Task>::PurgeUnrunnable(std::vector<Dropped>* dropped) {
   const absl::Time now = clock_->Now();
   std::deque<Entry> kept;
   for (Entry& entry : queue_) {
-    absl::Status why = Unrunnable(entry, now);
+    absl::Status why = Unrunnable(*entry.task, entry.enqueued, now);
     if (why.ok()) {
       kept.push_back(std::move(entry));
     } else {
@@ -458,7 +461,7 @@ void Batcher<Task>::Loop() {
       while (batch.size() < full && !queue_.empty()) {
         Entry entry = std::move(queue_.front());
         queue_.pop_front();
-        absl::Status why = Unrunnable(entry, now);
+        absl::Status why = Unrunnable(*entry.task, entry.enqueued, now);
         if (why.ok()) {
           batch.push_back(std::move(entry.task));
         } else {

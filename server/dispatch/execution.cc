@@ -112,14 +112,9 @@ bool Dispatcher::ComputesHere(const Task& task) const {
 void Dispatcher::ComputeInTurn(ModelQueue& queue, std::unique_ptr<Task> task) {
   // As the batcher checks a queued task before its batch: a request whose
   // client is gone is answered, not computed.
-  if (absl::Now() >= task->deadline_at) {
-    return DropTask(queue, std::move(task),
-                    absl::DeadlineExceededError(
-                        "the deadline passed before the request was computed"));
-  }
-  if (task->cancelled()) {
-    return DropTask(queue, std::move(task),
-                    absl::CancelledError("the call was cancelled before its request was computed"));
+  if (absl::Status why = Batcher<Task>::Unrunnable(*task, task->enqueued, absl::Now());
+      !why.ok()) {
+    return DropTask(queue, std::move(task), why);
   }
   std::vector<std::unique_ptr<Task>> batch;
   batch.push_back(std::move(task));
@@ -160,9 +155,10 @@ std::vector<std::unique_ptr<Dispatcher::Task>> Dispatcher::RunBatch(
   // Moved, not copied: a copy would share the status's reference-counted
   // message with this thread, and Debian's Abseil (not built for TSan) drops
   // the answer thread's reference where TSan cannot see it.
-  const bool small =
-      batch.size() <= kAnswerInlineTasks ||
-      std::all_of(batch.begin(), batch.end(), [this](const auto& t) { return WithinInlineWork(*t); });
+  const bool small = answer_on == AnswerOn::kAnswerThreads &&
+                     (batch.size() <= kAnswerInlineTasks ||
+                      std::all_of(batch.begin(), batch.end(),
+                                  [this](const auto& t) { return WithinInlineWork(*t); }));
   AnswerPool::Job job = [this, batch = std::move(batch), status = std::move(status),
                          results = std::move(results)]() mutable {
     AnswerBatch(std::move(batch), status, std::move(results));
