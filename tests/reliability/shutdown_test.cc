@@ -177,6 +177,10 @@ TEST(ShutdownTest, SigtermAnswersEveryRequestOfEveryStream) {
   auto stub = (*server)->Stub();
 
   std::atomic<int> answers{0};
+  // Streams with an answer: the SIGTERM waits for every one to be open and
+  // busy (small requests now come back fast enough for the first streams to
+  // reach kAnswersBeforeSigterm before the last ones open).
+  std::atomic<int> busy_streams{0};
   std::vector<StreamLog> logs(kStreams);  // each touched by its stream's threads until joined
   std::vector<std::thread> threads;
   for (int s = 0; s < kStreams; ++s) {
@@ -185,6 +189,7 @@ TEST(ShutdownTest, SigtermAnswersEveryRequestOfEveryStream) {
       grpc::ClientContext context;
       auto stream = stub->AttendStream(&context);
       std::atomic<bool> refused{false};
+      int answers_here = 0;  // the reader's
       // The reader runs beside the writer; the writer stops once the server
       // has refused a request (it is draining) and then half-closes.
       std::thread reader([&] {
@@ -216,6 +221,7 @@ TEST(ShutdownTest, SigtermAnswersEveryRequestOfEveryStream) {
             log.problems.push_back(request.request_id() + ": " + wrong);
           } else {
             log.answered_ok.insert(request.request_id());
+            if (answers_here++ == 0) ++busy_streams;
             ++answers;
           }
         }
@@ -239,7 +245,9 @@ TEST(ShutdownTest, SigtermAnswersEveryRequestOfEveryStream) {
       log.status = stream->Finish();
     });
   }
-  while (answers.load() < kAnswersBeforeSigterm) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  while (answers.load() < kAnswersBeforeSigterm || busy_streams.load() < kStreams) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   (*server)->Signal(SIGTERM);
   for (std::thread& thread : threads) thread.join();
   EXPECT_EQ((*server)->Wait(), 0) << (*server)->Log();
