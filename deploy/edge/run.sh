@@ -4,8 +4,8 @@
 # Kubernetes (which runs the same edge as a sidecar and as a Deployment,
 # deploy/k8s/).
 #
-#   deploy/edge/run.sh --listen HOST:PORT [--replicas N] [--pid-file FILE]
-#                      [--edge-metrics-address HOST:PORT]
+#   deploy/edge/run.sh --listen HOST:PORT [--replicas N] [--max-replicas M]
+#                      [--pid-file FILE] [--edge-metrics-address HOST:PORT]
 #                      [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]
 #                      [-- SERVER_FLAGS...]
 #
@@ -26,6 +26,11 @@
 # 4... up to 30 s while it keeps failing within 30 s of its start; their
 # drain delay is 2 s unless set (the edge's checks see NOT_SERVING within
 # about 1 s). With one, a server that exits ends run.sh (non-zero), as before.
+# --max-replicas M (N to 64, default N): scale-up. Each SIGUSR1 to run.sh
+# adds one replica (the next slot, its metrics port as above) while fewer
+# than M run; the edge takes it into its rotation once it is ready (HAProxy's
+# runtime API on a socket private to this run: needs socat or python3).
+# Replicas are not removed (SIGTERM one to restart it).
 # --edge-metrics-address: HAProxy's Prometheus exporter, /metrics there.
 # attention-server is $ATTENTION_SERVER_BIN or found on PATH; haproxy is
 # $ATTENTION_EDGE_HAPROXY_BIN or found on PATH.
@@ -40,14 +45,16 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-usage() { sed -n '2,40s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit "${1:-2}"; }
+usage() { awk 'NR > 1 && /^set -euo/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit "${1:-2}"; }
 
 listen="" pid_file="" tls_cert="" tls_key="" tls_client_ca="" replicas=1 edge_metrics=""
+max_replicas=""
 server_flags=()
 while (($#)); do
   case "$1" in
     --listen) listen=${2:?--listen needs HOST:PORT}; shift 2 ;;
     --replicas) replicas=${2:?--replicas needs a number}; shift 2 ;;
+    --max-replicas) max_replicas=${2:?--max-replicas needs a number}; shift 2 ;;
     --pid-file) pid_file=${2:?--pid-file needs a file}; shift 2 ;;
     --edge-metrics-address) edge_metrics=${2:?--edge-metrics-address needs HOST:PORT}; shift 2 ;;
     --tls-cert) tls_cert=${2:?--tls-cert needs a file}; shift 2 ;;
@@ -63,6 +70,14 @@ if ! [[ "$replicas" =~ ^[0-9]+$ ]] || ((10#$replicas < 1 || 10#$replicas > 64));
   echo "run.sh: --replicas must be a whole number from 1 to 64; got '$replicas'" >&2; exit 2
 fi
 replicas=$((10#$replicas))
+max_replicas=${max_replicas:-$replicas}
+if ! [[ "$max_replicas" =~ ^[0-9]+$ ]] || ((10#$max_replicas < replicas || 10#$max_replicas > 64)); then
+  echo "run.sh: --max-replicas must be a whole number from --replicas ($replicas) to 64; got '$max_replicas'" >&2
+  exit 2
+fi
+max_replicas=$((10#$max_replicas))
+# Replicas that run now: slots 1..active (SIGUSR1 adds one, up to max_replicas).
+active=$replicas adds=0
 if [[ -n "$edge_metrics" ]] && ! [[ "$edge_metrics" =~ ^[^[:space:]]*:[0-9]+$ ]]; then
   echo "run.sh: --edge-metrics-address must be HOST:PORT; got '$edge_metrics'" >&2; exit 2
 fi
@@ -84,7 +99,7 @@ for ((k = 0; k < ${#server_flags[@]}; k++)); do
       echo "run.sh: $flag belongs to the edge, not to the server behind it" >&2; exit 2 ;;
     --drain-delay-seconds*) drain_delay_set=1 ;;
   esac
-  if ((replicas > 1)); then
+  if ((max_replicas > 1)); then
     case "$flag" in
       --metrics-address=*) metrics_base=${flag#*=}; continue ;;
       --metrics-address)
@@ -94,13 +109,21 @@ for ((k = 0; k < ${#server_flags[@]}; k++)); do
   fi
   shared_flags+=("$flag")
 done
-if ((replicas > 1)) && [[ -n "$metrics_base" ]] && ! [[ "$metrics_base" =~ ^[^[:space:]]*:[0-9]+$ ]]; then
+if ((max_replicas > 1)) && [[ -n "$metrics_base" ]] && ! [[ "$metrics_base" =~ ^[^[:space:]]*:[0-9]+$ ]]; then
   echo "run.sh: --metrics-address must be HOST:PORT or empty; got '$metrics_base'" >&2; exit 2
 fi
 server_bin=${ATTENTION_SERVER_BIN:-$(command -v attention-server || true)}
 haproxy_bin=${ATTENTION_EDGE_HAPROXY_BIN:-$(command -v haproxy || true)}
 [[ -x "$server_bin" ]] || { echo "run.sh: attention-server not found (PATH or ATTENTION_SERVER_BIN)" >&2; exit 1; }
 [[ -x "$haproxy_bin" ]] || { echo "run.sh: haproxy not found (apt-get install haproxy)" >&2; exit 1; }
+# The edge's runtime API (scale-up only): socat, or python3.
+admin_client=""
+if ((max_replicas > replicas)); then
+  if command -v socat > /dev/null; then admin_client=socat
+  elif command -v python3 > /dev/null; then admin_client=python3
+  else echo "run.sh: --max-replicas above --replicas needs socat or python3 (apt-get install socat)" >&2; exit 1
+  fi
+fi
 
 work=$(mktemp -d)
 # Per slot i (1..N): pid (empty when none), state (starting, serving,
@@ -115,7 +138,7 @@ edge_pid="" stopping=0
 cleanup() {
   local k
   [[ -z "$edge_pid" ]] || kill -TERM "$edge_pid" 2>/dev/null || true
-  for ((k = 1; k <= replicas; k++)); do
+  for ((k = 1; k <= active; k++)); do
     [[ -z "${pid[k]:-}" ]] || kill -TERM "${pid[k]}" 2>/dev/null || true
   done
   rm -rf "$work"
@@ -142,7 +165,7 @@ fi
 launch() {
   local i=$1 metrics=() grpc=127.0.0.1:0 http=127.0.0.1:0
   [[ -n "${grpc_address[i]:-}" ]] && grpc=${grpc_address[i]} http=${http_address[i]}
-  if ((replicas > 1)); then
+  if ((max_replicas > 1)); then
     if [[ -n "${metrics_address[i]:-}" ]]; then
       metrics=(--metrics-address "${metrics_address[i]}")
     elif [[ -z "$metrics_base" ]]; then
@@ -154,7 +177,7 @@ launch() {
     fi
   fi
   rm -f "$work/ports.$i"
-  if ((replicas > 1 && !drain_delay_set)); then
+  if ((max_replicas > 1 && !drain_delay_set)); then
     ATTENTION_DRAIN_DELAY_SECONDS=2 "$server_bin" "${shared_flags[@]}" "${metrics[@]}" \
       --address "$grpc" --http-address "$http" --port-file "$work/ports.$i" &
   else
@@ -185,7 +208,7 @@ write_pid_file() {
   [[ -n "$pid_file" && -n "$edge_pid" ]] || return 0
   local k
   {
-    for ((k = 1; k <= replicas; k++)); do
+    for ((k = 1; k <= active; k++)); do
       [[ "${state[k]}" == serving ]] &&
         echo "server ${pid[k]} ${grpc_address[k]} ${metrics_address[k]:--}"
     done
@@ -206,15 +229,45 @@ exited() {
 
 drain_all() {
   local k
-  for ((k = 1; k <= replicas; k++)); do
+  for ((k = 1; k <= active; k++)); do
     [[ -n "${pid[k]:-}" ]] && kill -TERM "${pid[k]}" 2>/dev/null || true
   done
 }
 trap 'stopping=1; drain_all' TERM INT
+trap 'adds=$((adds + 1))' USR1
+
+# edge_admin COMMAND: one command to the edge's runtime API; its answer.
+edge_admin() {
+  if [[ "$admin_client" == socat ]]; then
+    echo "$1" | socat -t 5 - "UNIX-CONNECT:$work/admin.sock"
+  else
+    python3 -c 'import socket, sys
+s = socket.socket(socket.AF_UNIX); s.settimeout(5); s.connect(sys.argv[1])
+s.sendall(sys.argv[2].encode() + b"\n"); s.shutdown(socket.SHUT_WR)
+while data := s.recv(65536): sys.stdout.write(data.decode())' "$work/admin.sock" "$1"
+  fi
+}
+
+# Slot $1, added after the edge started, gets its addresses at the edge
+# (a spare server of backends.sh --slots) and leaves maintenance; the edge's
+# checks take it into the rotation once it is ready.
+edge_add() {
+  local i=$1 backend address commands="" answer
+  for backend in attention_http attention attention_sequence attention_http_sequence; do
+    address=${grpc_address[i]}
+    [[ "$backend" == *http* ]] && address=${http_address[i]}
+    commands+="set server $backend/r$i addr ${address%:*} port ${address##*:}; "
+  done
+  answer=$(edge_admin "${commands}enable server attention_http/r$i") || return 1
+  if [[ "$answer" == *rror* || "$answer" == *nknown* || "$answer" == *"No such"* ]]; then
+    echo "run.sh: the edge: $answer" >&2; return 1
+  fi
+  in_edge[i]=1
+}
 
 # Start-up: every replica, until all listen; one that exits first ends it all.
 for ((i = 1; i <= replicas; i++)); do
-  quick_exits[i]=0 last_status[i]=0
+  quick_exits[i]=0 last_status[i]=0 in_edge[i]=1
   ((stopping)) || launch "$i"
 done
 give_up=$(($(now_us) + 600000000))  # models load first: allow a large repository
@@ -246,7 +299,7 @@ while :; do
   pause 0.1
 done
 
-if ((replicas == 1)); then
+if ((max_replicas == 1)); then
   # The edge as before: one server, unchecked (sidecar.cfg, with this
   # server's addresses).
   export ATTENTION_EDGE_BACKEND=${grpc_address[1]} ATTENTION_EDGE_HTTP_BACKEND=${http_address[1]}
@@ -259,7 +312,10 @@ if ((replicas == 1)); then
 else
   slots=()
   for ((i = 1; i <= replicas; i++)); do slots+=("${grpc_address[i]},${http_address[i]}"); done
-  "$here/backends.sh" ${edge_metrics:+--metrics "$edge_metrics"} "${slots[@]}" > "$work/backends.cfg"
+  spare=()
+  ((max_replicas == replicas)) || spare=(--slots "$max_replicas" --admin-socket "$work/admin.sock")
+  "$here/backends.sh" ${edge_metrics:+--metrics "$edge_metrics"} "${spare[@]}" "${slots[@]}" \
+    > "$work/backends.cfg"
   backends=("$work/backends.cfg")
 fi
 edge_config=(-f "$here/haproxy.cfg")
@@ -273,12 +329,24 @@ write_pid_file
 # edge's death, and on SIGTERM waits for every replica's drain.
 while :; do
   changed=0
-  for ((i = 1; i <= replicas; i++)); do
+  if ((adds > 0)); then
+    if ((stopping)); then :
+    elif ((active < max_replicas)); then
+      active=$((active + 1))
+      quick_exits[active]=0 last_status[active]=0 in_edge[active]=0
+      echo "run.sh: adding replica $active (SIGUSR1)" >&2
+      launch "$active"
+    else
+      echo "run.sh: SIGUSR1: already $active replicas, the most --max-replicas allows" >&2
+    fi
+    adds=$((adds - 1))
+  fi
+  for ((i = 1; i <= active; i++)); do
     if exited "$i"; then
       changed=1
       if ((stopping)); then state[i]=stopped; continue; fi
       status=${last_status[i]}
-      if ((replicas == 1)); then
+      if ((max_replicas == 1)); then
         # The server is gone: a soft stop lets the edge finish writing its
         # last answers; hard-stop-after (haproxy.cfg) bounds it.
         kill -USR1 "$edge_pid" 2>/dev/null || true
@@ -308,7 +376,10 @@ while :; do
         elif (($(now_us) >= due[i])); then launch "$i"; fi ;;
       starting)
         if ((stopping)); then :
-        elif check_started "$i"; then changed=1
+        elif check_started "$i"; then
+          changed=1
+          ((in_edge[i])) || edge_add "$i" ||
+            echo "run.sh: replica $i could not be added to the edge; it serves, outside the rotation" >&2
         fi ;;
     esac
   done
@@ -324,7 +395,7 @@ while :; do
   fi
   if ((stopping)); then
     alive=0
-    for ((i = 1; i <= replicas; i++)); do [[ -n "${pid[i]:-}" ]] && alive=1; done
+    for ((i = 1; i <= active; i++)); do [[ -n "${pid[i]:-}" ]] && alive=1; done
     ((alive)) || break
   fi
   pause 0.1
@@ -337,7 +408,7 @@ if [[ -n "$edge_pid" ]]; then
   edge_pid=""
 fi
 ((${failed:-0} == 0)) || exit 1
-for ((i = 1; i <= replicas; i++)); do
+for ((i = 1; i <= active; i++)); do
   if ((last_status[i] != 0)); then
     echo "run.sh: replica $i (attention-server) exited (${last_status[i]}) while draining" >&2
     exit 1
