@@ -11,7 +11,12 @@
 
 Both expose: address (the edge, for clients), edge_metrics, replicas()
 ({slot: Replica}), replacement(slot, old_pid) (waits for a new process in the
-slot that serves and that the edge has back UP), stop().
+slot that serves and that the edge has back UP), stop(). RunShSet also
+add_replica() (SIGUSR1 to run.sh: one more replica, with run.sh's
+--max-replicas).
+
+ATTENTION_CLUSTER_EDGE_DIR runs another deploy/edge/ (run.sh, haproxy.cfg,
+backends.sh), e.g. an older one, to show what a test measures against it.
 """
 
 import os
@@ -27,7 +32,7 @@ from typing import NamedTuple
 from workload import edge_servers, wait_until
 
 SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EDGE_DIR = os.path.join(SOURCE_DIR, "deploy", "edge")
+EDGE_DIR = os.environ.get("ATTENTION_CLUSTER_EDGE_DIR") or os.path.join(SOURCE_DIR, "deploy", "edge")
 RUN_SH = os.path.join(EDGE_DIR, "run.sh")
 
 
@@ -90,8 +95,9 @@ class RunShSet:
         # order of the edge's servers r1, r2...
         for slot, line in enumerate(self._read(), 1):
             self.slots[line[2]] = slot
-        wait_until(lambda: list(edge_servers(self.edge_metrics).values()) == ["UP"] * n, 30,
-                   "the edge: every replica UP")
+        # (Spare slots for replicas added later are MAINT.)
+        wait_until(lambda: all(edge_servers(self.edge_metrics).get(f"r{i}") == "UP"
+                               for i in range(1, n + 1)), 30, "the edge: every replica UP")
 
     def _read(self):
         if self.process.poll() is not None:
@@ -108,8 +114,22 @@ class RunShSet:
             return f.read().splitlines()
 
     def replicas(self):
+        lines = self._read()
+        for line in lines:
+            # A replica added later (add_replica) takes the next slot.
+            self.slots.setdefault(line[2], len(self.slots) + 1)
         return {self.slots[line[2]]: Replica(self.slots[line[2]], int(line[1]), line[2], line[3])
-                for line in self._read()}
+                for line in lines}
+
+    def add_replica(self, seconds=30):
+        """SIGUSR1 to run.sh, then waits until the new replica serves and the
+        edge has it UP; its slot."""
+        slot = len(self.replicas()) + 1
+        self.process.send_signal(signal.SIGUSR1)
+        wait_until(lambda: slot in self.replicas() and
+                   edge_servers(self.edge_metrics).get(f"r{slot}") == "UP", seconds,
+                   f"replica {slot} added and UP at the edge")
+        return self.replicas()[slot]
 
     def replacement(self, slot, old_pid, seconds=30):
         def replaced():

@@ -15,8 +15,9 @@ import time
 
 import numpy as np
 
-from workload import (Load, edge_servers, failures_report, metric_sum, metrics,  # noqa: F401
-                      served_calls, session_decodes, triton_sequences, wait_until)
+from workload import (Load, SequenceLoad, edge_servers, failures_report, metric_sum,  # noqa: F401
+                      metrics, paced_sequences, served_calls, session_decodes, triton_sequences,
+                      wait_until)
 
 SERVER_DRAIN = "needs the server's drain that serves while NOT_SERVING"
 SERVER_TEXT = "needs the server's error text naming the header"
@@ -231,3 +232,175 @@ def check_triton(checks, replica_set):
                   "answers as today (INVALID_ARGUMENT, names no open sequence)")
     checks.expect(refused and all("attention-sequence-id" in m for *_, m in refused),
                   "the refusal names the attention-sequence-id header", after=SERVER_TEXT)
+
+
+# --- sequences while replicas come and go -----------------------------------
+
+_reference = {}
+
+
+def sequence_reference(replica_set, seed=5):
+    """The outputs of 8 sequences of 48 steps on a set that does not change,
+    which the runs with faults must match (same seed, same rows)."""
+    if seed not in _reference:
+        run = paced_sequences(replica_set.address, seed=seed)
+        if run.refused:
+            raise RuntimeError(f"the reference sequences were refused: {run.refused[:2]}")
+        _reference[seed] = run.outputs
+    return _reference[seed]
+
+
+def _sequence_figures(run, reference):
+    finite = np.isfinite(run.outputs).all(axis=2)
+    diff = float(np.max(np.abs(run.outputs[finite] - reference[finite]))) if finite.any() else float("nan")
+    broken = sorted({sequence_id for sequence_id, *_ in run.refused})
+    return diff, broken
+
+
+def _frozen_replacement(replica_set, slot, old_pid, seconds=30):
+    """The process run.sh starts in `slot` after `old_pid`, stopped
+    (SIGSTOP) as soon as it is seen, so that it joins the edge's rotation
+    only when the test lets it (SIGCONT)."""
+    server = os.path.realpath(os.environ["ATTENTION_SERVER_BIN"])
+    give_up = time.monotonic() + seconds
+    while time.monotonic() < give_up:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == old_pid:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    command = f.read().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == replica_set.process.pid and \
+                    any(arg.endswith(f"/ports.{slot}".encode()) for arg in command):
+                try:
+                    # The server itself, not run.sh's fork of it before its exec.
+                    if os.path.realpath(f"/proc/{entry}/exe") != server:
+                        continue
+                    os.kill(int(entry), signal.SIGSTOP)
+                except OSError:
+                    continue
+                return int(entry)
+        time.sleep(0.002)
+    raise TimeoutError(f"no new process in slot {slot} within {seconds} s")
+
+
+def check_sequences_rejoin(checks, replica_set, slot=2, step_seconds=0.1, rejoin_step=6):
+    """8 sequences x 48 unary steps begin while replica `slot` has just been
+    replaced (kill -9; its new process held stopped, so out of the edge's
+    rotation), which is let go at step `rejoin_step` and joins the rotation
+    mid-way: no step refused, outputs within 1e-4 of the same sequences on a
+    steady set."""
+    reference = sequence_reference(replica_set)
+    victim = replica_set.replicas()[slot]
+    fault = time.monotonic()
+    released = {}
+
+    def release(i, step):
+        if i == 0 and step == rejoin_step and "at" not in released:
+            os.kill(released["pid"], signal.SIGCONT)
+            released["at"] = time.monotonic() - fault
+
+    with EdgeWatch(replica_set.edge_metrics, fault) as watch:
+        os.kill(victim.pid, signal.SIGKILL)
+        try:
+            released["pid"] = _frozen_replacement(replica_set, slot, victim.pid)
+            wait_until(lambda: edge_servers(replica_set.edge_metrics).get(f"r{slot}") == "DOWN", 30,
+                       f"replica {slot} out of the edge's rotation")
+            run = paced_sequences(replica_set.address, seed=5, step_seconds=step_seconds,
+                                  before_step=release)
+        finally:
+            if "pid" in released:
+                os.kill(released["pid"], signal.SIGCONT)
+        back = [t for t, server, state in watch.changes if server == f"r{slot}" and state == "UP"]
+    diff, broken = _sequence_figures(run, reference)
+    first, last = run.first_step - fault, run.last_step - fault
+    rejoined = back[-1] if back else None
+    figure("sequences across a replica's return",
+           f"r{slot} killed, its replacement held stopped until step {rejoin_step} "
+           f"({released.get('at', float('nan')):.2f} s); 8 sequences x 48 steps ran {first:.2f} "
+           f"to {last:.2f} s after the kill; r{slot} back in the rotation at "
+           f"{'%.2f s' % rejoined if rejoined is not None else 'never'}; {len(run.refused)} of 384 "
+           f"steps refused (sequences {broken}) {sorted({m for *_, m, _ in run.refused})[:1]}; "
+           f"max |diff| {diff:.2e}; the edge saw: {watch.text()}")
+    checks.expect(rejoined is not None and first < rejoined < last,
+                  "rejoin: the replaced replica joined the rotation while the sequences ran")
+    checks.expect(not run.refused, f"rejoin: no step refused ({len(run.refused)} of 384)")
+    checks.expect(diff <= 1e-4, f"rejoin: outputs within 1e-4 of a steady set ({diff:.2e})")
+    replica_set.replacement(slot, victim.pid)
+
+
+def check_sequences_scale_up(checks, replica_set, step_seconds=0.1):
+    """8 sequences x 48 unary steps while one more replica is added (run.sh's
+    SIGUSR1) and joins the rotation mid-way: no step refused, outputs within
+    1e-4; then the new replica takes its share of balanced calls."""
+    reference = sequence_reference(replica_set)
+    before = len(replica_set.replicas())
+    added = {}
+    origin = time.monotonic()
+
+    def add(i, step):
+        if i == 0 and step == 3:  # every sequence has begun
+            def run_add():
+                try:
+                    replica = replica_set.add_replica()
+                    added.update(slot=replica.slot, up=time.monotonic() - origin)
+                except Exception as error:  # noqa: BLE001 - reported below
+                    added.update(error=repr(error))
+            added["thread"] = threading.Thread(target=run_add)
+            added["thread"].start()
+
+    run = paced_sequences(replica_set.address, seed=5, step_seconds=step_seconds, before_step=add)
+    if "thread" in added:
+        added.pop("thread").join()
+    diff, broken = _sequence_figures(run, reference)
+    first, last = run.first_step - origin, run.last_step - origin
+    figure("sequences while a replica is added",
+           f"{before} replicas + 1 (SIGUSR1 to run.sh at step 3): r{added.get('slot')} UP at "
+           f"{added.get('up', float('nan')):.2f} s, the sequences ran {first:.2f} to {last:.2f} s; "
+           f"{len(run.refused)} of 384 steps refused (sequences {broken}); max |diff| {diff:.2e}"
+           f"{'; ' + added['error'] if 'error' in added else ''}")
+    checks.expect("up" in added and first < added["up"] < last,
+                  "scale-up: the added replica joined the rotation while the sequences ran")
+    checks.expect(not run.refused, f"scale-up: no step refused ({len(run.refused)} of 384)")
+    checks.expect(diff <= 1e-4, f"scale-up: outputs within 1e-4 of a steady set ({diff:.2e})")
+    check_balance(checks, replica_set)
+
+
+def check_sequences_rolling(checks, replica_set, threads=6, steps=20, step_seconds=0.1):
+    """A rolling SIGTERM of every replica while `threads` clients run
+    sequences of steps x step_seconds (2 s) back to back: no step refused for
+    the sequences begun before the roll (nor for those begun during it)."""
+    with SequenceLoad(replica_set.address, threads=threads, steps=steps,
+                      step_seconds=step_seconds) as load:
+        time.sleep(3.0)
+        start = time.monotonic()
+        times = []
+        for slot in sorted(replica_set.replicas()):
+            victim = replica_set.replicas()[slot]
+            t0 = time.monotonic()
+            os.kill(victim.pid, signal.SIGTERM)
+            replica_set.replacement(slot, victim.pid, seconds=60)
+            times.append(time.monotonic() - t0)
+        end = time.monotonic()
+        time.sleep(1.0)
+    began_before = [s for s in load.sequences if s.start < start]
+    open_at_roll = [s for s in began_before if s.end > start]
+    during = [s for s in load.sequences if start <= s.start <= end]
+    refused_before = sum(len(s.refused) for s in began_before)
+    refused_during = sum(len(s.refused) for s in during)
+    examples = sorted({f"{code}: {message}" for s in load.sequences for _, code, message in s.refused})[:2]
+    figure("sequences across a rolling SIGTERM",
+           f"{len(load.sequences)} sequences of {steps} steps x {step_seconds} s; "
+           f"{len(open_at_roll)} open when the roll began: {refused_before} steps refused; "
+           f"{len(during)} begun during the roll ({end - start:.1f} s; each replica replaced in "
+           + ", ".join(f"{t:.1f} s" for t in times) + f"): {refused_during} refused {examples}")
+    checks.expect(len(open_at_roll) >= threads // 2,
+                  f"rolling with sequences: sequences open when the roll began ({len(open_at_roll)})")
+    checks.expect(refused_before == 0, f"rolling with sequences: no step refused of the sequences "
+                  f"begun before the roll ({refused_before})")
+    checks.expect(refused_during == 0, f"rolling with sequences: no step refused of the sequences "
+                  f"begun during it ({refused_during})")

@@ -7,6 +7,10 @@ through the edge, and how they read the replicas' and the edge's metrics.
   triton_sequences(address, ...)          Triton-style sequences of unary
                                           ModelInfer steps, with or without
                                           the attention-sequence-id header
+  paced_sequences(address, ...)           the same, paced, with their outputs
+                                          and a hook before each step
+  SequenceLoad(address, ...)              threads opening sequences of a few
+                                          seconds back to back, each recorded
   session_decodes(address, ...)           AttendSession decodes, step by step
   metrics(address) / edge_servers(address)  Prometheus text, parsed
 
@@ -207,6 +211,133 @@ def triton_sequences(address, count=8, steps=48, header=str, first_id=None, d=16
         w.join()
     channel.close()
     return refused
+
+
+class SequenceRun(NamedTuple):
+    refused: list         # (sequence id, step, code, message, time.monotonic())
+    outputs: np.ndarray   # (count, steps, d): each step's output row; NaN where refused
+    first_step: float     # time.monotonic() of the first step sent
+    last_step: float      # ... and of the last answered
+
+
+def _sequence_request(sequence_id, row, step, steps):
+    request = pb.ModelInferRequest(model_name="dot_product")
+    request.inputs.add(name="queries", datatype="FP32", shape=list(row.shape))
+    request.raw_input_contents.append(row.tobytes())
+    request.parameters["sequence_id"].uint64_param = sequence_id
+    if step == 0:
+        request.parameters["sequence_start"].bool_param = True
+    if step == steps - 1:
+        request.parameters["sequence_end"].bool_param = True
+    return request
+
+
+def paced_sequences(address, count=8, steps=48, step_seconds=0.0, seed=1, first_id=None,
+                    before_step=None, d=16):
+    """`count` sequences of `steps` unary ModelInfer steps (dot_product, self
+    memory, one row a step), each with the attention-sequence-id header, one
+    thread per sequence over one channel, `step_seconds` apart.
+    Sequence i's rows come from `seed` + i (not from its id), so two runs
+    with one seed compute the same outputs. before_step(i, step) runs in
+    sequence i's thread before each step (a fault, a barrier)."""
+    first_id = first_id or int.from_bytes(os.urandom(6), "little") + 1
+    refused = []
+    outputs = np.full((count, steps, d), np.nan, dtype=np.float32)
+    times = []
+    lock = threading.Lock()
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+    def run(i):
+        sequence_id = first_id + i
+        rows = np.random.default_rng(seed + i).standard_normal((steps, 1, 1, d), dtype=np.float32)
+        metadata = [(SEQUENCE_HEADER, str(sequence_id))]
+        for step in range(steps):
+            if before_step:
+                before_step(i, step)
+            sent = time.monotonic()
+            with lock:
+                times.append(sent)
+            try:
+                reply = stub.ModelInfer(_sequence_request(sequence_id, rows[step], step, steps),
+                                        metadata=metadata, timeout=10)
+                outputs[i, step] = np.frombuffer(reply.raw_output_contents[0],
+                                                 dtype=np.float32).reshape(-1)[-d:]
+            except grpc.RpcError as error:
+                with lock:
+                    refused.append((sequence_id, step, error.code().name, error.details(),
+                                    time.monotonic()))
+            time.sleep(max(0.0, sent + step_seconds - time.monotonic()))
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    channel.close()
+    return SequenceRun(refused, outputs, min(times), time.monotonic())
+
+
+class Sequence(NamedTuple):
+    thread: int
+    sequence_id: int
+    start: float          # time.monotonic() of its first step
+    end: float
+    refused: list         # (step, code, message)
+
+
+class SequenceLoad:
+    """`threads` threads each opening a Triton sequence of `steps` unary
+    ModelInfer steps `step_seconds` apart (with the header), then the next,
+    back to back, over one channel, until stopped; every sequence recorded."""
+
+    def __init__(self, address, threads=6, steps=20, step_seconds=0.1, d=16):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        self.threads, self.steps, self.step_seconds, self.d = threads, steps, step_seconds, d
+        self.sequences = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._workers = []
+        self._next_id = int.from_bytes(os.urandom(6), "little") + 1
+
+    def __enter__(self):
+        for t in range(self.threads):
+            worker = threading.Thread(target=self._run, args=(t,), daemon=True)
+            worker.start()
+            self._workers.append(worker)
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def stop(self):
+        self._stop.set()
+        for worker in self._workers:
+            worker.join(timeout=60)
+        self._workers = []
+        self.channel.close()
+
+    def _run(self, t):
+        rng = np.random.default_rng(t)
+        while not self._stop.is_set():
+            with self._lock:
+                sequence_id = self._next_id
+                self._next_id += 1
+            metadata = [(SEQUENCE_HEADER, str(sequence_id))]
+            refused = []
+            start = time.monotonic()
+            for step in range(self.steps):
+                sent = time.monotonic()
+                row = rng.standard_normal((1, 1, self.d), dtype=np.float32)
+                try:
+                    self.stub.ModelInfer(_sequence_request(sequence_id, row, step, self.steps),
+                                         metadata=metadata, timeout=10)
+                except grpc.RpcError as error:
+                    refused.append((step, error.code().name, error.details()))
+                time.sleep(max(0.0, sent + self.step_seconds - time.monotonic()))
+            with self._lock:
+                self.sequences.append(Sequence(t, sequence_id, start, time.monotonic(), refused))
 
 
 # --- AttendSession decodes --------------------------------------------------
