@@ -176,6 +176,17 @@ void Shutdown(const ServerConfig& config, RunningServer& s, int signal_number) {
   s.sessions->StopOpening();
   s.dispatcher->StopAccepting();
   const absl::Time grace_end = absl::Now() + absl::Seconds(config.shutdown_grace_seconds);
+  // The sequences open here whose steps come as unary calls (ModelInfer,
+  // REST infer) hold no call open between their steps: their steps are
+  // still admitted until every session has ended (streams' too) or the
+  // grace period has, so a sequence shorter than the grace ends here (the
+  // edge keeps sending it here: docs/api.md section 6.11).
+  if (s.sessions->open_sessions() > 0) {
+    spdlog::info("{} sessions open: their steps are admitted until they end, for up to "
+                 "--shutdown-grace-seconds", s.sessions->open_sessions());
+    s.sessions->AwaitNoneOpen(grace_end);
+  }
+  s.dispatcher->StopSequenceSteps();
   // WaitForIdle() waits for each call's OnDone, not just for its answers:
   // with streams still writing when Shutdown() began, gRPC 1.51 now and then
   // closed their connections with answers undelivered (clients saw

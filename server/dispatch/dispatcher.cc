@@ -86,8 +86,14 @@ absl::Status Dispatcher::RunOnBatcherThread(std::string_view name,
 }
 
 absl::Status Dispatcher::OpenCall(std::string_view what) {
+  return OpenCallOf(what, /*stream=*/false);
+}
+
+absl::Status Dispatcher::OpenCallOf(std::string_view what, bool stream) {
   absl::MutexLock lock(&calls_mu_);
-  if (!accepting_.load()) {
+  // Once draining no stream opens, even while unary calls are still counted
+  // open for the steps of open sequences.
+  if (!accepting_.load() && (stream || !sequence_steps_.load())) {
     return absl::UnavailableError(absl::StrCat("the server is shutting down and takes no new ",
                                                absl::string_view(what.data(), what.size())));
   }
@@ -106,7 +112,7 @@ absl::Status Dispatcher::OpenStream(const CallOrigin& origin, std::string_view a
   if (!status.ok()) {
     spdlog::warn("{} refused: peer={}: {}", method, origin.peer(), std::string(status.message()));
   } else {
-    status = OpenCall("streams");
+    status = OpenCallOf("streams", /*stream=*/true);
   }
   if (!status.ok()) metrics_->CountRefusedStream(api, status.code());
   return status;
@@ -117,6 +123,11 @@ void Dispatcher::StopAccepting() {
   accepting_.store(false);
 }
 
+void Dispatcher::StopSequenceSteps() {
+  absl::MutexLock lock(&calls_mu_);
+  sequence_steps_.store(false);
+}
+
 bool Dispatcher::WaitForIdle(absl::Time deadline) {
   absl::MutexLock lock(&calls_mu_);
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return open_calls_ == 0; };
@@ -125,6 +136,7 @@ bool Dispatcher::WaitForIdle(absl::Time deadline) {
 
 void Dispatcher::Drain() {
   StopAccepting();
+  StopSequenceSteps();
   // Drained outside the lock: a batcher thread finishing its batch may be
   // answering a stream, whose next request is submitted at once and may
   // create a queue. Queues live as long as the dispatcher; one created after
@@ -193,6 +205,7 @@ std::unique_ptr<Dispatcher::Task> Dispatcher::NewTask(const CallOrigin& origin, 
   task->served_version = request.served_version;
   task->message_bytes = request.message_bytes;
   task->continues_session = request.continues_session;
+  task->continues_sequence = request.continues_sequence;
   task->deadline_at = origin.deadline();
   task->done = std::move(done);
   metrics_->inflight().Increment();
@@ -216,7 +229,8 @@ void Dispatcher::Schedule(std::unique_ptr<Task> task) {
 }
 
 absl::Status Dispatcher::AdmitCall(const Task& task) const {
-  if (!accepting_.load() && !task.continues_session) {
+  if (!accepting_.load() && !task.continues_session &&
+      !(task.continues_sequence && sequence_steps_.load())) {
     return absl::UnavailableError("the server is shutting down and takes no new requests");
   }
   if (!task.readable.ok()) return task.readable;

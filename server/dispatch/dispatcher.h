@@ -96,6 +96,10 @@ class Dispatcher {
     // A step of a session opened on a call still open (a stream): admitted
     // while draining too, until the grace period ends the sessions.
     bool continues_session = false;
+    // A later step of a sequence sent as a unary call (ModelInfer, REST
+    // infer): admitted while draining until StopSequenceSteps() (the open
+    // sequences ended, or the grace period did).
+    bool continues_sequence = false;
   };
   // The request's engine form, viewing storage the API keeps until `done`
   // runs, or why the API's own decoding refused it. Called at most once,
@@ -156,9 +160,12 @@ class Dispatcher {
   // RunOnThread). UNAVAILABLE once draining.
   absl::Status RunOnBatcherThread(std::string_view name, absl::FunctionRef<void()> work);
 
-  // A call counts as open from OpenCall() (an error once StopAccepting() ran:
-  // UNAVAILABLE, "takes no new `what`") until CloseCall(), which its API
-  // calls when the transport is done with it; drain waits for open calls.
+  // A call counts as open from OpenCall() (an error once StopAccepting() and
+  // StopSequenceSteps() ran: UNAVAILABLE, "takes no new `what`") until
+  // CloseCall(), which its API calls when the transport is done with it;
+  // drain waits for open calls. Between the two, a unary call is still
+  // counted open, and its admission refuses it unless it continues a
+  // sequence (Request::continues_sequence).
   absl::Status OpenCall(std::string_view what);
   void CloseCall();
   // A stream's opening: its credentials, then OpenCall(). A refused stream is
@@ -179,8 +186,12 @@ class Dispatcher {
   // StopAccepting().
   void BeginDrain() { draining_.store(true); }
 
-  // Every call and every request from now on is refused with UNAVAILABLE.
+  // Every call and every request from now on is refused with UNAVAILABLE,
+  // but the later steps of sequences sent as unary calls, until
+  // StopSequenceSteps() (a stream opened from now on is refused).
   void StopAccepting();
+  // Those steps are refused too.
+  void StopSequenceSteps();
   // Waits until every call opened before StopAccepting() is closed (its
   // transport has sent the last answer and the status), or until
   // `deadline`; false on the deadline.
@@ -196,6 +207,8 @@ class Dispatcher {
   Dispatcher(const ModelRegistry* registry, Engine* engine, ServerMetrics* metrics,
              DispatchOptions options);
 
+  // OpenCall() for a unary call or a stream.
+  absl::Status OpenCallOf(std::string_view what, bool stream);
   // The batcher of the model `name`, started on first use; an error only
   // for out-of-range batching options.
   absl::StatusOr<ModelQueue*> QueueFor(std::string_view name);
@@ -274,6 +287,7 @@ class Dispatcher {
   const DispatchOptions options_;
   AccessPolicy access_;
   std::atomic<bool> accepting_{true};  // written under calls_mu_
+  std::atomic<bool> sequence_steps_{true};  // written under calls_mu_
   std::atomic<bool> warmed_up_{true};
   std::atomic<bool> draining_{false};
   // Bytes of the requests admitted and not yet answered (max_queued_bytes).

@@ -68,6 +68,7 @@ struct Dispatcher::Task {
   // kept between the batches that compute them.
   AttentionResult step_result;
   bool continues_session = false;                  // see Request
+  bool continues_sequence = false;                 // see Request
   ModelQueue* queue = nullptr;                     // null: names no served model
   ServedModel served;                              // the version that computes it
   int64_t* served_version = nullptr;               // see Request

@@ -277,6 +277,12 @@ int SessionTable::open_sessions() const {
   return static_cast<int>(open_.size());
 }
 
+bool SessionTable::AwaitNoneOpen(absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return open_.empty(); };
+  return mu_.AwaitWithDeadline(absl::Condition(&none), deadline);
+}
+
 int64_t SessionTable::Length(const Handle& handle) const {
   absl::MutexLock lock(&mu_);
   return handle->session != nullptr ? handle->session->length() : 0;

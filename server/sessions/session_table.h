@@ -115,6 +115,9 @@ class SessionTable {
   absl::Status NameLimits(const absl::Status& status) const;
 
   int open_sessions() const;
+  // Waits until no session is open, or until `deadline`; false on the
+  // deadline.
+  bool AwaitNoneOpen(absl::Time deadline) const;
   // Tokens the session holds per example (Session::length()); 0 once freed.
   int64_t Length(const Handle& handle) const;
   const KvBlockPool& pool() const { return pool_; }

@@ -7,7 +7,8 @@
 // (--max-sessions, --max-session-length, --session-memory-bytes) refuse with
 // RESOURCE_EXHAUSTED naming them and other sessions go on; idle expiry;
 // a session keeps its version across a reload; SIGTERM with sessions open
-// gives only OK and UNAVAILABLE; Triton's sequence parameters through
+// gives only OK and UNAVAILABLE, and the steps of Triton sequences sent as
+// unary calls go on until the sequences end (or the grace period); Triton's sequence parameters through
 // ModelInfer and ModelStreamInfer; memory back in the pool and RSS bounded
 // over many open/step/close cycles. A long step in pieces (--chunk-work,
 // chunked prefill) answers as in one, lets other sessions' steps be answered
@@ -603,6 +604,65 @@ TEST_F(SessionTest, SigtermWithSessionsOpenGivesOnlyOkAndUnavailable) {
   // Steps went on during the grace period.
   EXPECT_GT(ok_steps.load(), before);
   EXPECT_THAT(server_->Log(), HasSubstr("sessions still open"));
+}
+
+// SIGTERM with Triton sequences open whose steps come as unary ModelInfer
+// calls: their steps are still answered while the server drains, a new
+// sequence and a new call are refused UNAVAILABLE, and the server exits once
+// they have ended, before its grace period; a sequence left open holds the
+// drain only until the grace period ends.
+TEST_F(SessionTest, UnarySequencesOpenAtSigtermGoOnUntilTheyEnd) {
+  for (const bool left_open : {false, true}) {
+    SCOPED_TRACE(left_open ? "one left open" : "both ended");
+    StartServer({"--shutdown-grace-seconds", left_open ? "2" : "30"});
+    auto infer = InferStub(server_->Channel());
+    std::mt19937 rng(21);
+    auto step = [&](int64_t sequence, bool start, bool end) {
+      inference::InferParameter id;
+      id.set_int64_param(sequence);
+      inference::ModelInferResponse response;
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      return infer.ModelInfer(
+          &context, SequenceRequest("mh_torch_small", RandomTensor(1, 1, 16, rng), id, start, end),
+          &response);
+    };
+    for (int64_t sequence : {1, 2}) ASSERT_TRUE(step(sequence, true, false).ok());
+    const auto signalled = std::chrono::steady_clock::now();
+    server_->Signal(SIGTERM);
+    // No drain delay: refusals begin at once; give the signal a moment.
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    for (int i = 0; i < 3; ++i) {
+      for (int64_t sequence : {1, 2}) {
+        const grpc::Status status = step(sequence, false, false);
+        EXPECT_TRUE(status.ok()) << status.error_code() << " " << status.error_message();
+      }
+    }
+    const grpc::Status opening = step(3, true, false);
+    EXPECT_EQ(opening.error_code(), grpc::StatusCode::UNAVAILABLE) << opening.error_message();
+    {
+      v1::AttendRequest request;
+      request.set_model("mh_torch_small");
+      *request.mutable_queries() = RandomTensor(1, 2, 16, rng);
+      v1::AttendResponse response;
+      grpc::ClientContext context;
+      EXPECT_EQ(stub_->Attend(&context, request, &response).error_code(),
+                grpc::StatusCode::UNAVAILABLE);
+    }
+    EXPECT_TRUE(step(1, false, true).ok());
+    if (!left_open) {
+      EXPECT_TRUE(step(2, false, true).ok());
+    }
+    EXPECT_EQ(server_->Wait(), 0);
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - signalled).count();
+    if (left_open) {
+      EXPECT_GE(took, 2.0);  // the grace period
+    } else {
+      EXPECT_LT(took, 10.0);  // well before it
+    }
+    EXPECT_THAT(server_->Log(), HasSubstr("sessions open: their steps are admitted"));
+  }
 }
 
 TEST_F(SessionTest, TritonSequencesThroughModelInfer) {

@@ -130,6 +130,9 @@ void InferenceOperations::Infer(const CallOrigin& origin, std::string_view api,
                                              : std::optional<SequenceParameters>();
   if (sequence.ok() && sequence->has_value()) {
     request.continues_session = stream_end != nullptr;
+    // A unary step of a sequence this server may hold: admitted while it
+    // drains, until its sequences end (docs/api.md section 6.5).
+    request.continues_sequence = stream_end == nullptr && !(*sequence)->start;
     return InferStep(origin, request, proto, **sequence, decoded, std::move(done), encoding,
                      stream_end);
   }
