@@ -148,14 +148,26 @@ def check_promises(documents, checks):
     checks.expect(mounts.get("/models") in volumes, "models come from a volume mounted at /models")
 
     headless = by_kind(documents, "Service", "attention-server-headless")
-    front = by_kind(documents, "Deployment", "attention-edge")
+    edge_service = by_kind(documents, "Service", "attention-server-edge")
+    front = by_kind(documents, "StatefulSet", "attention-edge")
     front_pod = front["spec"]["template"]["spec"]
     front_edge = front_pod["containers"][0]
     front_env = {e["name"]: e.get("value") for e in front_edge.get("env", [])}
     service = front_env.get("ATTENTION_EDGE_SERVICE", "")
-    checks.expect(service.startswith(headless["metadata"]["name"] + ".") and
-                  service.endswith(":" + str(headless["spec"]["ports"][0]["port"])),
-                  f"the edge Deployment resolves the headless Service's pods ({service})")
+    checks.expect(service.startswith(edge_service["metadata"]["name"] + ".") and
+                  service.endswith(":" + str(edge_service["spec"]["ports"][0]["port"])) and
+                  edge_service["spec"].get("clusterIP") == "None" and
+                  edge_service["spec"].get("publishNotReadyAddresses") is True and
+                  all(pod_labels_of(deployment).get(k) == v
+                      for k, v in edge_service["spec"]["selector"].items()),
+                  f"the edge pods resolve every server pod, ready or not, from a headless Service ({service})")
+    peers = [by_kind(documents, "Service", f"attention-edge-{i}-peer") for i in range(front["spec"]["replicas"])]
+    checks.expect(front["spec"]["replicas"] == 2 and
+                  all(p["spec"]["selector"].get("statefulset.kubernetes.io/pod-name") == f"attention-edge-{i}" and
+                      front_env.get(f"ATTENTION_EDGE_PEER_{i}", "").startswith(p["metadata"]["name"] + ".")
+                      for i, p in enumerate(peers)) and
+                  "-L" in front_edge["command"],
+                  "the 2 edge pods share their sequence table: each reaches its peer through its own Service")
     checks.expect(all(front["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in
                       by_kind(documents, "Service", "attention-edge")["spec"]["selector"].items()),
                   "Service attention-edge selects the edge Deployment's pods")
@@ -165,8 +177,10 @@ def check_promises(documents, checks):
     slots = [int(m) for m in re.findall(r"server-template \S+ 1-(\d+) ", cluster_cfg)]
     checks.expect(len(slots) == 4 and min(slots) >= hpa_max,
                   f"cluster.cfg has a server slot for each of the HPA's {hpa_max} pods in all 4 backends ({slots})")
-    checks.expect(len(re.findall(r"balance hdr\(attention-sequence-id\)\s+hash-type consistent", cluster_cfg)) == 2,
-                  "the edge Deployment keeps a sequence on its pod (consistent hash of attention-sequence-id)")
+    checks.expect(len(re.findall(r"balance hdr\(attention-sequence-id\)\s+hash-type consistent", cluster_cfg)) == 2 and
+                  len(re.findall(r"stick on req\.hdr\(attention-sequence-id\)", cluster_cfg)) == 2 and
+                  re.search(r"stick-table type string .* peers edges srvkey addr", cluster_cfg),
+                  "the edge pods keep a sequence on its pod (a shared stick table, a consistent hash for new ones)")
     front_sc = front_edge.get("securityContext", {})
     checks.expect(front_pod["securityContext"].get("runAsNonRoot") is True and
                   front_sc.get("readOnlyRootFilesystem") is True and
@@ -210,11 +224,15 @@ TYPE_ERRORS = [
 ]
 
 
+def pod_labels_of(workload):
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
 def edge_containers(documents):
     """(name, command, env) of every rendered container that runs haproxy."""
     found = []
     for d in documents:
-        if d["kind"] != "Deployment":
+        if d["kind"] not in ("Deployment", "StatefulSet"):
             continue
         for c in d["spec"]["template"]["spec"]["containers"]:
             if c.get("command", [""])[0] == "haproxy":
@@ -226,12 +244,21 @@ def haproxy_check(command, env, extra=""):
     """`haproxy -c` on the files `command` names, read from deploy/edge/ (as
     the Dockerfile copies them), with the container's environment
     ($(VAR) references expanded as the kubelet does; the namespace is
-    "attention"); `extra` is appended to the last file. Returns (ok, output)."""
-    variables = {"POD_NAMESPACE": "attention"}
+    "attention", the pod attention-edge-0), its -L (peer name) if any, and
+    the edge peers' addresses, which only the cluster's DNS resolves, on
+    loopback; `extra` is appended to the last file. Returns (ok, output)."""
+    variables = {"POD_NAMESPACE": "attention", "POD_NAME": "attention-edge-0"}
+
+    def expand(value):
+        return re.sub(r"\$\((\w+)\)", lambda m: variables.get(m.group(1), m.group(0)), value)
+
     for e in (e for e in env if "value" in e):
-        variables[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: variables.get(m.group(1), m.group(0)),
-                                      e["value"])
+        variables[e["name"]] = expand(e["value"])
+        if e["name"].startswith("ATTENTION_EDGE_PEER_") and ":" in e["value"]:
+            variables[e["name"]] = "127.0.0.1:" + variables[e["name"]].rsplit(":", 1)[1]
     files = [a for a in command if a.startswith(IMAGE_EDGE)]
+    local_peer = [a for i, a in enumerate(command) if i and command[i - 1] == "-L"]
+    options = ["-L", expand(local_peer[0])] if local_peer else []
     with tempfile.TemporaryDirectory() as scratch:
         paths = [os.path.join(EDGE, os.path.relpath(f, IMAGE_EDGE)) for f in files]
         if extra:
@@ -241,9 +268,9 @@ def haproxy_check(command, env, extra=""):
                 out.write(f.read() + extra)
             paths[-1] = broken
         try:
-            result = subprocess.run(["haproxy", "-c", *[a for p in paths for a in ("-f", p)]],
+            result = subprocess.run(["haproxy", "-c", *options, *[a for p in paths for a in ("-f", p)]],
                                     env={**os.environ, **{k: v for k, v in variables.items()
-                                                          if k != "POD_NAMESPACE"}},
+                                                          if k not in ("POD_NAMESPACE", "POD_NAME")}},
                                     capture_output=True, text=True, timeout=60, cwd=scratch)
         finally:
             if extra:
