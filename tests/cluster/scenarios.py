@@ -393,14 +393,15 @@ def check_sequences_rolling(checks, replica_set, threads=6, steps=20, step_secon
     refused_before = sum(len(s.refused) for s in began_before)
     refused_during = sum(len(s.refused) for s in during)
     examples = sorted({f"{code}: {message}" for s in load.sequences for _, code, message in s.refused})[:2]
-    figure("sequences across a rolling SIGTERM",
+    figure(f"sequences of {steps * step_seconds:g} s across a rolling SIGTERM",
            f"{len(load.sequences)} sequences of {steps} steps x {step_seconds} s; "
            f"{len(open_at_roll)} open when the roll began: {refused_before} steps refused; "
            f"{len(during)} begun during the roll ({end - start:.1f} s; each replica replaced in "
            + ", ".join(f"{t:.1f} s" for t in times) + f"): {refused_during} refused {examples}")
+    name = f"rolling with sequences of {steps * step_seconds:g} s"
     checks.expect(len(open_at_roll) >= threads // 2,
-                  f"rolling with sequences: sequences open when the roll began ({len(open_at_roll)})")
-    checks.expect(refused_before == 0, f"rolling with sequences: no step refused of the sequences "
-                  f"begun before the roll ({refused_before})")
-    checks.expect(refused_during == 0, f"rolling with sequences: no step refused of the sequences "
-                  f"begun during it ({refused_during})")
+                  f"{name}: sequences open when the roll began ({len(open_at_roll)})")
+    checks.expect(refused_before == 0, f"{name}: no step refused of the sequences begun before "
+                  f"the roll ({refused_before})")
+    checks.expect(refused_during == 0, f"{name}: no step refused of the sequences begun during "
+                  f"it ({refused_during})")

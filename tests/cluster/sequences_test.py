@@ -12,11 +12,13 @@ attention-server and HAProxy (docs/api.md section 6.11):
   - rolling: a rolling SIGTERM of the replicas while 6 clients run sequences
     of 2 s (20 steps 0.1 s apart) back to back: no step refused, for the
     sequences open when the roll began and for those begun during it (the
-    drain's grace, 20 s, is longer than a sequence).
+    drain's grace, 20 s, is longer than a sequence); rolling-long: the same
+    with sequences of 4 s, longer than the drain delay (2 s), so that steps
+    reach a replica that refuses new calls and must still be served.
 
 Each figure is printed ("figure ...: ...") for the record.
 ATTENTION_CLUSTER_STEPS (e.g. "rejoin,rolling") runs only the steps named:
-rejoin, scaleup, rolling. ATTENTION_CLUSTER_EDGE_DIR runs another
+rejoin, rolling, rolling-long, scaleup. ATTENTION_CLUSTER_EDGE_DIR runs another
 deploy/edge/ (replica_set.py), e.g. an older one to see these checks fail;
 scale-up needs a run.sh with --max-replicas and is left out without it.
 
@@ -41,8 +43,13 @@ def main():
     subprocess.run(["uptime"])
     steps = {"rejoin": scenarios.check_sequences_rejoin,
              "scaleup": scenarios.check_sequences_scale_up,
-             "rolling": scenarios.check_sequences_rolling}
-    wanted = os.environ.get("ATTENTION_CLUSTER_STEPS", "rejoin,rolling,scaleup").split(",")
+             "rolling": scenarios.check_sequences_rolling,
+             # Longer than the drain delay (2 s): steps come while the replica
+             # refuses new calls (docs/api.md section 6.5).
+             "rolling-long": lambda checks, replica_set: scenarios.check_sequences_rolling(
+                 checks, replica_set, steps=40)}
+    wanted = os.environ.get("ATTENTION_CLUSTER_STEPS",
+                            "rejoin,rolling,rolling-long,scaleup").split(",")
     unknown = [w for w in wanted if w not in steps]
     if unknown:
         print(f"ATTENTION_CLUSTER_STEPS: unknown {unknown}; the steps are {', '.join(steps)}")
