@@ -250,14 +250,22 @@ TEST_F(DispatcherTest, DrainRefusesNewCallsAndWaitsForOpenOnes) {
   ASSERT_TRUE(dispatcher_->OpenCall("requests").ok());
   dispatcher_->StopAccepting();
   EXPECT_FALSE(dispatcher_->accepting());
-  const absl::Status refused = dispatcher_->OpenCall("streams");
-  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable);
-  EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("takes no new streams"));
-
   FakeOrigin origin;
+  const absl::Status stream = dispatcher_->OpenStream(origin, "test", "Test/Stream");
+  EXPECT_EQ(stream.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(stream.message()), ::testing::HasSubstr("takes no new streams"));
+
+  // Until StopSequenceSteps(), a unary call is still counted open (it may
+  // continue a sequence), and refused at its admission when it does not.
+  ASSERT_TRUE(dispatcher_->OpenCall("requests").ok());
   Answer late;
   Submit(origin, &late);
   EXPECT_EQ(Wait(late).code(), absl::StatusCode::kUnavailable);
+  dispatcher_->CloseCall();
+  dispatcher_->StopSequenceSteps();
+  const absl::Status refused = dispatcher_->OpenCall("requests");
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("takes no new requests"));
 
   // The call opened before StopAccepting keeps the drain waiting until closed.
   EXPECT_FALSE(dispatcher_->WaitForIdle(absl::Now() + absl::Milliseconds(50)));
