@@ -614,9 +614,28 @@ TEST_F(SessionTest, SigtermWithSessionsOpenGivesOnlyOkAndUnavailable) {
 TEST_F(SessionTest, UnarySequencesOpenAtSigtermGoOnUntilTheyEnd) {
   for (const bool left_open : {false, true}) {
     SCOPED_TRACE(left_open ? "one left open" : "both ended");
-    StartServer({"--shutdown-grace-seconds", left_open ? "2" : "30"});
+    StartServer({"--shutdown-grace-seconds", left_open ? "2" : "30", "--http-address",
+                 "127.0.0.1:0"});
     auto infer = InferStub(server_->Channel());
     std::mt19937 rng(21);
+    // A sequence over REST too.
+    HttpClient http(server_->http_address());
+    auto rest_step = [&](bool start, bool end) {
+      const v1::Tensor row = RandomTensor(1, 1, 16, rng);
+      return http.Call("POST", "/v2/models/mh_torch_small/infer",
+                       nlohmann::json{{"inputs",
+                                       {{{"name", "queries"},
+                                         {"datatype", "FP32"},
+                                         {"shape", {1, 1, 16}},
+                                         {"data", std::vector<float>(row.data().begin(),
+                                                                     row.data().end())}}}},
+                                      {"parameters",
+                                       {{"sequence_id", "rest"},
+                                        {"sequence_start", start},
+                                        {"sequence_end", end}}}}
+                           .dump());
+    };
+    ASSERT_EQ(rest_step(true, false).status, 200);
     auto step = [&](int64_t sequence, bool start, bool end) {
       inference::InferParameter id;
       id.set_int64_param(sequence);
@@ -637,6 +656,8 @@ TEST_F(SessionTest, UnarySequencesOpenAtSigtermGoOnUntilTheyEnd) {
         const grpc::Status status = step(sequence, false, false);
         EXPECT_TRUE(status.ok()) << status.error_code() << " " << status.error_message();
       }
+      const HttpResult rest = rest_step(false, false);
+      EXPECT_EQ(rest.status, 200) << rest.body;
     }
     const grpc::Status opening = step(3, true, false);
     EXPECT_EQ(opening.error_code(), grpc::StatusCode::UNAVAILABLE) << opening.error_message();
@@ -650,6 +671,7 @@ TEST_F(SessionTest, UnarySequencesOpenAtSigtermGoOnUntilTheyEnd) {
                 grpc::StatusCode::UNAVAILABLE);
     }
     EXPECT_TRUE(step(1, false, true).ok());
+    EXPECT_EQ(rest_step(false, true).status, 200);
     if (!left_open) {
       EXPECT_TRUE(step(2, false, true).ok());
     }
