@@ -5,8 +5,10 @@ Kubernetes and prometheus-operator OpenAPI schemas vendored by npm's
 kubernetes-models), that check rejects type errors, and the rendered objects
 keep the operational promises deploy/README.md makes; the HAProxy
 configurations the rendered edge containers run (the pods' sidecar and the
-edge Deployment in front of them) pass `haproxy -c` with the containers'
-environment, and a broken one does not.
+edge StatefulSet in front of them) pass `haproxy -c` with the containers'
+environment, and a broken one does not; two edge pods' HAProxy processes,
+run on loopback from that configuration, share their sequence table (an
+entry made on either is on the other, and one that starts gets the table).
 
   tests/deploy/k8s_test.py --tools-dir DIR   (npm packages are installed into DIR)
 
@@ -21,8 +23,10 @@ import tempfile
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import yaml
 
@@ -300,6 +304,90 @@ def check_edge_configs(documents, checks):
         checks.expect(not ok, f"{name}: haproxy -c rejects it with a backend defined twice")
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def haproxy_cli(path, command):
+    """One command to an HAProxy stats socket; its answer."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(command.encode() + b"\n")
+        s.shutdown(socket.SHUT_WR)
+        answer = b""
+        while data := s.recv(65536):
+            answer += data
+    return answer.decode()
+
+
+def check_edge_peers(documents, checks):
+    """The edge StatefulSet's two pods, as two HAProxy processes on loopback
+    with the rendered container's command and environment (the peers'
+    Services replaced by loopback ports): an entry of the sequence table set
+    on attention-edge-0 before attention-edge-1 starts reaches it, and one
+    set on attention-edge-1 reaches attention-edge-0."""
+    front = by_kind(documents, "StatefulSet", "attention-edge")
+    container = front["spec"]["template"]["spec"]["containers"][0]
+    files = [os.path.join(EDGE, os.path.relpath(a, IMAGE_EDGE))
+             for a in container["command"] if a.startswith(IMAGE_EDGE)]
+    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    ports = [free_port(), free_port()]
+    processes = []
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            sockets = []
+            for i in (0, 1):
+                name = f"attention-edge-{i}"
+                sockets.append(os.path.join(scratch, f"{i}.sock"))
+                extra = os.path.join(scratch, f"{i}.cfg")
+                with open(extra, "w") as f:
+                    f.write(f'global\n    stats socket "{sockets[i]}" mode 600 level admin\n')
+                variables = {**{k: v.replace("$(POD_NAMESPACE)", "attention") for k, v in env.items()},
+                             "ATTENTION_EDGE_PEER_NAME": name,
+                             "ATTENTION_EDGE_PEER_0": f"127.0.0.1:{ports[0]}",
+                             "ATTENTION_EDGE_PEER_1": f"127.0.0.1:{ports[1]}",
+                             "ATTENTION_EDGE_PEERS_BIND": f"127.0.0.1:{ports[i]}",
+                             "ATTENTION_EDGE_LISTEN": f"127.0.0.1:{free_port()}",
+                             "ATTENTION_EDGE_METRICS_LISTEN": f"127.0.0.1:{free_port()}"}
+                if i == 1:
+                    # attention-edge-0 holds an entry before its peer starts.
+                    haproxy_cli(sockets[0], "set table attention_sequence key before data.server_id 1")
+                processes.append(subprocess.Popen(
+                    ["haproxy", "-db", "-L", name, *[a for p in files for a in ("-f", p)], "-f", extra],
+                    env={**os.environ, **variables}, cwd=scratch,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+                give_up = time.monotonic() + 10
+                while not os.path.exists(sockets[i]) and time.monotonic() < give_up:
+                    time.sleep(0.05)
+
+            def has(i, key):
+                give_up = time.monotonic() + 10
+                while time.monotonic() < give_up:
+                    if f"key={key} " in haproxy_cli(sockets[i], "show table attention_sequence"):
+                        return True
+                    time.sleep(0.1)
+                return False
+
+            checks.expect(has(1, "before"), "edge peers: attention-edge-1 starts with the table "
+                          "attention-edge-0 holds")
+            haproxy_cli(sockets[1], "set table attention_sequence key after data.server_id 2")
+            checks.expect(has(0, "after"), "edge peers: an entry made on attention-edge-1 reaches "
+                          "attention-edge-0")
+        except OSError as error:
+            checks.expect(False, f"edge peers: the two edges ran ({error!r})")
+        finally:
+            for process in processes:
+                process.terminate()
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tools-dir", required=True)
@@ -332,6 +420,8 @@ def main():
         documents = list(yaml.safe_load_all(rendered))
         check_promises(documents, checks)
         check_edge_configs(documents, checks)
+        if shutil.which("haproxy"):
+            check_edge_peers(documents, checks)
     except (AssertionError, KeyError, StopIteration, TypeError, ValueError, IndexError) as err:
         checks.expect(False, f"rendered manifests have the expected shape: {err!r}")
 
