@@ -6,8 +6,8 @@
 # (run.sh --replicas 3, "edge3"), all up for the whole run, alternating ROUNDS
 # times; prints each run with the CPU time per call of client, servers and
 # edge (/proc), and the median throughput, p99 and CPU per call of each side
-# with their ratios (issue 22's target: through the edge >= 80% of the
-# throughput, p99 within 1.5x; issue 33's: the edge's CPU per call with three
+# with their ratios (the targets: through the edge >= 80% of the
+# throughput, p99 within 1.5x; the edge's CPU per call with three
 # replicas <= 1.1x with one).
 #
 #   bench/edge_overhead.sh [--pinned] [--rate CALLS_PER_S] [ROUNDS (5)] [SECONDS per run (10)]
