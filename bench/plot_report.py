@@ -20,23 +20,14 @@ results file that is missing is skipped.
 import json
 import os
 import statistics
-import textwrap
+import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plot_engine import footer, plt  # noqa: E402  (matplotlib on its file backend)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "bench", "results")
 FIGURES = os.path.join(REPO, "bench", "figures")
-
-
-def footer(figure, lines):
-    text = []
-    for line in lines:
-        text += textwrap.wrap(line, 150, subsequent_indent="  ")
-    figure.text(0.01, 0.005, "\n".join(text), fontsize=7, va="bottom", family="monospace")
 
 
 def load(name):
