@@ -175,8 +175,9 @@ def measure(args):
     if ort_cmd:
         shutil.rmtree(models, ignore_errors=True)
     result = {
-        "commands": [" ".join(bench_cmd), " ".join(torch_cmd)]
-                    + ([" ".join(ort_cmd)] if ort_cmd else [])
+        "commands": [" ".join(bench_cmd), " ".join(torch_cmd).replace(REPO + "/", "")]
+                    + ([" ".join(ort_cmd[:2]).replace(REPO + "/", "")
+                        + " <the graphs bench/compare_ort.py exports>"] if ort_cmd else [])
                     + ["d2l-style bmm + masked softmax + bmm in plot_engine.py (measure_d2l)"],
         "command": "/usr/bin/python3 bench/plot_engine.py " + " ".join(sys.argv[1:]),
         "rounds": args.rounds,
