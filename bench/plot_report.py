@@ -80,8 +80,9 @@ def plot_service(r, path):
     figure.suptitle("What the service adds: attention-server against a bare gRPC server "
                     "(trivial call), and batching off / on")
     isa = r.get("build_info", {}).get("on", {}).get("isa", "?")
-    footer(figure, [f"{r['cpu']}, {r['cpus']} CPUs, kernel path {isa}; {r['started']}; "
-                    "client and servers share the CPUs.",
+    loads = [float(x["load_average"]) for x in r["closed"]]
+    footer(figure, [f"{r['cpu']}, {r['cpus']} CPUs, kernel path {isa}; {r['started']}; 1-min load "
+                    f"average {min(loads):.1f}-{max(loads):.1f}; client and servers share the CPUs.",
                     "Measured by: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE /usr/bin/python3 "
                     "bench/service_targets.py --json bench/results/service_targets.json",
                     "Drawn by: /usr/bin/python3 bench/plot_report.py"])
@@ -106,6 +107,7 @@ def plot_sessions(r, path):
     rate.set_xticks(list(xs))
     rate.set_xticklabels([f"{s} session{'s' if int(s) > 1 else ''}" for s in sessions])
     rate.set_ylabel("tokens/s (one-token steps), median of rounds")
+    rate.set_ylim(0, max(engine + served) * 1.3)
     rate.set_title("Decoding throughput", fontsize=10)
     rate.legend(fontsize=7, loc="upper left")
     stacked_cpu(cpu, [f"{s} session{'s' if int(s) > 1 else ''}\n{kind}" for s in sessions
