@@ -26,14 +26,14 @@
 //       one Engine::Run, as the server's batcher runs them: time and CPU per
 //       request against requests:1, and the memory the calls add.
 //   batch/self/multi_head/B:1/n:1/E:1024/H:16/masked:0/requests:k  the same
-//       with queries only (self-attention: Q, K and V into one buffer): issue
-//       13's single-token service request, without the service around it;
+//       with queries only (self-attention: Q, K and V into one buffer): the
+//       service benchmarks' single-token request, without the service around it;
 //       .../threads:1 the same on an engine of one thread.
 //   decode/session/E:512/H:8/steps:512  one self session (core/sessions/session.h)
 //       decoding 512 single tokens, each step one RunSteps; against
 //   decode/prefix/E:512/H:8/steps:512  the same 512 tokens, each step the
 //       whole prefix through Attend (causal), as a client without sessions
-//       does (issue 25). ms_per_request is per token.
+//       does. ms_per_request is per token.
 //   decode/sessions:S/E:1024/H:16/prompt:P/steps:64  S self sessions, each
 //       after a P-token prompt (not timed), then 64 rounds of one RunSteps
 //       over a single-token step of every session: tokens_per_s over all S
@@ -639,7 +639,7 @@ void RegisterAll() {
     }
   }
 
-  // Decoding (issue 25): each iteration is a whole decode, so one each;
+  // Decoding: each iteration is a whole decode, so one each;
   // with --benchmark_repetitions, the min and max as for the others.
   const auto decode = [](const std::string& name, auto function, auto... args) {
     benchmark::RegisterBenchmark(name.c_str(), function, args...)

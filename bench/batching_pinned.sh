@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# batching_pinned.sh: batching on against off for issue 3's small request,
+# batching_pinned.sh: batching on against off for the small request (1x32x256),
 # with the server pinned to one CPU and the load generator to another, so
 # the ratio is the server's own (no client stealing its CPU). Alternates
 # the two modes for a few rounds and prints answers/s and the server's CPU

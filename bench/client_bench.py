@@ -1,6 +1,6 @@
 """client_bench.py: the time of one call through each client path, against
-one attention-server on 127.0.0.1 (issue 23's targets; BENCHMARKS.md,
-"Clients"). One call at a time, self-attention on `dot_product` (queries
+one attention-server on 127.0.0.1 (BENCHMARKS.md,
+"Sessions and clients"). One call at a time, self-attention on `dot_product` (queries
 only: the server takes keys = values = queries), at each --shape.
 
 Paths:

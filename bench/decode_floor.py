@@ -1,4 +1,4 @@
-# decode_floor.py: where a session step's server CPU goes (issue 25's 2% target).
+# decode_floor.py: where a session step's server CPU goes, against gRPC's own per-call floor.
 """Server CPU per call, one call at a time from the Python client, alternating:
 
   bare     bench/bare-attention-server answering a 1x1x1 Attend (gRPC 1.51's

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # edge_config_cost.sh: what each HAProxy configuration costs per call, to
-# find what in deploy/edge/haproxy.cfg is worth cutting (issue 22). One bare
+# find what in deploy/edge/haproxy.cfg is worth cutting. One bare
 # attention-server runs for the whole script; each CONFIG in turn fronts it
 # (same environment variables as deploy/edge/run.sh sets) under
 # attention-client bench, dot_product B=1 n=8 d=64, concurrency 64. Prints per

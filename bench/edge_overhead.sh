@@ -6,12 +6,14 @@
 # (run.sh --replicas 3, "edge3"), all up for the whole run, alternating ROUNDS
 # times; prints each run with the CPU time per call of client, servers and
 # edge (/proc), and the median throughput, p99 and CPU per call of each side
-# with their ratios (issue 22's target: through the edge >= 80% of the
-# throughput, p99 within 1.5x; issue 33's: the edge's CPU per call with three
+# with their ratios (the targets: through the edge >= 80% of the
+# throughput, p99 within 1.5x; the edge's CPU per call with three
 # replicas <= 1.1x with one).
 #
-#   bench/edge_overhead.sh [--pinned] [--rate CALLS_PER_S] [ROUNDS (5)] [SECONDS per run (10)]
+#   bench/edge_overhead.sh [--pinned] [--rate CALLS_PER_S] [--json FILE] [ROUNDS (5)] [SECONDS per run (10)]
 #
+# --json: also write every run and the medians there (bench/plot_report.py
+# draws bench/figures/edge.png from bench/results/edge.json).
 # --pinned: client and the servers on CPU 0, the edges (HAProxy) alone on
 # CPU 1, as a Kubernetes sidecar with a core of its own would run; not the
 # shared-core figure.
@@ -23,9 +25,10 @@
 # Needs build/server/attention-server, build/client/attention-client, haproxy.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-pinned=0 load=(--concurrency 64)
+pinned=0 load=(--concurrency 64) json=""
 if [[ "${1:-}" == --pinned ]]; then pinned=1; shift; fi
 if [[ "${1:-}" == --rate ]]; then load=(--rate "${2:?--rate needs calls per second}" --max-in-flight 256); shift 2; fi
+if [[ "${1:-}" == --json ]]; then json=$(realpath -m "${2:?--json needs a file}"); shift 2; fi
 rounds=${1:-5} seconds=${2:-10}
 client=build/client/attention-client
 export ATTENTION_SERVER_BIN=$PWD/build/server/attention-server
@@ -59,7 +62,8 @@ if ((pinned)); then
   taskset -a -p -c 1 "$edge3_pid" > /dev/null
 fi
 
-echo "$(lscpu | grep 'Model name' | tr -s ' '); load average $(cut -d' ' -f1-3 /proc/loadavg); $(date -u '+%F %H:%M UTC')"
+header="$(lscpu | grep 'Model name' | tr -s ' '); load average $(cut -d' ' -f1-3 /proc/loadavg); $(date -u '+%F %H:%M UTC')"
+echo "$header"
 ((pinned)) && echo "pinned: client and servers on CPU 0, the edges on CPU 1"
 echo "load: ${load[*]}"
 for ((round = 1; round <= rounds; round++)); do
@@ -96,9 +100,10 @@ PY
     fi
   done
 done
-echo "load average at the end $(cut -d' ' -f1-3 /proc/loadavg)"
+end="load average at the end $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "$end"
 [[ -e "$work/failed" ]] && echo "failed runs: $(wc -l < "$work/failed")"
-/usr/bin/python3 - "$work/results" <<'PY'
+/usr/bin/python3 - "$work/results" "$json" "$header; $end" "${load[*]}" "$*" <<'PY'
 import json, statistics, sys
 runs = {"bare": [], "edge": [], "edge3": []}
 for line in open(sys.argv[1]):
@@ -123,4 +128,13 @@ edge_cpu, edge3_cpu = median["edge"][3][2], median["edge3"][3][2]
 cpu_ratio = edge3_cpu / edge_cpu
 print(f"edge CPU per call, 3 replicas / 1: {edge3_cpu:.1f} / {edge_cpu:.1f} us = {cpu_ratio:.2f}x "
       f"(target <= 1.1x: {'met' if cpu_ratio <= 1.1 else 'NOT met'})")
+if sys.argv[2]:
+    with open(sys.argv[2], "w") as f:
+        json.dump({"host": sys.argv[3], "load": sys.argv[4], "arguments": sys.argv[5],
+                   "runs": runs,
+                   "median": {side: {"calls_per_s": m[0], "p99_ms": m[1], "errors": m[2],
+                                     "cpu_us_per_call": dict(zip(("client", "server", "edge"), m[3]))}
+                              for side, m in median.items()},
+                   "edge_over_bare": {"throughput": ratio, "p99": p99_ratio},
+                   "edge3_over_edge_cpu": cpu_ratio}, f, indent=1)
 PY

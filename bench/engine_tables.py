@@ -3,7 +3,8 @@
 
 Reads bench/results/<file> (written by plot_engine.py --measure) and prints,
 headed by the CPU, the kernel path that ran and the BLAS core: multi_head
-against nn.MultiheadAttention, the dot-product core against the d2l-style
+against nn.MultiheadAttention and, when the run measured it, ONNX Runtime
+(the faster of its two graphs, bench/compare_ort.py), the dot-product core against the d2l-style
 PyTorch code, masked against unmasked, and the GEMM peak of the same run.
 
   /usr/bin/python3 bench/engine_tables.py engine.json
@@ -12,6 +13,9 @@ import json
 import os
 import statistics
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plot_engine import ort_best  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = ["B:8/n:128/E:256/H:8", "B:4/n:512/E:512/H:8", "B:1/n:2048/E:512/H:8", "B:32/n:32/E:256/H:8"]
@@ -33,17 +37,19 @@ def main():
           f"{min(loads):.1f}-{max(loads):.1f}\n")
     gemm2 = e["gemm/M:2048/N:2048/K:2048/threads:2"]
     gemm1 = e["gemm/M:2048/N:2048/K:2048/threads:1"]
-    print("| shape | masked | engine ms | torch ms | engine/torch (wall) | engine/torch (CPU time) | "
-          "engine GFLOP/s | % of SGEMM (2 threads, wall) | % of SGEMM (per core, CPU time) |")
+    o = ort_best(r.get("ort"))
+    print("| shape | masked | ours ms | PyTorch ms | ONNX Runtime ms (graph) | PyTorch / ours | "
+          "ONNX Runtime / ours | ours GFLOP/s | % of SGEMM (2 threads) |")
     print("|---|:-:|---:|---:|---:|---:|---:|---:|---:|")
     for s in SHAPES:
         for m in (0, 1):
             k = f"multi_head/{s}/masked:{m}"
             a, b = e[k], t[k]
-            print(f"| {s} | {m} | {a['ms']:.2f} | {b['ms']:.2f} | {b['ms'] / a['ms']:.2f}x | "
-                  f"{a['GFLOPS_per_core'] / b['GFLOPS_per_core']:.2f}x | "
-                  f"{a['GFLOPS']:.0f} | {100 * a['GFLOPS'] / gemm2['GFLOPS']:.0f}% | "
-                  f"{100 * a['GFLOPS_per_core'] / gemm1['GFLOPS_per_core']:.0f}% |")
+            ort_ms = f"{o[k]['ms']:.2f} ({o[k]['graph']})" if o else "-"
+            ort_ratio = f"{o[k]['ms'] / a['ms']:.2f}x" if o else "-"
+            print(f"| {s} | {m} | {a['ms']:.2f} | {b['ms']:.2f} | {ort_ms} | "
+                  f"{b['ms'] / a['ms']:.2f}x | {ort_ratio} | "
+                  f"{a['GFLOPS']:.0f} | {100 * a['GFLOPS'] / gemm2['GFLOPS']:.0f}% |")
     print()
     print("| shape | masked | allowed | engine ms | d2l ms | engine/d2l (wall) | engine/d2l (CPU time) | "
           "masked speed-up (CPU time) | ideal (1/allowed) | % of ideal | CPU ns per allowed score | "
@@ -93,18 +99,19 @@ def per_round_tables(r):
     print()
     print(f"Per round ({len(rounds)} rounds; each round's best repetition), median in bold:")
     print()
-    print("| shape | masked | engine/torch (wall) per round | median | engine/torch (CPU time) "
+    has_ort = all(x.get("ort") for x in rounds)
+    print("| shape | masked | PyTorch / ours (wall) per round | median | ONNX Runtime / ours (wall) "
           "per round | median | % of SGEMM (2 threads, wall) per round | median |")
     print("|---|:-:|---|---:|---|---:|---|---:|")
     for s in SHAPES:
         for m in (0, 1):
             k = f"multi_head/{s}/masked:{m}"
             wall = [x["torch"][k]["ms"] / x["engine"][k]["ms"] for x in rounds]
-            per_cpu = [x["engine"][k]["GFLOPS_per_core"] / x["torch"][k]["GFLOPS_per_core"]
-                       for x in rounds]
+            ort = ([ort_best(x["ort"])[k]["ms"] / x["engine"][k]["ms"] for x in rounds]
+                   if has_ort else None)
             peak = [100 * x["engine"][k]["GFLOPS"] /
                     x["engine"]["gemm/M:2048/N:2048/K:2048/threads:2"]["GFLOPS"] for x in rounds]
-            print(f"| {s} | {m} | {cell(wall, '.2f')} | {cell(per_cpu, '.2f')} | "
+            print(f"| {s} | {m} | {cell(wall, '.2f')} | {cell(ort, '.2f') if ort else '- | -'} | "
                   f"{cell(peak, '.0f')} |")
     print()
     print("| shape | ideal (1/allowed) | masked speed-up (CPU time) per round | median | "

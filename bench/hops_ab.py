@@ -1,4 +1,4 @@
-# hops_ab.py: two attention-server builds side by side, same client, alternating (issue 27, item 3).
+# hops_ab.py: two attention-server builds side by side, same client, alternating.
 """A/B: two attention-server binaries side by side, alternating, same client.
 
 Usage: hops_ab.py BUILD_A BUILD_B CLIENT ROUNDS. Each BUILD has server/attention-server.

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""make_service_model.py: writes the model of issue 13's service targets.
+"""make_service_model.py: writes the model of the service benchmarks.
 
 A torch-layout multi_head model, `nn.MultiheadAttention(1024, 16)` (E = 1024,
 16 heads, in_proj_weight [3072, 1024], F32, 16 MiB), saved as safetensors

@@ -1,5 +1,5 @@
 #!/bin/bash
-# model_memory.sh: resident memory per loaded model (issue 26's measure).
+# model_memory.sh: resident memory per loaded model.
 #
 # Starts attention-server on an empty repository and on a repository of eight
 # copies of one model file, waits for each to listen, and reports

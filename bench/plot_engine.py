@@ -1,9 +1,11 @@
 #!/usr/bin/python3
 """plot_engine.py: measure the engine next to PyTorch and the GEMM peak, and draw it.
 
---measure runs, in rounds that alternate ours and PyTorch's so both see the
-same load, attention-bench (multi_head, dot_product, gemm; JSON),
-bench/compare_torch.py and the d2l-style dot-product attention in PyTorch
+--measure runs, in rounds that alternate ours, PyTorch's and ONNX Runtime's
+so all see the same load, attention-bench (multi_head, dot_product, gemm;
+JSON), bench/compare_torch.py, bench/compare_ort.py (with --ort: the same
+layers exported to ONNX and run on onnxruntime-node; graphs exported once,
+before the first round) and the d2l-style dot-product attention in PyTorch
 (measure_d2l), keeps the best of all repetitions of every benchmark
 (min time, max GFLOP/s) and writes bench/results/engine.json with the load
 average around every run, and each round's own best (per_round) so that
@@ -28,7 +30,9 @@ import json
 import os
 import re
 import subprocess
+import shutil
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -62,6 +66,7 @@ def machine():
 CALLER_ENVIRONMENT = {k: v for k, v in os.environ.items()
                       if k.startswith(("OPENBLAS_", "ATTENTION_", "ATEN_", "DNNL_"))}
 TORCH_LINE = re.compile(r"^torch_(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$")
+ORT_LINE = re.compile(r"^ort_(onnx_export|fused)/(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")
 
 
 def keep_best(best, name, ms, gflops, per_core, extra=None):
@@ -110,10 +115,27 @@ def measure(args):
     torch_cmd = ["/usr/bin/python3", os.path.join(REPO, "bench", "compare_torch.py"),
                  f"--min-time={args.min_time}", f"--repetitions={args.repetitions}"]
     engine, torch, d2l, loads, context = {}, {}, {}, [], {}
+    ort = {"onnx_export": {}, "fused": {}}
+    ort_cmd = None
+    if args.ort:
+        # Graphs exported once, then run by the Node runner in every round.
+        models = tempfile.mkdtemp(prefix="ort-models-")
+        subprocess.run(["/usr/bin/python3", os.path.join(REPO, "bench", "compare_ort.py"),
+                        "--ort", args.ort, "--models", models, "--min-time", "0.01",
+                        "--repetitions", "1"], check=True, capture_output=True)
+        manifest_path = os.path.join(models, "manifest.json")
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        manifest.update(min_time=args.min_time, repetitions=args.repetitions)
+        with open(manifest_path, "w") as f:
+            json.dump(manifest, f)
+        ort_cmd = ["node", os.path.join(REPO, "bench", "ort_bench.js"), manifest_path]
+        ort_env = dict(os.environ, NODE_PATH=os.path.abspath(args.ort))
     start = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     per_round = []  # each round's own best, for ratios taken within one round
     for round_index in range(args.rounds):
         round_engine, round_torch, round_d2l = {}, {}, {}
+        round_ort = {"onnx_export": {}, "fused": {}}
         loads.append(os.getloadavg())
         report = json.loads(subprocess.run(bench_cmd, check=True, capture_output=True,
                                            text=True).stdout)
@@ -132,17 +154,32 @@ def measure(args):
                 for table in (torch, round_torch):
                     keep_best(table, m.group(1), float(m.group(2)), float(m.group(3)),
                               float(m.group(4)))
+        if ort_cmd:
+            loads.append(os.getloadavg())
+            out = subprocess.run(ort_cmd, check=True, capture_output=True, text=True,
+                                 env=ort_env).stdout
+            for line in out.splitlines():
+                m = ORT_LINE.match(line.strip())
+                if m:
+                    for table in (ort, round_ort):
+                        keep_best(table[m.group(1)], m.group(2), float(m.group(3)),
+                                  float(m.group(4)), float(m.group(5)))
         loads.append(os.getloadavg())
         measure_d2l(round_d2l, args)
         for name, row in round_d2l.items():
             keep_best(d2l, name, row["ms"], row["GFLOPS"], row["GFLOPS_per_core"])
         per_round.append({"engine": round_engine, "torch": round_torch,
-                          "torch_d2l_dot_product": round_d2l})
+                          "torch_d2l_dot_product": round_d2l, "ort": round_ort})
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     loads.append(os.getloadavg())
+    if ort_cmd:
+        shutil.rmtree(models, ignore_errors=True)
     result = {
-        "commands": [" ".join(bench_cmd), " ".join(torch_cmd),
-                     "d2l-style bmm + masked softmax + bmm in plot_engine.py (measure_d2l)"],
+        "commands": [" ".join(bench_cmd), " ".join(torch_cmd).replace(REPO + "/", "")]
+                    + ([" ".join(ort_cmd[:2]).replace(REPO + "/", "")
+                        + " <the graphs bench/compare_ort.py exports>"] if ort_cmd else [])
+                    + ["d2l-style bmm + masked softmax + bmm in plot_engine.py (measure_d2l)"],
+        "command": "/usr/bin/python3 bench/plot_engine.py " + " ".join(sys.argv[1:]),
         "rounds": args.rounds,
         "date_utc": f"{start} to {time.strftime('%H:%M', time.gmtime())}",
         "load_averages": loads,
@@ -152,6 +189,7 @@ def measure(args):
         "engine": engine,
         "torch": torch,
         "torch_d2l_dot_product": d2l,
+        "ort": ort if ort_cmd else None,
         "per_round": per_round,
     }
     with open(os.path.join(RESULTS, args.output), "w") as f:
@@ -175,6 +213,19 @@ def shapes(result):
             if n.startswith("multi_head/") and n.endswith("masked:0")]
 
 
+def ort_best(ort):
+    """Per multi_head shape, the faster of ORT's two graphs (torch.onnx's
+    export, the fused com.microsoft.Attention one), with its name."""
+    if not ort:
+        return None
+    best = {}
+    for graph, table in ort.items():
+        for name, row in table.items():
+            if name not in best or row["ms"] < best[name]["ms"]:
+                best[name] = dict(row, graph=graph)
+    return best
+
+
 def bars(ax, names, series, counter):
     width = 0.8 / len(series)
     for i, (label, table, kind, masked, color) in enumerate(series):
@@ -189,6 +240,7 @@ def plot_gflops(result, path):
     names = shapes(result)
     engine, torch = result["engine"], result["torch"]
     d2l = result.get("torch_d2l_dot_product")
+    ort = ort_best(result.get("ort"))
     gemm = {t: engine[f"gemm/M:2048/N:2048/K:2048/threads:{t}"] for t in (1, 2)}
     panels = [("GFLOPS_per_core", "multi_head, GFLOP/s per core (over CPU time)"),
               ("GFLOPS", "multi_head, GFLOP/s (over wall-clock time, 2 threads)")]
@@ -197,6 +249,9 @@ def plot_gflops(result, path):
                   ("engine, masked", engine, "multi_head", 1, "tab:cyan"),
                   ("nn.MultiheadAttention, unmasked", torch, "multi_head", 0, "tab:red"),
                   ("nn.MultiheadAttention, masked", torch, "multi_head", 1, "salmon")]
+    if ort:
+        multi_head += [("ONNX Runtime (faster graph), unmasked", ort, "multi_head", 0, "tab:green"),
+                       ("ONNX Runtime (faster graph), masked", ort, "multi_head", 1, "lightgreen")]
     for ax, (counter, title) in zip(axes, panels):
         bars(ax, names, multi_head, counter)
         threads = 1 if counter == "GFLOPS_per_core" else 2
@@ -218,11 +273,13 @@ def plot_gflops(result, path):
     for ax in axes:
         ax.set_ylim(0, ax.get_ylim()[1] * 1.4)
         ax.legend(fontsize=6, loc="upper left", ncol=2)
-    figure.suptitle("Engine (attention-bench) vs PyTorch 1.13 vs GEMM peak, best of all "
-                    "repetitions of one interleaved run")
+    figure.suptitle("Engine (attention-bench) vs PyTorch 1.13"
+                    + (" vs ONNX Runtime 1.30" if ort else "")
+                    + " vs GEMM peak, best of all repetitions of one interleaved run")
     footer(figure, [f"{result['machine']}. {load_text(result['load_averages'])}; "
                     f"{result['rounds']} rounds, {result['date_utc']} UTC.",
-                    "Measured by: /usr/bin/python3 bench/plot_engine.py --measure, which runs: "
+                    "Measured by: " + result.get("command", "/usr/bin/python3 bench/plot_engine.py "
+                                                 "--measure") + ", which runs: "
                     + " ; ".join(result["commands"]),
                     "Drawn by: /usr/bin/python3 bench/plot_engine.py"])
     figure.subplots_adjust(bottom=0.25, top=0.88, wspace=0.25)
@@ -320,6 +377,8 @@ def main():
     parser.add_argument("--output", default="engine.json",
                         help="results file in bench/results (the figures use engine.json)")
     parser.add_argument("--no-plot", action="store_true", help="measure only")
+    parser.add_argument("--ort", help="node_modules folder holding onnxruntime-node: measure "
+                                      "ONNX Runtime too (bench/compare_ort.py)")
     args = parser.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
     os.makedirs(FIGURES, exist_ok=True)

@@ -9,7 +9,7 @@ Reads what bench/service_sweep.py wrote and draws, with matplotlib:
       request's best throughput is drawn on every throughput panel as the
       transport ceiling. CPU per answer barely depends on the machine's other
       load, so it shows the cost of each mode even where throughput is noisy.
-  bench/figures/service_batching.png  issue 3: peak throughput of batching off
+  bench/figures/service_batching.png  peak throughput of batching off
       and of each batched setting at the same concurrency, and the latency
       percentiles in open loop at 50% of each mode's peak.
 
@@ -143,7 +143,7 @@ def plot_batching(report, path):
     latency_axes.set_title("open loop at 50% of each mode's peak: latency", fontsize=10)
     latency_axes.grid(True, which="both", alpha=0.3)
     latency_axes.legend(fontsize=7)
-    save(figure, report, "attention-server: dynamic batching of small multi-head requests (issue 3)",
+    save(figure, report, "attention-server: dynamic batching of small multi-head requests",
          path, bottom=0.08)
 
 

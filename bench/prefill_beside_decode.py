@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""prefill_beside_decode: issue 34's chunked prefill targets, measured in one run.
+"""prefill_beside_decode: decoders' latency beside a long prompt (chunked prefill), in one run.
 
 16 sessions decode one token a step (AttendSession, E=1024, 16 heads, the
 torch-layout model of bench/make_service_model.py) while another session

@@ -1,6 +1,6 @@
 """rest_vs_grpc: REST binary infer against gRPC ModelInfer on one
-attention-server, the same request through each, alternating rounds (issue
-24's targets: REST throughput on small requests at least 70% of gRPC's; REST
+attention-server, the same request through each, alternating rounds (the
+targets: REST throughput on small requests at least 70% of gRPC's; REST
 latency on [8, 512, 64] within 1.3x of gRPC's).
 
 Both sides use a C load generator of the same design (one thread, event

@@ -227,7 +227,7 @@ def run_sweep(args, client, servers):
 
 
 def run_batching(args, client, server_binary):
-    """Issue 3: the batched peak against the unbatched one, then open loop at 50%."""
+    """The batched peak against the unbatched one, then open loop at 50%."""
     candidates = [OFF] + [batched(size, delay) for size, delay in args.candidates]
     servers = [Server(server_binary, c) for c in candidates]
     try:
@@ -286,7 +286,7 @@ def main():
     sweep.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS))
     sweep.add_argument("--batched", type=lambda s: pairs(s)[0], default=(64, 1000),
                        metavar="SIZE:DELAY_US", help="batched server's settings (default 64:1000)")
-    batching = parts.add_parser("batching", help="issue 3: batched peak and latency at 50%% of it")
+    batching = parts.add_parser("batching", help="batched peak and latency at 50%% of it")
     batching.add_argument("--candidates", type=pairs, default=pairs("32:500,64:0,64:1000,64:4000"),
                           metavar="SIZE:DELAY_US,...", help="batched settings compared with batching off")
     batching.add_argument("--peak-concurrency", type=int, default=64)

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""service_targets.py: issues 13's and 27's service targets, measured in one run.
+"""service_targets.py: the service's targets, measured in one run.
 
 Starts two attention-servers on 127.0.0.1 for the whole run, batching on
 (the server's defaults) and off (--max-batch-size 1), with OPENBLAS_CORETYPE

@@ -1,4 +1,4 @@
-"""session_decode: issue 25's decode (512 steps of one token, a torch-layout
+"""session_decode: a decode (512 steps of one token, a torch-layout
 multi_head model with E=512 and 8 heads) through one attention-server, the
 same run, four ways: a session from the Python client (AttendSession), the
 prefix resent every step (Attend, causal), and through the Open Inference

@@ -118,8 +118,8 @@ int Serve(const ServerConfig& config, RunningServer& s) {
 // Every accepted call is answered: ends the process without gRPC's
 // Shutdown(). A call that reaches it after Shutdown() began (sent before the
 // client saw the GOAWAY) is dropped by gRPC and the client sees CANCELLED,
-// which clients do not retry (issue 14: 1 to 29 calls in 6 of 8 SIGTERMs
-// under closed-loop load). Ending the process closes the connections
+// which clients do not retry (1 to 29 calls in 6 of 8 SIGTERMs under
+// closed-loop load, measured with a Shutdown() drain). Ending the process closes the connections
 // instead, and a call in transit then fails UNAVAILABLE.
 [[noreturn]] void ExitDrained(RunningServer& s, absl::Time not_serving_since) {
   s.dispatcher->Drain();

@@ -35,7 +35,7 @@ struct KeptBuffers {
 // that calls Run: the server's first call of a model runs on that model's
 // batcher thread, which had computed nothing, and paid the page faults of
 // growing them (three quarters of that call's faults; a fault costs 13-17
-// us of CPU on the benchmarks' VM: BENCHMARKS.md, "Warm-up (issue 34)").
+// us of CPU on the benchmarks' VM: BENCHMARKS.md, "The first call").
 // Lent by the engine, they are the ones its warm-up grew, whatever thread
 // ran it; and a server keeps one set per call computing at once rather than
 // one per thread that ever called.

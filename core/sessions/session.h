@@ -27,9 +27,9 @@
 //   AttentionResult result;
 //   engine.RunSteps({&*validated, 1}, {&result, 1});
 //
-// Changes to the API as first written (issue 25): KvBlockPool befriends
-// Session and Session befriends ValidateStep, which reach the blocks and the
-// session's state through them (core/sessions/session_state.h).
+// KvBlockPool befriends Session and Session befriends ValidateStep, which
+// reach the blocks and the session's state through them
+// (core/sessions/session_state.h), so that neither is public API.
 #pragma once
 
 #include <cstdint>

@@ -2,6 +2,8 @@
 #include "server/config/server_flags.h"
 
 #include <climits>
+#include <initializer_list>
+#include <optional>
 #include <string>
 
 #include "absl/strings/ascii.h"
@@ -18,6 +20,24 @@ std::string EnvName(const std::string& flag) {
 template <typename T>
 CLI::Option* Flag(CLI::App& app, const std::string& name, T* value, const std::string& help) {
   return app.add_option(name, *value, help)->envname(EnvName(name))->capture_default_str();
+}
+
+// One row of a table of flags of one type: its name, where its value goes, its help.
+template <typename T>
+struct FlagRow {
+  const char* name;
+  T* value;
+  const char* help;
+};
+
+// A table of flags of one type, each with the same check (none: any value of the type).
+template <typename T>
+void Flags(CLI::App& app, std::initializer_list<FlagRow<T>> rows,
+           const std::optional<CLI::Validator>& check = std::nullopt) {
+  for (const FlagRow<T>& row : rows) {
+    CLI::Option* option = Flag(app, row.name, row.value, row.help);
+    if (check) option->check(*check);
+  }
 }
 
 // Where the server listens.
@@ -101,26 +121,25 @@ void AddLimitFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--max-request-elements", &c->limits.max_request_elements,
        "Most float elements per request in queries, keys, values, output and weights together")
       ->check(CLI::Range(int64_t{1}, INT64_MAX));
-  Flag(app, "--max-request-work", &c->limits.max_request_work,
-       "Most work units per request (multiply-adds, plus 16 per score entry); more is refused "
-       "with INVALID_ARGUMENT (0: no cap)")
-      ->check(CLI::Range(int64_t{0}, INT64_MAX));
-  Flag(app, "--max-request-scratch-elements", &c->limits.max_request_scratch_elements,
-       "Most floats of engine scratch per thread one request may need (64 x the sum of its "
-       "feature sizes); more is refused with INVALID_ARGUMENT (0: no cap)")
-      ->check(CLI::Range(int64_t{0}, INT64_MAX));
-  Flag(app, "--chunk-work", &c->chunk_work,
-       "Most work units of one piece of a session step: a longer step (a prompt's prefill) is "
-       "computed in pieces, other batches running between them (0: steps whole)")
-      ->check(CLI::Range(int64_t{0}, INT64_MAX));
-  Flag(app, "--inline-work", &c->inline_work,
-       "Most work units of a request computed on the thread that received it when its model's "
-       "batcher is idle, skipping the hand-over to the batcher's thread (0: never)")
-      ->check(CLI::Range(int64_t{0}, INT64_MAX));
-  Flag(app, "--max-queued-bytes", &c->max_queued_bytes,
-       "Most bytes of request messages held at once (admitted, not yet answered), all models "
-       "together; beyond it RESOURCE_EXHAUSTED (0: no cap)")
-      ->check(CLI::Range(int64_t{0}, INT64_MAX));
+  // Caps and amounts where 0 turns the cap (or the behaviour) off.
+  Flags<int64_t>(
+      app,
+      {{"--max-request-work", &c->limits.max_request_work,
+        "Most work units per request (multiply-adds, plus 16 per score entry); more is "
+        "refused with INVALID_ARGUMENT (0: no cap)"},
+       {"--max-request-scratch-elements", &c->limits.max_request_scratch_elements,
+        "Most floats of engine scratch per thread one request may need (64 x the sum of its "
+        "feature sizes); more is refused with INVALID_ARGUMENT (0: no cap)"},
+       {"--chunk-work", &c->chunk_work,
+        "Most work units of one piece of a session step: a longer step (a prompt's prefill) "
+        "is computed in pieces, other batches running between them (0: steps whole)"},
+       {"--inline-work", &c->inline_work,
+        "Most work units of a request computed on the thread that received it when its "
+        "model's batcher is idle, skipping the hand-over to the batcher's thread (0: never)"},
+       {"--max-queued-bytes", &c->max_queued_bytes,
+        "Most bytes of request messages held at once (admitted, not yet answered), all "
+        "models together; beyond it RESOURCE_EXHAUSTED (0: no cap)"}},
+      CLI::Range(int64_t{0}, INT64_MAX));
 }
 
 // Decoding sessions (AttendSession, and sequences of the Open Inference Protocol).
@@ -199,17 +218,19 @@ void AddLoggingFlags(CLI::App& app, ServerConfig* c) {
 
 // TLS, client identities, tokens and what anonymous callers see.
 void AddSecurityFlags(CLI::App& app, ServerConfig* c) {
-  Flag(app, "--tls-cert", &c->tls_cert,
-       "PEM server certificate chain; with --tls-key enables TLS (empty: plaintext)");
-  Flag(app, "--tls-key", &c->tls_key, "PEM private key of --tls-cert");
-  Flag(app, "--tls-client-ca", &c->tls_client_ca,
-       "PEM CA bundle; clients must present a certificate it signed (mutual TLS)");
-  Flag(app, "--tls-client-allow", &c->tls_client_allow,
-       "With --tls-client-ca: comma-separated client certificate names (subject alternative "
-       "name or common name) allowed to call; others get PERMISSION_DENIED");
-  Flag(app, "--auth-token-file", &c->auth_token_file,
-       "File of accepted bearer tokens, one per line; requests must send "
-       "'authorization: Bearer <token>' (health checks stay open)");
+  Flags<std::string>(
+      app,
+      {{"--tls-cert", &c->tls_cert,
+        "PEM server certificate chain; with --tls-key enables TLS (empty: plaintext)"},
+       {"--tls-key", &c->tls_key, "PEM private key of --tls-cert"},
+       {"--tls-client-ca", &c->tls_client_ca,
+        "PEM CA bundle; clients must present a certificate it signed (mutual TLS)"},
+       {"--tls-client-allow", &c->tls_client_allow,
+        "With --tls-client-ca: comma-separated client certificate names (subject alternative "
+        "name or common name) allowed to call; others get PERMISSION_DENIED"},
+       {"--auth-token-file", &c->auth_token_file,
+        "File of accepted bearer tokens, one per line; requests must send "
+        "'authorization: Bearer <token>' (health checks stay open)"}});
   Flag(app, "--reflection", &c->reflection,
        "Offer gRPC server reflection (true/false); it stays open without a token");
 }

@@ -1,4 +1,4 @@
-"""netns_test: the cluster suite (issue 33 item 8). Three attention-servers,
+"""netns_test: the cluster suite. Three attention-servers,
 each in its own network namespace with one address (10.77.<i>.2, a veth pair
 into the namespace holding the edge), behind the edge (HAProxy on the
 configuration run.sh uses: deploy/edge/haproxy.cfg + backends.sh), under 8
@@ -208,7 +208,7 @@ def inside(prefix):
 
     def freeze():
         frozen = replica_set.replicas()[1].pid
-        scenarios.check_outage(checks, replica_set, "SIGSTOP 12 s",
+        scenarios.check_outage(checks, replica_set, "SIGSTOP for 12 s",
                                lambda: os.kill(frozen, signal.SIGSTOP),
                                lambda: os.kill(frozen, signal.SIGCONT), 12.0)
         scenarios.wait_until(lambda: scenarios.edge_servers(replica_set.edge_metrics).get("r1") == "UP",

@@ -1,5 +1,5 @@
-"""run_sh_test: deploy/edge/run.sh --replicas 3 on loopback (issue 33 items 1
-to 4 and 6, the edge's side), with the real attention-server and HAProxy:
+"""run_sh_test: deploy/edge/run.sh --replicas 3 on loopback (the edge's
+side of a replica set), with the real attention-server and HAProxy:
 
   - bad input: --replicas out of range, a bad --edge-metrics-address (exit 2
     with the reason); a replica that cannot start (a missing model
@@ -16,7 +16,8 @@ to 4 and 6, the edge's side), with the real attention-server and HAProxy:
     today;
   - run.sh's supervision: kill -9 of a replica under load (nothing fails, a
     new one serves within 5 s, the pid file rewritten), a rolling SIGTERM of
-    all three (nothing fails: needs the server's drain of issue 33 item 3);
+    all three (nothing fails: needs the server's drain, which keeps serving
+    while it reports NOT_SERVING);
   - SIGTERM to run.sh under load: every call OK or UNAVAILABLE, exit 0,
     nothing left running.
 

@@ -1,8 +1,8 @@
 """scenarios: the measurements run_sh_test.py and netns_test.py make on a
 replica set (replica_set.py) under load (workload.py), each checked against
-issue 33's target and printed as a "figure" line for the record.
+its target (RELIABILITY.md section 11) and printed as a "figure" line for the record.
 
-Checks marked `after` depend on parts of issue 33 outside the edge: the
+Checks marked `after` depend on parts of the project outside the edge: the
 server's drain that keeps serving while it reports NOT_SERVING, its error
 text naming the header, and the Python client's session replay. They are
 reported (and fail) like the others; their names say what they wait for.

@@ -1,4 +1,4 @@
-// engine_stop_test.cc: cooperative cancellation in the engine (issue 14).
+// engine_stop_test.cc: cooperative cancellation in the engine.
 //
 // A request's StopCheck is polled between blocks of its work; once it says
 // stop, the request's remaining work is skipped, its result carries that

@@ -1,4 +1,4 @@
-// numerics_test.cc: a finite request never gets NaN or Inf with OK (issue 14).
+// numerics_test.cc: a finite request never gets NaN or Inf with OK.
 //
 // Scores beyond float32 (a huge scale, huge inputs) follow the rule of
 // docs/api.md section 2.1 as if computed exactly: the weight goes to the
@@ -56,7 +56,7 @@ Answer Compute(const Model& model, const Tensor& queries, const Tensor* keys, co
   return answer;
 }
 
-TEST(Numerics, TheIssuesCaseIsFinite) {
+TEST(Numerics, OverflowingScoreOfOneKeyIsFinite) {
   // scale 1e38, q = k = v = 10: the float score overflows.
   const Tensor queries{{1, 1, 1}, {10.0f}};
   const Answer a = Compute(DotProductModel(), queries, nullptr, nullptr, 1e38f);

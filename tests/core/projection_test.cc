@@ -1,5 +1,5 @@
 // projection_test.cc: how the engine spreads a projection over its pool
-// (core/engine/projection.h, issue 27 item 5). A projection of few rows (a batch
+// (core/engine/projection.h). A projection of few rows (a batch
 // of single tokens, a decode step) is cut by columns so every thread gets
 // work, and the answer is the same bits at every thread count, the same as
 // the whole product on one thread; a batch of tokens still runs while

@@ -1,7 +1,7 @@
 // thread_pool_test.cc: ParallelFor calls from several threads share the
-// pool fairly (issue 14). A call must not wait for a worker that is busy
-// with another call's long tasks: the batcher of one model used to wait
-// until another model's budget-sized batch finished (p99 of small requests
+// pool fairly. A call must not wait for a worker that is busy with another
+// call's long tasks: without it, the batcher of one model waited until
+// another model's budget-sized batch finished (p99 of small requests
 // 2.4 s instead of 8 ms, RELIABILITY.md section 9). Its workers carry the
 // name "engine", for profiles (core/thread_name.h).
 #include <gtest/gtest.h>

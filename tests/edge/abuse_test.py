@@ -1,7 +1,7 @@
 """abuse_test: one unauthenticated host's HTTP/2 abuse against attention-server
 behind its edge (deploy/edge/run.sh), while a well-behaved client is served.
 
-Each class of issue 22 runs for SECONDS (default 6) from 127.0.0.2, in its own
+Each abuse class runs for SECONDS (default 6) from 127.0.0.2, in its own
 processes, while a gRPC client on 127.0.0.1 sends a small Attend every 20 ms:
 
   continuation  HEADERS then endless CONTINUATION frames (CVE-2023-33953)

@@ -1,9 +1,9 @@
 // budget_test.cc: the per-request work and scratch budgets (docs/api.md,
 // section 6.2). Valid but enormous requests are refused at validation, before
 // any engine time or scratch is spent: `dot_product` with queries [1,60000,1]
-// (240 KB on the wire) used to hold the engine about 2.8 s past its own
-// deadline, and values [1,1,8000000] raised the server's RSS to 2.2 GB and
-// kept it (issue 14).
+// (240 KB on the wire) would hold the engine about 2.8 s past its own
+// deadline, and values [1,1,8000000] would raise the server's RSS to 2.2 GB
+// and keep it.
 #include <signal.h>
 #include <unistd.h>
 

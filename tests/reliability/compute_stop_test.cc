@@ -1,8 +1,8 @@
 // compute_stop_test.cc: a request whose deadline passes, or whose caller
 // cancels, while the engine computes it stops costing CPU within
-// milliseconds, and the request batched with it is answered right (issue 14;
-// docs/api.md section 3). Before, a budget-sized request held the engine for
-// its whole computation whatever its deadline.
+// milliseconds, and the request batched with it is answered right
+// (docs/api.md section 3). Without it, a budget-sized request would hold the
+// engine for its whole computation whatever its deadline.
 //
 // The engine time is read from the server's own metrics: the batch's
 // attention_compute_duration_seconds, observed once per request of it.

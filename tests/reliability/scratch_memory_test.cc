@@ -1,6 +1,6 @@
 // scratch_memory_test.cc: per-thread engine scratch that grew for one
 // oversized request is given back after it, so the server's resident memory
-// returns near its level before (issue 14). Before, an additive model with
+// returns near its level before. Without it, an additive model with
 // many hidden units kept n_k x h floats of tanh features per engine thread
 // for the rest of its life (51 MiB from a 200 KB request here), and the fused
 // kernel's buffers (64 x d_v floats, a row of n_k scores) only grew.

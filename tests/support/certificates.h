@@ -23,9 +23,11 @@ struct CertificateSpec {
   // subjectAltName entries; "" for a client certificate (no names), or a
   // client identity such as "URI:spiffe://test/bob".
   std::string hosts = "DNS:localhost,IP:127.0.0.1";
-  // Validity, YYYYMMDDHHMMSSZ; "" for make_pki.sh's 2020..2099.
-  std::string not_before;
-  std::string not_after;
+  // Validity, YYYYMMDDHHMMSSZ; "" for make_pki.sh's 2020..2099. Initialized
+  // here so that a designated initializer may leave them out without a
+  // -Wmissing-field-initializers warning.
+  std::string not_before = "";
+  std::string not_after = "";
 };
 
 class TestPki {

@@ -12,6 +12,7 @@
 
 #include "attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "server/api/grpc/raw_service.h"
 #include "server/dispatch/call_origin.h"
 #include "server/dispatch/dispatcher.h"
 #include "server/repository/registry.h"
@@ -20,11 +21,11 @@
 namespace attention::server {
 
 // Every method raw: the handlers parse their requests themselves.
-using AttentionWireService = v1::AttentionService::WithRawCallbackMethod_Attend<
-    v1::AttentionService::WithRawCallbackMethod_AttendStream<
-        v1::AttentionService::WithRawCallbackMethod_ListModels<
-            v1::AttentionService::WithRawCallbackMethod_AttendSession<
-                v1::AttentionService::Service>>>>;
+using AttentionWireService = RawCallbackService<
+    v1::AttentionService::Service, v1::AttentionService::WithRawCallbackMethod_Attend,
+    v1::AttentionService::WithRawCallbackMethod_AttendStream,
+    v1::AttentionService::WithRawCallbackMethod_ListModels,
+    v1::AttentionService::WithRawCallbackMethod_AttendSession>;
 
 class AttentionApi final : public AttentionWireService {
  public:

@@ -35,20 +35,16 @@
 
 namespace attention::server {
 
-// Tensor and parameter names of the protocol binding.
-inline constexpr char kQueriesInput[] = "queries";
-inline constexpr char kKeysInput[] = "keys";
-inline constexpr char kValuesInput[] = "values";
-inline constexpr char kValidLensInput[] = "valid_lens";
-inline constexpr char kOutputOutput[] = "output";
-inline constexpr char kWeightsOutput[] = "attention_weights";
-inline constexpr char kCausalParameter[] = "causal";
-inline constexpr char kScaleParameter[] = "scale";
-inline constexpr char kReturnWeightsParameter[] = "return_attention_weights";
+// Tensor and parameter names of the protocol binding, a declaration per role.
+inline constexpr char kQueriesInput[] = "queries", kKeysInput[] = "keys", kValuesInput[] = "values",
+                      kValidLensInput[] = "valid_lens";
+inline constexpr char kOutputOutput[] = "output", kWeightsOutput[] = "attention_weights";
+inline constexpr char kCausalParameter[] = "causal", kScaleParameter[] = "scale",
+                      kReturnWeightsParameter[] = "return_attention_weights";
 // Triton's sequence parameters (docs/api.md, "Sequences").
-inline constexpr char kSequenceIdParameter[] = "sequence_id";
-inline constexpr char kSequenceStartParameter[] = "sequence_start";
-inline constexpr char kSequenceEndParameter[] = "sequence_end";
+inline constexpr char kSequenceIdParameter[] = "sequence_id",
+                      kSequenceStartParameter[] = "sequence_start",
+                      kSequenceEndParameter[] = "sequence_end";
 
 // A request's place in a sequence.
 struct SequenceParameters {

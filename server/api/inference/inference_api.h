@@ -13,6 +13,7 @@
 
 #include "grpcpp/grpcpp.h"
 #include "inference/grpc_service.grpc.pb.h"
+#include "server/api/grpc/raw_service.h"
 #include "server/api/inference/inference_adapter.h"
 #include "server/api/inference/inference_operations.h"
 #include "server/dispatch/dispatcher.h"
@@ -21,23 +22,20 @@ namespace attention::server {
 
 // Every method raw: the handlers parse their requests themselves
 // (wire_message.h), so bytes that do not parse get INVALID_ARGUMENT.
-using InferenceWireService = inference::GRPCInferenceService::WithRawCallbackMethod_ServerLive<
-    inference::GRPCInferenceService::WithRawCallbackMethod_ServerReady<
-        inference::GRPCInferenceService::WithRawCallbackMethod_ModelReady<
-            inference::GRPCInferenceService::WithRawCallbackMethod_ServerMetadata<
-                inference::GRPCInferenceService::WithRawCallbackMethod_ModelMetadata<
-                    inference::GRPCInferenceService::WithRawCallbackMethod_ModelInfer<
-                        inference::GRPCInferenceService::WithRawCallbackMethod_ModelStreamInfer<
-                            inference::GRPCInferenceService::WithRawCallbackMethod_ModelConfig<
-                                inference::GRPCInferenceService::WithRawCallbackMethod_ModelStatistics<
-                                    inference::GRPCInferenceService::
-                                        WithRawCallbackMethod_RepositoryIndex<
-                                            inference::GRPCInferenceService::
-                                                WithRawCallbackMethod_RepositoryModelLoad<
-                                                    inference::GRPCInferenceService::
-                                                        WithRawCallbackMethod_RepositoryModelUnload<
-                                                            inference::GRPCInferenceService::
-                                                                Service>>>>>>>>>>>>;
+using InferenceGrpc = inference::GRPCInferenceService;
+using InferenceWireService = RawCallbackService<
+    InferenceGrpc::Service, InferenceGrpc::WithRawCallbackMethod_ServerLive,
+    InferenceGrpc::WithRawCallbackMethod_ServerReady,
+    InferenceGrpc::WithRawCallbackMethod_ModelReady,
+    InferenceGrpc::WithRawCallbackMethod_ServerMetadata,
+    InferenceGrpc::WithRawCallbackMethod_ModelMetadata,
+    InferenceGrpc::WithRawCallbackMethod_ModelInfer,
+    InferenceGrpc::WithRawCallbackMethod_ModelStreamInfer,
+    InferenceGrpc::WithRawCallbackMethod_ModelConfig,
+    InferenceGrpc::WithRawCallbackMethod_ModelStatistics,
+    InferenceGrpc::WithRawCallbackMethod_RepositoryIndex,
+    InferenceGrpc::WithRawCallbackMethod_RepositoryModelLoad,
+    InferenceGrpc::WithRawCallbackMethod_RepositoryModelUnload>;
 
 class InferenceApi final : public InferenceWireService {
  public:
