@@ -88,12 +88,17 @@ float DefaultScale(const Model& model, const AttentionDims& dims) {
     case Kind::kAdditive:
       return 1.0f;
     case Kind::kMultiHead:
-      return 1.0f / std::sqrt(static_cast<float>(model.output_size / model.num_heads));
+      if (model.terms.scale > 0) return model.terms.scale;
+      return 1.0f / std::sqrt(static_cast<float>(HeadSize(model)));
   }
   return 1.0f;
 }
 
 namespace {
+
+// The largest position a request may give: rotary angles stay exact in
+// double far beyond it.
+constexpr int64_t kMaxPosition = int64_t{1} << 40;
 
 // Query rows an engine thread works on at once; scratch is sized for them.
 constexpr double kQueryBlockRows = 64;
@@ -258,6 +263,55 @@ absl::Status CheckScratchLimit(const Model& model, const AttentionDims& dims,
       "); split it into smaller requests"));
 }
 
+// position_ids: 0, n_q or B*n_q entries, each >= 0, and only for a model
+// whose layer reads positions.
+absl::Status CheckPositionIds(const Model& model, const AttentionRequest& request,
+                              const AttentionDims& dims) {
+  const int64_t count = static_cast<int64_t>(request.position_ids.size());
+  if (count == 0) return absl::OkStatus();
+  if (model.terms.rotary.dims == 0 && model.terms.alibi_slopes.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "position_ids: model '", model.name,
+        "' has neither rotary positions nor ALiBi, so it reads no positions; omit them"));
+  }
+  if (count != dims.num_queries && count != dims.batch * dims.num_queries) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "position_ids: expected 0, ", dims.num_queries, " (n_q, for every example) or ",
+        dims.batch * dims.num_queries, " (B*n_q, row-major) entries, got ", count));
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    if (request.position_ids[i] < 0 || request.position_ids[i] > kMaxPosition) {
+      return absl::InvalidArgumentError(absl::StrCat("position_ids[", i, "]: expected 0 to ",
+                                                     kMaxPosition, ", got ",
+                                                     request.position_ids[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// sliding_window and softcap: dot_product only (a multi_head model's layer
+// fixes its own), a window >= 0 and a finite cap >= 0.
+absl::Status CheckScoreTerms(const Model& model, const AttentionRequest& request) {
+  if (!request.sliding_window && !request.softcap) return absl::OkStatus();
+  if (model.kind != Kind::kDotProduct) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        request.sliding_window ? "sliding_window" : "softcap",
+        ": only dot_product models take it (model '", model.name, "' is ",
+        std::string(KindName(model.kind)),
+        model.kind == Kind::kMultiHead ? ", whose layer fixes its own window and soft-cap)"
+                                       : ")"));
+  }
+  if (request.sliding_window && *request.sliding_window < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sliding_window: expected >= 0 (0: no window), got ", *request.sliding_window));
+  }
+  if (request.softcap && !(std::isfinite(*request.softcap) && *request.softcap >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "softcap: expected a finite value >= 0 (0: none), got ", *request.softcap));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 double RequestWork(const Model& model, const AttentionDims& dims) {
@@ -277,8 +331,10 @@ double RequestWork(const Model& model, const AttentionDims& dims) {
       return b * n_k * d_k * d_q + scores * (d_q + d_v + kSoftmaxWork);
     case Kind::kMultiHead: {
       const double e = static_cast<double>(model.output_size);
-      const double head = e / static_cast<double>(dims.num_heads);
-      return b * (n_q * d_q + n_k * d_k + n_k * d_v + n_q * e) * e +
+      const double queries = static_cast<double>(QueryWidth(model));
+      const double kv = static_cast<double>(KvWidth(model));
+      const double head = static_cast<double>(HeadSize(model));
+      return b * (n_q * (d_q + e) * queries + n_k * (d_k + d_v) * kv) +
              scores * (2 * head + kSoftmaxWork);
     }
   }
@@ -314,6 +370,8 @@ absl::StatusOr<AttentionDims> Validate(const Model& model, const AttentionReques
         absl::StrCat("scale: expected a finite value, got ", *request.scale));
   }
   dims.scale = request.scale ? *request.scale : DefaultScale(model, dims);
+  RETURN_IF_ERROR(CheckPositionIds(model, request, dims));
+  RETURN_IF_ERROR(CheckScoreTerms(model, request));
   RETURN_IF_ERROR(CheckElementLimit(request, dims, limits));
   // Before the finiteness pass: a request refused for its cost is refused
   // cheaply.

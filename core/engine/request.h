@@ -28,6 +28,16 @@ struct AttentionRequest {
   bool causal = false;
   bool return_attention_weights = false;
   std::optional<float> scale;  // replaces the kind's default scale
+  // The tokens' positions, for models with rotary positions or ALiBi: empty
+  // (0..n_q-1), n_q entries (the same for every example) or B*n_q
+  // (row-major). Keys omitted take the queries' positions; keys given take
+  // 0..n_k-1.
+  std::span<const int64_t> position_ids;
+  // dot_product: key j is allowed for query i only if i - j < sliding_window
+  // (unset or 0: no window), and scores are soft-capped to
+  // softcap * tanh(s / softcap) (unset or 0: none).
+  std::optional<int64_t> sliding_window;
+  std::optional<float> softcap;
 };
 
 // Caps that keep one request from exhausting memory. Defaults suit a server
@@ -84,7 +94,8 @@ const TensorView& ResolvedKeys(const AttentionRequest& request);
 const TensorView& ResolvedValues(const AttentionRequest& request);
 
 // The kind's scale when a request sets none: 1/sqrt(d_q) for dot_product and
-// bilinear, 1/sqrt(E/H) for multi_head, 1 for distance and additive.
+// bilinear, the layer's scale or 1/sqrt(head_size) for multi_head, 1 for
+// distance and additive.
 float DefaultScale(const Model& model, const AttentionDims& dims);
 
 // Validate()'s checks of one tensor, for callers that validate tensors of

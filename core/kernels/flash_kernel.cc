@@ -24,6 +24,7 @@
 #include <Eigen/Core>
 
 #include "core/kernels/finite.h"
+#include "core/kernels/flash_terms.h"
 #include "core/kernels/flash_tile.h"
 #include "core/kernels/masked_softmax.h"
 
@@ -450,6 +451,7 @@ bool FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t qu
   // Queries (n_q x head_size), keys (n_k x head_size), values (n_k x value_size),
   // output (n_q x value_size); rows [query_begin, query_end) are computed.
   if (query_begin >= query_end) return true;
+  if (problem.has_terms()) return internal::TermsAttention(problem, query_begin, query_end, nullptr, 0);
   Scratch& scratch = ThreadScratch();
   scratch.Reserve(problem);
   const FlashTilePath path = FlashTilePathFor(ActiveIsa(), problem.precision);
@@ -473,11 +475,14 @@ bool FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t qu
 }
 
 bool PairsKeysPerCall(const FlashProblem& problem) {
-  return FlashTilePathFor(ActiveIsa(), problem.precision).pair_keys != nullptr;
+  return !problem.has_terms() && FlashTilePathFor(ActiveIsa(), problem.precision).pair_keys != nullptr;
 }
 
 bool AttentionWithWeights(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
                           float* weights, int64_t weights_stride) {
+  if (problem.has_terms()) {
+    return internal::TermsAttention(problem, query_begin, query_end, weights, weights_stride);
+  }
   if (problem.paged()) {
     Scratch& scratch = ThreadScratch();
     const bool completed = AttentionWithWeights(Contiguous(problem, scratch), query_begin,

@@ -153,7 +153,7 @@ double Session::State::StepWork(const AttentionDims& dims) const {
   const double held_rows = static_cast<double>(batch) * static_cast<double>(held);
   double work = RequestWork(*model, dims);
   if (model->kind == Kind::kMultiHead) {
-    work -= held_rows * static_cast<double>((key_size + value_size) * model->output_size);
+    work -= held_rows * static_cast<double>((key_size + value_size) * KvWidth(*model));
   } else if (model->kind == Kind::kAdditive) {
     work -= held_rows * static_cast<double>(key_size * model->w_q.rows());
   }
@@ -211,6 +211,14 @@ absl::Status CheckCrossValidLens(std::span<const int32_t> valid_lens, int64_t ba
 }
 
 absl::Status CheckCrossOpen(const Model& model, const SessionOpen& open, const Limits& limits) {
+  if (model.kind == Kind::kMultiHead &&
+      (model.terms.rotary.dims > 0 || !model.terms.k_norm.empty() ||
+       !model.terms.alibi_slopes.empty() || model.terms.sliding_window > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "memory: model '", model.name,
+        "' is a decoder layer (rotary positions, qk-norm, ALiBi or a window over its own "
+        "tokens): open self memory"));
+  }
   if (!open.keys) {
     return absl::InvalidArgumentError("keys: required for cross memory, (B, n_k, d_k)");
   }
@@ -347,7 +355,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(std::shared_ptr<const Mod
     const Model& m = *state->model;
     state->values_are_keys = m.kind == Kind::kDotProduct;
     state->key_size = state->value_size = m.query_size;
-    state->key_width = state->value_width = m.output_size;
+    state->key_width = state->value_width = m.kind == Kind::kMultiHead ? KvWidth(m) : 0;
   } else {
     RETURN_IF_ERROR(FillCrossMemory(open, *state));
   }

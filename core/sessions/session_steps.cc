@@ -24,6 +24,7 @@
 #include "core/engine/engine.h"
 #include "core/kernels/finite.h"
 #include "core/engine/group_scratch.h"
+#include "core/engine/positions.h"
 #include "core/kernels/masked_softmax.h"
 #include "core/engine/projection.h"
 #include "core/engine/request_stop.h"
@@ -170,13 +171,16 @@ struct StepScratch {
   float* concat = nullptr;
   float* output = nullptr;
   int64_t width = 0;  // multi_head: E
+  // multi_head: H hd and H_kv hd, the widths of the queries' and of the keys'
+  // (and values') projections in a projected row.
+  int64_t query_width = 0, kv_width = 0;
   int64_t rows = 0;   // of every step
 };
 
 int64_t ProjectedWidth(const Model& model) {
   switch (model.kind) {
     case Kind::kMultiHead:
-      return 3 * model.output_size;
+      return QueryWidth(model) + 2 * KvWidth(model);
     case Kind::kBilinear:
       return model.w_k.cols();
     case Kind::kAdditive:
@@ -194,13 +198,16 @@ StepScratch PlanScratch(const Model& model, std::span<StepRun> runs, std::vector
     run.first_row = s.rows;
     s.rows += run.rows();
   }
-  s.width = model.kind == Kind::kMultiHead ? model.output_size : 0;
+  const bool multi_head = model.kind == Kind::kMultiHead;
+  s.width = multi_head ? model.output_size : 0;
+  s.query_width = multi_head ? QueryWidth(model) : 0;
+  s.kv_width = multi_head ? KvWidth(model) : 0;
   s.projected_width = ProjectedWidth(model);
   const bool stacked = runs.size() > 1 && s.projected_width > 0;
   const int64_t d_q = runs[0].dims().query_size, rows = s.rows;
   const auto [inputs, projected, concat, output] =
-      internal::GroupScratch<4>({stacked ? rows * d_q : 0, rows * s.projected_width, rows * s.width,
-                                 runs.size() > 1 ? rows * s.width : 0},
+      internal::GroupScratch<4>({stacked ? rows * d_q : 0, rows * s.projected_width,
+                                 rows * s.query_width, runs.size() > 1 ? rows * s.width : 0},
                                 once);
   s.projected = projected;
   s.concat = concat;
@@ -232,11 +239,31 @@ std::vector<Projection> MultiHeadInputProjections(const Model& model, const Step
     const float* in = s.inputs + first * d_q;
     float* out = s.projected + first * stride;
     projections.push_back(
-        {in, out + s.width, count, &model.w_k, &model.b_k, true, &model.packed_k, stride});
-    projections.push_back(
-        {in, out + 2 * s.width, count, &model.w_v, &model.b_v, true, &model.packed_v, stride});
+        {in, out + s.query_width, count, &model.w_k, &model.b_k, true, &model.packed_k, stride});
+    projections.push_back({in, out + s.query_width + s.kv_width, count, &model.w_v, &model.b_v,
+                           true, &model.packed_v, stride});
   }
   return projections;
+}
+
+// Hugging Face layers: qk-norm and rotary on the projected queries and keys
+// of every step, each row at its position in its session (the tokens
+// before it). Cross memory never has them (Session::Open refuses it).
+void PositionSelfSteps(ThreadPool& pool, const Model& model, const StepScratch& s,
+                       std::span<const StepRun> runs) {
+  if (!internal::TransformsRows(model.terms)) return;
+  std::vector<int64_t> positions;
+  positions.reserve(s.rows);
+  for (const StepRun& run : runs) {
+    const int64_t before = run.state->length + run.piece.offset;
+    for (int64_t b = 0; b < run.dims().batch; ++b) {
+      for (int64_t i = 0; i < run.dims().num_queries; ++i) positions.push_back(before + i);
+    }
+  }
+  const internal::ProjectedRows parts[] = {
+      {s.projected, s.projected_width, s.rows, model.num_heads, &model.terms.q_norm},
+      {s.projected + s.query_width, s.projected_width, s.rows, KvHeads(model), &model.terms.k_norm}};
+  internal::PositionRows(pool, model.terms, HeadSize(model), parts, positions);
 }
 
 // Every step's queries projected as the kind needs, one GEMM per product
@@ -253,6 +280,7 @@ void ProjectInputs(ThreadPool& pool, const Model& model, const StepScratch& s,
   }
   if (projections.empty()) return;
   internal::RunProjections(pool, projections, runs.size() == 1 ? runs[0].stop : nullptr);
+  if (model.kind == Kind::kMultiHead) PositionSelfSteps(pool, model, s, runs);
 }
 
 // A self step's new keys and values into its blocks, after the session's
@@ -277,7 +305,7 @@ void AppendSelfSteps(const Model& model, const StepScratch& s, std::span<const S
     if (!run.self()) continue;
     if (model.kind == Kind::kMultiHead) {
       const float* row = s.projected + run.first_row * s.projected_width;
-      Append(run, row + s.width, row + 2 * s.width, s.projected_width);
+      Append(run, row + s.query_width, row + s.query_width + s.kv_width, s.projected_width);
     } else {
       Append(run, run.queries().data.data(), nullptr, run.dims().query_size);
     }
@@ -296,7 +324,8 @@ FlashProblem BaseProblem(const StepRun& run) {
 // multi_head: one problem per (step, example, head), on the projections.
 void AddHeadTasks(const Model& model, const StepScratch& s, StepRun& run,
                   std::deque<FlashProblem>& problems, std::vector<AttentionTask>& tasks) {
-  const int64_t heads = model.num_heads, head_size = s.width / heads;
+  const int64_t heads = model.num_heads, head_size = HeadSize(model);
+  const int64_t group = heads / KvHeads(model);
   const int64_t n = run.dims().num_queries;
   for (int64_t b = 0; b < run.dims().batch; ++b) {
     const int64_t row = run.first_row + b * n;
@@ -304,12 +333,15 @@ void AddHeadTasks(const Model& model, const StepScratch& s, StepRun& run,
       FlashProblem& p = problems.emplace_back(BaseProblem(run));
       p.queries = s.projected + row * s.projected_width + h * head_size;
       p.query_stride = s.projected_width;
-      p.output = s.concat + row * s.width + h * head_size;
-      p.output_stride = s.width;
+      p.output = s.concat + row * s.query_width + h * head_size;
+      p.output_stride = s.query_width;
       p.head_size = p.value_size = head_size;
       p.bounds = BoundsOf(run, b);
+      p.bounds.window = model.terms.sliding_window;
+      p.bounds.first_query = run.state->length + run.piece.offset;
+      p.terms = internal::HeadTerms(model.terms, h);
       p.precision = model.precision;
-      SetMemory(p, *run.state, b, h * head_size);
+      SetMemory(p, *run.state, b, h / group * head_size);
       internal::AddTasks(p, internal::WeightsOf(run.result(), b * heads + h, run.dims()), tasks);
     }
   }
