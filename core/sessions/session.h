@@ -134,6 +134,10 @@ struct SessionStep {
   // and values. Cross: the step's queries.
   TensorView queries;
   bool return_attention_weights = false;
+  // A dot_product self session over grouped heads (4-D rows): the step's own
+  // keys (B, n_new, H_kv, d) and values (B, n_new, H_kv, d_v), appended
+  // instead of the queries; absent: the queries serve, as for 3-D rows.
+  std::optional<TensorView> keys, values;
 };
 
 // A step that passed ValidateStep() for its session. Several sessions'
