@@ -456,6 +456,12 @@ absl::Status CheckStepLimits(const Session::State& state, const SessionStep& ste
 absl::StatusOr<ValidatedStep> ValidateStep(Session& session, const SessionStep& step,
                                            const Limits& limits) {
   const Session::State& state = *session.state_;
+  if (step.keys || step.values) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        step.keys ? "keys" : "values",
+        ": a step carries its own keys and values only in a dot_product self session over "
+        "grouped heads (4-D queries (B, n_new, H, d))"));
+  }
   RETURN_IF_ERROR(CheckStepQueries(state, step.queries));
   RETURN_IF_ERROR(CheckStepLength(state, step.queries.shape[1]));
   const AttentionDims dims = StepDims(state, step);
