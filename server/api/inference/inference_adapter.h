@@ -40,11 +40,18 @@ inline constexpr char kQueriesInput[] = "queries";
 inline constexpr char kKeysInput[] = "keys";
 inline constexpr char kValuesInput[] = "values";
 inline constexpr char kValidLensInput[] = "valid_lens";
+inline constexpr char kPositionIdsInput[] = "position_ids";
 inline constexpr char kOutputOutput[] = "output";
 inline constexpr char kWeightsOutput[] = "attention_weights";
 inline constexpr char kCausalParameter[] = "causal";
 inline constexpr char kScaleParameter[] = "scale";
 inline constexpr char kReturnWeightsParameter[] = "return_attention_weights";
+inline constexpr char kSlidingWindowParameter[] = "sliding_window";
+inline constexpr char kSoftcapParameter[] = "softcap";
+
+// Whether the binding reads parameter `name` as a double_param, so that
+// REST reads a JSON integer given for it as a number like any other.
+bool IsFloatParameter(absl::string_view name);
 // Triton's sequence parameters (docs/api.md, "Sequences").
 inline constexpr char kSequenceIdParameter[] = "sequence_id";
 inline constexpr char kSequenceStartParameter[] = "sequence_start";
@@ -75,6 +82,7 @@ struct DecodedInferRequest {
   std::optional<Tensor> keys;
   std::optional<Tensor> values;
   std::vector<int32_t> valid_lens;
+  std::vector<int64_t> position_ids;  // INT32 inputs widened
   AttentionRequest request;
   // The outputs the response carries, in this order.
   bool returns_output = true;

@@ -53,7 +53,9 @@ absl::StatusOr<SessionOpen> ToSequenceOpen(const AttentionRequest& request) {
         "': a self-attention sequence takes only '", kQueriesInput, "'"));
   }
   open.memory = SessionMemory::kSelf;
-  open.batch = request.queries.shape.size() == 3 ? request.queries.shape[0] : 1;
+  // (B, n, d) or, grouped heads, (B, n, H, d); any other rank is refused by
+  // the session's validation.
+  open.batch = request.queries.shape.size() >= 3 ? request.queries.shape[0] : 1;
   return open;
 }
 
@@ -68,6 +70,23 @@ absl::Status CheckSequenceStep(const AttentionRequest& request) {
       extra != nullptr ? absl::StrCat("inputs: '", extra, "'") : "parameters 'scale'",
       " only on the sequence_start request (the sequence keeps what it opened with); got it "
       "without sequence_start"));
+}
+
+// What no request of a sequence may carry: a session's positions come from
+// its length, and its window and soft-cap from its model (docs/api.md
+// section 11), so these would be ignored.
+absl::Status CheckSequenceTerms(const AttentionRequest& request) {
+  std::string field;
+  if (!request.position_ids.empty()) {
+    field = absl::StrCat("inputs '", kPositionIdsInput, "'");
+  } else if (request.sliding_window.has_value() || request.softcap.has_value()) {
+    field = absl::StrCat("parameters '",
+                         request.sliding_window ? kSlidingWindowParameter : kSoftcapParameter, "'");
+  }
+  if (field.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": expected none on a sequence request (a sequence's positions come from its "
+      "length, its window and soft-cap from its model), got one"));
 }
 
 // "sequence_id 7" or "sequence_id 'abc'", for messages.
@@ -188,6 +207,7 @@ absl::StatusOr<Dispatcher::Step> InferenceOperations::BeginSequenceStep(
   const AttentionRequest& request = decoded.request;
   const std::string key =
       std::visit([&](const auto& id) { return SequenceKey(proto.model_name(), id); }, sequence.id);
+  if (absl::Status s = CheckSequenceTerms(request); !s.ok()) return s;
   absl::StatusOr<SessionTable::Handle> handle;
   if (sequence.start) {
     if (!resolved.ok()) return resolved.status();
@@ -207,7 +227,9 @@ absl::StatusOr<Dispatcher::Step> InferenceOperations::BeginSequenceStep(
                           .served = SessionTable::Served(call.handle),
                           .step = SessionStep{.queries = request.queries,
                                               .return_attention_weights =
-                                                  request.return_attention_weights}};
+                                                  request.return_attention_weights,
+                                              .keys = std::nullopt,
+                                              .values = std::nullopt}};
 }
 
 absl::Status InferenceOperations::ServerLive(const CallOrigin&, const inference::ServerLiveRequest&,
