@@ -1,10 +1,12 @@
 """python_test: the Python client (the attention-client package) against a
 real attention-server: conformance cases through the numpy-in, numpy-out
 call, errors as grpc.RpcError with the server's code, attend_stream (answers
-in order, equal to attend's, a refused request's error in place), and the
-heatmap example writing a valid PNG. Against a scripted service in this
-process (the real server cannot fail a stream on demand): a stream is never
-retried, odd error codes, answer counts that do not match the requests.
+in order, equal to attend's, a refused request's error in place), the
+heatmap example writing a valid PNG, and the layer cases with their
+position_ids and ListModels' grouped heads and rotary. Against a scripted
+service in this process (the real server cannot fail a stream on demand): a
+stream is never retried, odd error codes, answer counts that do not match
+the requests.
 Against a bare HTTP/2 service: answers cut off before their status are sent
 again.
 
@@ -174,8 +176,13 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(error.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
 
     def test_bad_input_is_refused_before_sending(self):
-        with self.assertRaisesRegex(ValueError, r"queries must have 3 dimensions .* \(2, 2\)"):
+        with self.assertRaisesRegex(ValueError, r"queries must be an array .* got a scalar"):
+            self.client.attend(np.float32(2))
+        # Any rank is sent: the server says which ones the model takes.
+        with self.assertRaises(grpc.RpcError) as error:
             self.client.attend(np.ones((2, 2)))
+        self.assertEqual(error.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("queries", error.exception.details())
 
     def test_heatmap_example_writes_a_png(self):
         with tempfile.TemporaryDirectory() as out:
@@ -272,6 +279,73 @@ class PythonClientTest(unittest.TestCase):
         with self.assertRaises(grpc.RpcError) as error:
             list(self.client.attend_stream([dict(queries=np.ones((1, 2048, 64)))], timeout=1e-3))
         self.assertEqual(error.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class PythonLayerTest(unittest.TestCase):
+    """The layer cases (Hugging Face's layouts): positions, windows and
+    grouped heads through attend and list_models."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server("--model-repository", os.path.join(CONFORMANCE, "layers", "models"))
+        cls.client = attention_client.AttentionClient(cls.server.address, timeout=30)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+
+    def test_every_layer_case_with_its_positions(self):
+        directory = os.path.join(CONFORMANCE, "layers", "cases")
+        names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))
+        self.assertTrue(any(name.endswith("_positions.json") for name in names))
+        for name in names:
+            case = json.loads(read_text(os.path.join(directory, name)))
+            request = case["request"]
+            with self.subTest(case=name):
+                arguments = case_arguments(request)
+                arguments["return_attention_weights"] = request.get("return_attention_weights",
+                                                                    False)
+                if "position_ids" in request:
+                    # (B, n_q), as a caller holds them.
+                    arguments["position_ids"] = np.asarray(request["position_ids"]).reshape(
+                        request["queries"]["shape"][:2])
+                result = self.client.attend(**arguments)
+                for key in ("output", "attention_weights"):
+                    if key not in case["expected"]:
+                        continue
+                    np.testing.assert_allclose(getattr(result, key),
+                                               tensor(case["expected"][key]), atol=case["atol"],
+                                               rtol=case["rtol"], err_msg=f"{name}: {key}")
+
+    def test_positions_change_the_answer(self):
+        queries = np.random.default_rng(3).uniform(-1, 1, (1, 3, 64))
+        plain = self.client.attend(queries, model="llama3_gqa", causal=True).output
+        same = self.client.attend(queries, model="llama3_gqa", causal=True,
+                                  position_ids=[0, 1, 2]).output
+        moved = self.client.attend(queries, model="llama3_gqa", causal=True,
+                                   position_ids=[100, 101, 102]).output
+        np.testing.assert_allclose(same, plain, atol=1e-6)
+        self.assertGreater(float(np.max(np.abs(moved - plain))), 1e-4)
+
+    def test_lists_grouped_heads_and_rotary(self):
+        models = {m.name: m for m in self.client.list_models()}
+        llama = models["llama3_gqa"]
+        self.assertEqual(llama.num_heads % llama.num_kv_heads, 0)
+        self.assertLess(llama.num_kv_heads, llama.num_heads)
+        self.assertEqual(llama.rope_type, "llama3")
+        self.assertTrue(models["alibi_6_heads"].alibi)
+        self.assertEqual(models["alibi_6_heads"].rope_type, "")
+
+    def test_window_and_softcap_are_refused_for_a_layer_with_their_names(self):
+        queries = np.ones((1, 2, 64))
+        for arguments, field in ((dict(sliding_window=2), "sliding_window"),
+                                 (dict(softcap=5.0), "softcap")):
+            with self.subTest(field=field):
+                with self.assertRaises(grpc.RpcError) as error:
+                    self.client.attend(queries, model="llama3_gqa", **arguments)
+                self.assertEqual(error.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertIn(field, error.exception.details())
 
 
 class PythonSessionTest(unittest.TestCase):
