@@ -1,7 +1,8 @@
 // server_inference_test.cc: inference.GRPCInferenceService (the Open
 // Inference Protocol) on a real attention-server, through a C++ client
 // generated from proto/inference/grpc_service.proto: every RPC; every
-// conformance case through ModelInfer with raw and with typed inputs; FP16
+// conformance case (the layers' too, with position_ids) through ModelInfer
+// with raw and with typed inputs; FP16
 // and BF16 inputs equal to their FP32 widening; every errors.json entry gets
 // the code Attend gives it; merged batches (ModelInfer and Attend together)
 // answer as alone; ModelStreamInfer's order and errors in place; ServerReady
@@ -110,9 +111,35 @@ inference::ModelInferRequest ToInfer(const v1::AttendRequest& attend, Contents c
       infer.add_raw_input_contents(Bytes(lens));
     }
   }
+  if (!attend.position_ids().empty()) {
+    // Both integer types: INT64 raw, INT32 typed; [B, n_q] when there is one
+    // per query, else [n_q].
+    auto* input = infer.add_inputs();
+    input->set_name("position_ids");
+    const int64_t batch = attend.queries().shape(0), n_q = attend.queries().shape(1);
+    if (attend.position_ids_size() == batch * n_q) {
+      for (int64_t size : {batch, n_q}) input->add_shape(size);
+    } else {
+      input->add_shape(attend.position_ids_size());
+    }
+    if (contents == Contents::kTyped) {
+      input->set_datatype("INT32");
+      for (int64_t id : attend.position_ids()) {
+        input->mutable_contents()->add_int_contents(static_cast<int32_t>(id));
+      }
+    } else {
+      input->set_datatype("INT64");
+      infer.add_raw_input_contents(
+          Bytes(std::vector<int64_t>(attend.position_ids().begin(), attend.position_ids().end())));
+    }
+  }
   auto& parameters = *infer.mutable_parameters();
   if (attend.causal()) parameters["causal"].set_bool_param(true);
   if (attend.has_scale()) parameters["scale"].set_double_param(attend.scale());
+  if (attend.has_sliding_window()) {
+    parameters["sliding_window"].set_int64_param(attend.sliding_window());
+  }
+  if (attend.has_softcap()) parameters["softcap"].set_double_param(attend.softcap());
   if (attend.return_attention_weights()) {
     // Both ways of asking for the weights are exercised.
     if (contents == Contents::kRaw) {
@@ -343,19 +370,26 @@ TEST_F(ServerInferenceTest, EveryRpcAnswers) {
 
 TEST_F(ServerInferenceTest, EveryConformanceCaseRawAndTyped) {
   Start();
-  const std::vector<Case> cases = LoadConformanceCases();
+  std::vector<Case> cases = LoadConformanceCases();
   ASSERT_THAT(cases, Not(IsEmpty()));
+  // The layers' cases too: their positions as a position_ids input.
+  const std::vector<Case> layers = LoadLayerCases();
+  ASSERT_THAT(layers, Not(IsEmpty()));
+  cases.insert(cases.end(), layers.begin(), layers.end());
   for (Contents contents : {Contents::kRaw, Contents::kTyped}) {
     for (const Case& c : cases) {
       const InferReply reply = Infer(*infer_, ToInfer(c.request, contents));
       ASSERT_TRUE(reply.status.ok()) << c.name << ": " << CodeName(reply.status.error_code())
                                      << " " << reply.status.error_message();
-      EXPECT_EQ(reply.response.id(), c.name);
+      EXPECT_EQ(reply.response.id(), c.request.request_id()) << c.name;
       EXPECT_EQ(reply.response.model_name(), c.request.model());
-      ASSERT_EQ(reply.response.outputs_size(), 2) << c.name;
+      const bool weights = c.request.return_attention_weights();
+      ASSERT_EQ(reply.response.outputs_size(), weights ? 2 : 1) << c.name;
       ExpectNear(FindOutput(reply.response, "output"), c.expected["output"], c, "output");
-      ExpectNear(FindOutput(reply.response, "attention_weights"), c.expected["attention_weights"],
-                 c, "attention_weights");
+      if (weights) {
+        ExpectNear(FindOutput(reply.response, "attention_weights"),
+                   c.expected["attention_weights"], c, "attention_weights");
+      }
     }
   }
   EXPECT_EQ(Stop(), 0) << server_->Log();

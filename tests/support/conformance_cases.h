@@ -1,6 +1,6 @@
-// conformance_cases.h: the cases of tests/conformance/cases as the server
-// tests read them (header-only: it reports a bad request through gtest, which
-// only the test binaries link).
+// conformance_cases.h: the cases of tests/conformance/cases and
+// tests/conformance/layers/cases as the server tests read them (header-only:
+// it reports a bad request through gtest, which only the test binaries link).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -37,10 +37,10 @@ inline v1::AttendRequest ParseRequest(const nlohmann::json& json) {
   return request.ok() ? *std::move(request) : v1::AttendRequest();
 }
 
-// Every case, sorted by name.
-inline std::vector<ConformanceCase> LoadConformanceCases() {
+// Every case of `directory`, sorted by name.
+inline std::vector<ConformanceCase> LoadCasesOf(const std::filesystem::path& directory) {
   std::vector<ConformanceCase> cases;
-  for (const auto& entry : std::filesystem::directory_iterator(ConformanceDir() / "cases")) {
+  for (const auto& entry : std::filesystem::directory_iterator(directory)) {
     const nlohmann::json json = ReadJson(entry.path());
     cases.push_back(ConformanceCase{json["name"], ParseRequest(json["request"]), json["expected"],
                                     json["atol"].get<double>(), json["rtol"].get<double>()});
@@ -48,6 +48,17 @@ inline std::vector<ConformanceCase> LoadConformanceCases() {
   std::sort(cases.begin(), cases.end(),
             [](const ConformanceCase& a, const ConformanceCase& b) { return a.name < b.name; });
   return cases;
+}
+
+// Every case of cases/ (models/), sorted by name.
+inline std::vector<ConformanceCase> LoadConformanceCases() {
+  return LoadCasesOf(ConformanceDir() / "cases");
+}
+
+// Every case of layers/cases/ (Hugging Face's layout, layers/models/), sorted
+// by name; a server runs them on ConformanceRepository().
+inline std::vector<ConformanceCase> LoadLayerCases() {
+  return LoadCasesOf(ConformanceDir() / "layers" / "cases");
 }
 
 // That an output of shape `shape` and values `data` is the case's
