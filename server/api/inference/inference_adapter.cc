@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <bit>
+#include <charconv>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -359,6 +361,18 @@ std::vector<TensorSpec> InputSpecs(const Model& model) {
   return specs;
 }
 
+// `value` as the shortest text that reads back as it: whole numbers in
+// full ("1000000", not "1e+06"), as a config.json writes them.
+template <typename T>
+std::string NumberText(T value) {
+  if (value == std::floor(value) && std::abs(value) < T(1e15)) {
+    return absl::StrCat(static_cast<int64_t>(value));
+  }
+  char text[64];
+  const auto written = std::to_chars(text, text + sizeof(text), value);
+  return std::string(text, written.ptr);
+}
+
 // The multi_head layer's shape and terms (docs/api.md section 5.6), as
 // ModelMetadata's properties and ModelConfig's parameters give them: heads,
 // kv heads, head_dim, the rotary positions and the window; nothing for the
@@ -371,14 +385,14 @@ std::vector<std::pair<std::string, std::string>> LayerProperties(const Model& mo
       {"num_kv_heads", absl::StrCat(KvHeads(model))},
       {"head_dim", absl::StrCat(HeadSize(model))},
       {"sliding_window", absl::StrCat(terms.sliding_window)},
-      {"softcap", absl::StrCat(terms.softcap)},
+      {"softcap", NumberText(terms.softcap)},
       {"alibi", terms.alibi_slopes.empty() ? "false" : "true"},
       {"sinks", terms.sinks.empty() ? "false" : "true"},
       {"rope_type", terms.rotary.dims > 0 ? terms.rotary.type : ""},
   };
   if (terms.rotary.dims > 0) {
     properties.insert(properties.end(),
-                      {{"rope_theta", absl::StrCat(terms.rotary.theta)},
+                      {{"rope_theta", NumberText(terms.rotary.theta)},
                        {"rope_interleaved", terms.rotary.interleaved ? "true" : "false"},
                        {"rotary_dim", absl::StrCat(terms.rotary.dims)}});
   }
