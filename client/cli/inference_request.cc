@@ -49,7 +49,7 @@ inference::ModelInferRequest ToModelInferRequest(const attention::v1::AttendRequ
     const auto& queries = request.queries().shape();
     const int64_t count = request.position_ids_size();
     if (queries.size() >= 2 && queries[0] * queries[1] == count) {
-      input->mutable_shape()->Add({queries[0], queries[1]});
+      for (int64_t size : {queries[0], queries[1]}) input->add_shape(size);
     } else {
       input->add_shape(count);
     }
