@@ -8,7 +8,8 @@
 // RESOURCE_EXHAUSTED naming them and other sessions go on; idle expiry;
 // a session keeps its version across a reload; SIGTERM with sessions open
 // gives only OK and UNAVAILABLE; Triton's sequence parameters through
-// ModelInfer and ModelStreamInfer; memory back in the pool and RSS bounded
+// ModelInfer and ModelStreamInfer; a step's own keys, and positions, window
+// or soft-cap on a sequence, refused naming them; memory back in the pool and RSS bounded
 // over many open/step/close cycles. A long step in pieces (--chunk-work,
 // chunked prefill) answers as in one, lets other sessions' steps be answered
 // between its pieces (the test gate holds each batch), and one whose
@@ -642,6 +643,60 @@ TEST_F(SessionTest, TritonSequencesThroughModelInfer) {
     EXPECT_THAT(after.error_message(), HasSubstr("sequence_start"));
     // Replicas hold their own sequences: the answer names the edge's routing header.
     EXPECT_THAT(after.error_message(), HasSubstr("attention-sequence-id"));
+  }
+}
+
+// What a session does not take is refused naming it, and the session goes
+// on: a step's own keys where the session has no grouped heads (they reach
+// the engine's check through the step message), and positions, a window or
+// a soft-cap on any request of a Triton sequence (its positions come from
+// its length).
+TEST_F(SessionTest, KeysPositionsWindowAndSoftcapASessionDoesNotTakeAreRefusedNamingThem) {
+  StartServer();
+  std::mt19937 rng(21);
+  const v1::Tensor tokens = RandomTensor(1, 3, 16, rng);
+  SessionCall call(*stub_);
+  ASSERT_FALSE(call.Open(SelfOpen("mh_torch_small")).has_error());
+  ASSERT_FALSE(call.Step(Rows(tokens, 0, 2)).has_error());
+  v1::SessionRequest with_keys;
+  *with_keys.mutable_step()->mutable_queries() = Rows(tokens, 2, 3);
+  *with_keys.mutable_step()->mutable_keys() = Rows(tokens, 2, 3);
+  const v1::SessionResponse refused = call.Send(with_keys);
+  EXPECT_EQ(refused.error().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(refused.error().message(), HasSubstr("keys: a step carries its own keys"));
+  EXPECT_EQ(refused.length(), 2);
+  ASSERT_FALSE(call.Step(Rows(tokens, 2, 3)).has_error()) << "the session goes on";
+  EXPECT_TRUE(call.Close().ok());
+
+  auto infer = InferStub(server_->Channel());
+  inference::InferParameter id;
+  id.set_int64_param(9);
+  const auto expect_refused = [&](inference::ModelInferRequest request, const std::string& field) {
+    inference::ModelInferResponse response;
+    grpc::ClientContext context;
+    const grpc::Status status = infer.ModelInfer(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
+    EXPECT_THAT(status.error_message(), HasSubstr(field + ": expected none on a sequence request"));
+  };
+  inference::ModelInferRequest positions =
+      SequenceRequest("mh_torch_small", Rows(tokens, 0, 2), id, true, false);
+  auto* ids = positions.add_inputs();
+  ids->set_name("position_ids");
+  ids->set_datatype("INT64");
+  ids->add_shape(2);
+  const std::vector<int64_t> two = {0, 1};
+  positions.add_raw_input_contents(
+      std::string(reinterpret_cast<const char*>(two.data()), two.size() * sizeof(int64_t)));
+  expect_refused(positions, "inputs 'position_ids'");
+  for (const std::string parameter : {"sliding_window", "softcap"}) {
+    inference::ModelInferRequest request =
+        SequenceRequest("dot_product", Rows(tokens, 0, 2), id, true, false);
+    if (parameter == "softcap") {
+      (*request.mutable_parameters())[parameter].set_double_param(5);
+    } else {
+      (*request.mutable_parameters())[parameter].set_int64_param(1);
+    }
+    expect_refused(request, "parameters '" + parameter + "'");
   }
 }
 
