@@ -1,17 +1,20 @@
 // server_conformance_test.cc: the conformance data through a real
 // attention-server: every case (cases/ and layers/cases/) via Attend and via
-// one AttendStream, the causal layer cases as AttendSession steps, every
-// errors.json entry gets its code, plus ListModels (with the layers' heads,
-// rotary and window as their files' configs say), health and reflection.
+// one AttendStream, the causal layer cases as AttendSession steps, positions
+// that change a layer's answer, every errors.json entry gets its code, plus
+// ListModels (with the layers' heads, rotary and window as their files'
+// configs say), health and reflection.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -195,6 +198,33 @@ TEST_F(ServerConformanceTest, CausalLayerCasesThroughAttendSession) {
     ++replayed;
   }
   EXPECT_GT(replayed, 0);
+}
+
+// The positions reach the engine: a layer case with positions whose
+// distances differ from 0, 1, 2, ... answers otherwise than without them
+// (the cases' own positions are shifts, which rotary does not see).
+TEST_F(ServerConformanceTest, PositionIdsChangeTheAnswer) {
+  auto stub = server_->Stub();
+  const std::set<std::string> rotary = RotaryModels(*stub);
+  int compared = 0;
+  for (const Case& c : LoadLayerCases()) {
+    if (c.request.position_ids().empty() || !rotary.contains(c.request.model())) continue;
+    v1::AttendRequest plain = c.request;
+    plain.clear_position_ids();
+    v1::AttendResponse without;
+    ASSERT_TRUE(AttendWithin(*stub, std::chrono::seconds(60), plain, &without).ok()) << c.name;
+    for (bool per_query : {true, false}) {
+      v1::AttendResponse with;
+      const grpc::Status status = AttendWithin(*stub, std::chrono::seconds(60),
+                                               WithSpreadPositions(c.request, per_query), &with);
+      ASSERT_TRUE(status.ok()) << c.name << ": " << status.error_message();
+      const double largest = LargestDifference(with.output().data(), without.output().data());
+      EXPECT_GT(largest, 1e-3) << c.name << (per_query ? " (B*n_q)" : " (n_q)");
+      EXPECT_LT(largest, 1e30) << c.name << ": the answers' sizes differ";
+    }
+    ++compared;
+  }
+  EXPECT_GT(compared, 0);
 }
 
 TEST_F(ServerConformanceTest, EveryErrorsEntryGetsItsCode) {

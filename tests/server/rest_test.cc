@@ -16,6 +16,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -212,6 +213,40 @@ TEST_F(ServerRestTest, EveryConformanceCaseAsJsonAndAsBinary) {
       }
     }
   }
+  EXPECT_EQ(server_->Stop(), 0) << server_->Log();
+}
+
+// position_ids reach the engine over REST as through Attend, in both forms
+// (INT64 JSON, INT32 binary) and both shapes: positions whose distances
+// change a rotary layer's answer (the cases' own are shifts, which rotary
+// does not see) give Attend's answer, not the one without them.
+TEST_F(ServerRestTest, PositionIdsMeanWhatAttendsDo) {
+  Start();
+  auto stub = server_->Stub();
+  const std::set<std::string> rotary = RotaryModels(*stub);
+  int compared = 0;
+  for (const ConformanceCase& c : LoadLayerCases()) {
+    if (c.request.position_ids().empty() || !rotary.contains(c.request.model())) continue;
+    v1::AttendRequest plain = c.request;
+    plain.clear_position_ids();
+    v1::AttendResponse without;
+    ASSERT_TRUE(AttendWithin(*stub, std::chrono::seconds(60), plain, &without).ok()) << c.name;
+    for (bool per_query : {true, false}) {
+      const v1::AttendRequest request = WithSpreadPositions(c.request, per_query);
+      v1::AttendResponse attended;
+      ASSERT_TRUE(AttendWithin(*stub, std::chrono::seconds(60), request, &attended).ok())
+          << c.name;
+      for (Form form : {Form::kJson, Form::kBinary}) {
+        const HttpResult result = Infer(request, form);
+        ASSERT_EQ(result.status, 200) << c.name << ": " << result.body << result.error;
+        const std::vector<float> output = ReadOutputs(result)["output"].data;
+        EXPECT_LE(LargestDifference(output, attended.output().data()), 1e-5) << c.name;
+        EXPECT_GT(LargestDifference(output, without.output().data()), 1e-3) << c.name;
+      }
+    }
+    ++compared;
+  }
+  EXPECT_GT(compared, 0);
   EXPECT_EQ(server_->Stop(), 0) << server_->Log();
 }
 

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -73,6 +75,48 @@ inline void ExpectMatchesCase(const std::vector<int64_t>& shape, const std::vect
     ASSERT_LE(std::abs(data[i] - want[i]), c.atol + c.rtol * std::abs(want[i]))
         << c.name << " " << what << "[" << i << "]";
   }
+}
+
+// The largest |a[i] - b[i]| of two float lists (vectors or a proto's
+// repeated field); infinity when their sizes differ.
+template <typename A, typename B>
+double LargestDifference(const A& a, const B& b) {
+  if (static_cast<size_t>(a.size()) != static_cast<size_t>(b.size())) {
+    return std::numeric_limits<double>::infinity();
+  }
+  double largest = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(a.size()); ++i) {
+    largest = std::max<double>(largest, std::abs(static_cast<double>(a[i]) - b[i]));
+  }
+  return largest;
+}
+
+// The models `stub`'s server serves with rotary positions: those whose
+// answers the positions change (ALiBi reads the tokens' indices, docs/api.md
+// 2.8, so its positions change nothing).
+inline std::set<std::string> RotaryModels(v1::AttentionService::Stub& stub) {
+  grpc::ClientContext context;
+  v1::ListModelsResponse response;
+  const grpc::Status status = stub.ListModels(&context, v1::ListModelsRequest(), &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  std::set<std::string> names;
+  for (const v1::ModelInfo& model : response.models()) {
+    if (!model.rope_type().empty()) names.insert(model.name());
+  }
+  return names;
+}
+
+// `request` (a layer case's) with positions whose distances are not those
+// of 0, 1, 2, ...: rotary and ALiBi see only distances, so these change the
+// answer where a shift of every position would not. One per query (B*n_q,
+// each example its own) or, `per_query` false, n_q for every example.
+inline v1::AttendRequest WithSpreadPositions(v1::AttendRequest request, bool per_query) {
+  const int64_t batch = request.queries().shape(0), n_q = request.queries().shape(1);
+  request.clear_position_ids();
+  for (int64_t b = 0; b < (per_query ? batch : 1); ++b) {
+    for (int64_t i = 0; i < n_q; ++i) request.add_position_ids(7 * b + i * i * (b + 2));
+  }
+  return request;
 }
 
 }  // namespace attention::testing
