@@ -39,7 +39,8 @@ const float* KeyRow(const FlashProblem& p, int64_t j) {
 }
 const float* ValueRow(const FlashProblem& p, int64_t j) {
   if (!p.paged()) return p.values + j * p.value_stride;
-  return p.value_blocks[j / p.block_rows] + (j % p.block_rows) * p.value_stride + p.block_column;
+  return p.value_blocks[j / p.block_rows] + (j % p.block_rows) * p.value_stride +
+         p.value_block_column;
 }
 
 // Keys [begin, end) as rows of one matrix: end within begin's block.

@@ -93,8 +93,16 @@ class Session::State {
   // additive's W_k k, the other kinds' rows as given.
   int64_t key_width = 0, value_width = 0;
   int64_t key_size = 0, value_size = 0;
-  // dot_product self memory: a row is its own key and value, held once.
+  // dot_product self memory: a row is its own key and value, held once
+  // (unless the steps bring values of their own).
   bool values_are_keys = false;
+  // dot_product self memory over grouped heads (4-D rows), fixed by the
+  // first step: H query heads, H_kv kv heads (0: 3-D rows). key_size and
+  // value_size are then one head's, key_width = H_kv key_size.
+  int64_t heads = 0, kv_heads = 0;
+  // dot_product self memory: the window and soft-cap of every step.
+  int64_t sliding_window = 0;
+  float softcap = 0;
   std::vector<int32_t> valid_lens;  // cross: empty or one per example
   // distance cross memory: -scale/2 |k|^2 of every key, per example.
   std::vector<std::vector<float>> key_bias;
