@@ -33,10 +33,12 @@ num_attention_heads), "layer_index", and "rope_interleaved" / "alibi" when
 asked for. The file is written beside its destination as <name>.tmp and
 renamed into place, so a server polling the repository never reads half of it.
 
-Refused, with the reason: no tensor under the prefix, a tensor under it that
-the layout has no place for (a fused qkv_proj, say), a dtype that is not a
-float, a non-finite weight, and configs of models whose attention the file
-cannot describe (Gemma 3: its qk-norm multiplies by 1 + weight).
+Phi-3's fused qkv_proj.weight is split into q_proj, k_proj and v_proj by
+the config's head counts. Refused, with the reason: no tensor under the
+prefix, a tensor under it that the layout has no place for (GPT-NeoX's
+query_key_value, say), a dtype that is not a float, a non-finite weight,
+and configs of models whose attention the file cannot describe (Gemma 3:
+its qk-norm multiplies by 1 + weight).
 """
 
 import argparse
@@ -58,6 +60,8 @@ LAYER_TENSORS = (
     "q_norm.weight", "k_norm.weight", "sinks",
 )
 REQUIRED_TENSORS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+# Phi-3's fused projection, split into the three above (split_fused).
+FUSED_TENSORS = ("qkv_proj.weight", "qkv_proj.bias")
 # Buffers some transformers versions keep in the module's state dict that the
 # server recomputes from the config (rotary frequencies): left out.
 DERIVED_PREFIXES = ("rotary_emb.",)
@@ -204,9 +208,34 @@ def as_float32(name, value):
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
-def select_layer(tensors, prefix=""):
+def split_fused(layer, config, prefix):
+    """Phi-3's fused qkv_proj ([H hd + 2 H_kv hd, hidden], rows q, then k,
+    then v) as q_proj, k_proj and v_proj, which is what Phi3Attention slices."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
+    widths = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    for part in ("weight", "bias"):
+        fused = layer.pop(f"qkv_proj.{part}", None)
+        if fused is None:
+            continue
+        if any(f"{name}.{part}" in layer for name in ("q_proj", "k_proj", "v_proj")):
+            raise LayerError(f"{prefix}qkv_proj.{part} and q/k/v_proj.{part} both present")
+        if fused.shape[0] != sum(widths):
+            raise LayerError(
+                f"tensor '{prefix}qkv_proj.{part}' has {fused.shape[0]} rows, expected "
+                f"(num_attention_heads {heads} + 2 * num_key_value_heads {kv_heads}) * head_dim "
+                f"{head_dim} = {sum(widths)}")
+        first = 0
+        for name, width in zip(("q_proj", "k_proj", "v_proj"), widths):
+            layer[f"{name}.{part}"] = np.ascontiguousarray(fused[first:first + width])
+            first += width
+
+
+def select_layer(tensors, config, prefix=""):
     """The layer's tensors of `tensors` ({name: tensor}) under `prefix`,
-    named as the layout names them, as float32 arrays."""
+    named as the layout names them, as float32 arrays; `config` (a dict)
+    sizes a fused qkv_proj."""
     layer, unexpected = {}, []
     for name, value in tensors.items():
         if not name.startswith(prefix):
@@ -214,7 +243,7 @@ def select_layer(tensors, prefix=""):
         short = name[len(prefix):]
         if short.startswith(DERIVED_PREFIXES):
             continue
-        if short not in LAYER_TENSORS:
+        if short not in LAYER_TENSORS + FUSED_TENSORS:
             unexpected.append(name)
             continue
         array = as_float32(name, value)
@@ -229,6 +258,7 @@ def select_layer(tensors, prefix=""):
         hint = f"; is the prefix {hint[0]}?" if len(hint) == 1 else ""
         raise LayerError(f"tensor(s) {', '.join(shown)}{more} have no place in Hugging "
                          f"Face's attention layout ({', '.join(LAYER_TENSORS)}){hint}")
+    split_fused(layer, config, prefix)
     missing = [name for name in REQUIRED_TENSORS if name not in layer]
     if missing:
         raise LayerError(f"missing tensor(s) {', '.join(prefix + m for m in missing)}")
@@ -275,9 +305,9 @@ def write_layer(path, tensors, config, layer_index=None, prefix="", rope_interle
     """Writes the attention layer of `tensors` (a state dict: {name: torch
     tensor or array}, the module's own or a whole model's with `prefix`) and
     `config` (see config_dict) to `path`. Returns the metadata written."""
-    layer = select_layer(tensors, prefix)
-    metadata = {"kind": "multi_head",
-                "config": json.dumps(config_dict(config), separators=(",", ":"))}
+    config = config_dict(config)
+    layer = select_layer(tensors, config, prefix)
+    metadata = {"kind": "multi_head", "config": json.dumps(config, separators=(",", ":"))}
     if layer_index is None:
         layer_index = layer_index_of(prefix)
     if layer_index is not None:

@@ -8,7 +8,8 @@ equal to the source's) and key by key (kind, config, layer_index). Then an
 attention-server with --strict (a bad file stops its start) serves the files
 written, and one layer's answer over REST is checked against a numpy
 computation of Hugging Face's attention. Also: a module's state dict (numpy,
-and torch when it is installed), and each refusal with its message.
+and torch when it is installed), Phi-3's fused qkv_proj split in three, and
+each refusal with its message.
 
     ATTENTION_SERVER_BIN=build/server/attention-server /usr/bin/python3 tests/tools/write_layer_test.py
 """
@@ -299,10 +300,20 @@ class WriteLayerTest(unittest.TestCase):
         (odd / "config.json").write_text("{not json")
         expect("config is not JSON", "--checkpoint", odd, "--prefix", "model.layers.0.self_attn.")
         (odd / "config.json").write_text(json.dumps(CONFIG))
+        write_shard(odd / "model.safetensors", layer + [
+            ("model.layers.0.self_attn.query_key_value.weight", "F32", np.ones((2, 2)))])
+        expect("model.layers.0.self_attn.query_key_value.weight have no place", "--checkpoint",
+               odd, "--prefix", "model.layers.0.self_attn.")
         write_shard(odd / "model.safetensors",
                     layer + [("model.layers.0.self_attn.qkv_proj.weight", "F32", np.ones((2, 2)))])
-        expect("model.layers.0.self_attn.qkv_proj.weight have no place", "--checkpoint", odd,
+        expect("qkv_proj.weight and q/k/v_proj.weight both present", "--checkpoint", odd,
                "--prefix", "model.layers.0.self_attn.")
+        write_shard(odd / "model.safetensors", [
+            ("model.layers.0.self_attn.qkv_proj.weight", "F32", np.ones((60, HIDDEN))),
+            ("model.layers.0.self_attn.o_proj.weight", "F32", self.layers[0]["o_proj.weight"])])
+        expect("tensor 'model.layers.0.self_attn.qkv_proj.weight' has 60 rows, expected "
+               "(num_attention_heads 4 + 2 * num_key_value_heads 2) * head_dim 8 = 64",
+               "--checkpoint", odd, "--prefix", "model.layers.0.self_attn.")
         write_shard(odd / "model.safetensors",
                     layer + [("model.layers.0.self_attn.sinks", "I32", np.ones(HEADS))])
         expect("tensor 'model.layers.0.self_attn.sinks': dtype I32, expected a float",
@@ -316,6 +327,21 @@ class WriteLayerTest(unittest.TestCase):
         write_shard(odd / "model.safetensors", infinite)
         expect("tensor 'model.layers.0.self_attn.k_proj.bias' has non-finite values", "--checkpoint", odd,
                "--prefix", "model.layers.0.self_attn.")
+
+    def test_splits_phi3_fused_qkv_proj(self):
+        phi3 = self.work / "phi3"
+        phi3.mkdir()
+        config = dict(CONFIG, model_type="phi3", architectures=["Phi3ForCausalLM"])
+        (phi3 / "config.json").write_text(json.dumps(config))
+        layer = self.layers[0]
+        fused = np.concatenate([layer["q_proj.weight"], layer["k_proj.weight"],
+                                layer["v_proj.weight"]])
+        write_shard(phi3 / "model.safetensors", [
+            ("model.layers.3.self_attn.qkv_proj.weight", "BF16", fused),
+            ("model.layers.3.self_attn.o_proj.weight", "BF16", layer["o_proj.weight"])])
+        out = self.write("phi3", "--checkpoint", phi3, "--prefix", "model.layers.3.self_attn.")
+        expected = {name: values for name, values in layer.items() if name.endswith("weight")}
+        self.check_layer_file(out, expected, "3", config)
 
     def test_from_a_state_dict_with_a_prefix(self):
         state_dict = {f"model.layers.5.self_attn.{name}": values
@@ -365,11 +391,17 @@ class WriteLayerTest(unittest.TestCase):
         for index in (0, 1):
             self.write(f"qwen_layer{index}", "--checkpoint", self.checkpoint,
                        "--prefix", f"model.layers.{index}.self_attn.")
+        fused = np.concatenate([self.layers[1][name] for name in ("q_proj.weight", "k_proj.weight",
+                                                                  "v_proj.weight")])
+        write_layer.write_layer(self.repository / "phi3_layer1.safetensors",
+                                {"qkv_proj.weight": fused,
+                                 "o_proj.weight": self.layers[1]["o_proj.weight"]},
+                                dict(CONFIG, model_type="phi3"), layer_index=1)
         shutil.copy(SOURCE_DIR / "models" / "mh_hf_llama_e64_h8_kv2.safetensors", self.repository)
         server = Server(self.repository)
         self.addCleanup(lambda: server.process.poll() is None and server.stop())
         for name, hidden in (("qwen_layer0", HIDDEN), ("qwen_layer1", HIDDEN),
-                             ("mh_hf_llama_e64_h8_kv2", 64)):
+                             ("phi3_layer1", HIDDEN), ("mh_hf_llama_e64_h8_kv2", 64)):
             described = server.rest(f"/v2/models/{name}")
             shapes = {tensor["name"]: tensor["shape"] for tensor in described["inputs"]}
             self.assertEqual(shapes["queries"][-1], hidden, described)
