@@ -8,8 +8,10 @@ equal to the source's) and key by key (kind, config, layer_index). Then an
 attention-server with --strict (a bad file stops its start) serves the files
 written, and one layer's answer over REST is checked against a numpy
 computation of Hugging Face's attention. Also: a module's state dict (numpy,
-and torch when it is installed), Phi-3's fused qkv_proj split in three, and
-each refusal with its message.
+and torch when it is installed), Phi-3's fused qkv_proj split in three,
+each refusal with its message, and layers the engine cannot compute (a
+dynamic rope, kv heads that do not divide the heads) skipped by a server
+without --strict with their reasons while the good one serves.
 
     ATTENTION_SERVER_BIN=build/server/attention-server /usr/bin/python3 tests/tools/write_layer_test.py
 """
@@ -113,16 +115,17 @@ def layer_values(rng):
 
 
 class Server:
-    """attention-server on 127.0.0.1, port 0, serving `repository` --strict."""
+    """attention-server on 127.0.0.1, port 0, serving `repository` (--strict:
+    a bad file stops the start)."""
 
-    def __init__(self, repository):
+    def __init__(self, repository, strict=True):
         self.dir = tempfile.mkdtemp()
         ports, self.log_path = os.path.join(self.dir, "ports"), os.path.join(self.dir, "log")
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0",
                  "--metrics-address", "", "--http-address", "127.0.0.1:0", "--port-file", ports,
-                 "--threads", "1", "--warmup", "false", "--strict",
+                 "--threads", "1", "--warmup", "false", *(["--strict"] if strict else []),
                  "--model-repository", str(repository)],
                 stdout=log, stderr=subprocess.STDOUT)
         give_up = time.monotonic() + 60
@@ -418,6 +421,25 @@ class WriteLayerTest(unittest.TestCase):
         np.testing.assert_allclose(np.array(output["data"]).reshape(6, HIDDEN),
                                    hf_attention(x, self.layers[0], np.arange(6)),
                                    atol=1e-4, rtol=1e-4)
+        self.assertEqual(server.stop(), 0)
+
+    def test_a_layer_the_engine_cannot_compute_is_skipped_with_its_reason(self):
+        good = self.write("good", "--checkpoint", self.checkpoint,
+                          "--prefix", "model.layers.0.self_attn.")
+        bad = {"dynamic": dict(CONFIG, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+               "kv_heads": dict(CONFIG, num_key_value_heads=3)}
+        for name, config in bad.items():
+            write_layer.write_layer(self.repository / f"{name}.safetensors", self.layers[0], config)
+        server = Server(self.repository, strict=False)
+        self.addCleanup(lambda: server.process.poll() is None and server.stop())
+        log = server.log()
+        for name, reason in (
+                ("dynamic", 'config "rope_scaling.rope_type" is "dynamic", expected default, '
+                            'linear, llama3 or yarn'),
+                ("kv_heads", 'config "num_attention_heads" 4 is not a multiple of '
+                             '"num_key_value_heads" 3')):
+            self.assertIn(f"model skipped: {self.repository / name}.safetensors: {reason}", log)
+        self.assertEqual(server.rest(f"/v2/models/{good.stem}")["name"], good.stem)
         self.assertEqual(server.stop(), 0)
 
 
