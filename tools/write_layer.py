@@ -80,6 +80,17 @@ class LayerError(Exception):
 
 # ---- reading safetensors checkpoints ----------------------------------------
 
+def json_object(text, what):
+    """`text` parsed as a JSON object; LayerError naming `what` otherwise."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise LayerError(f"{what} is not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise LayerError(f"{what} is a JSON {type(value).__name__}, expected an object")
+    return value
+
+
 def read_header(path):
     """The header of safetensors file `path`: (entries by name, data offset)."""
     with open(path, "rb") as f:
@@ -92,12 +103,7 @@ def read_header(path):
         text = f.read(length)
     if len(text) != length:
         raise LayerError(f"{path}: truncated header ({len(text)} of {length} bytes)")
-    try:
-        header = json.loads(text)
-    except ValueError as error:
-        raise LayerError(f"{path}: header is not JSON: {error}") from None
-    if not isinstance(header, dict):
-        raise LayerError(f"{path}: header is not a JSON object")
+    header = json_object(text, f"{path}: header")
     header.pop("__metadata__", None)
     return header, 8 + length
 
@@ -277,10 +283,7 @@ def config_dict(config):
                 text = pathlib.Path(config).read_text()
             except OSError as error:
                 raise LayerError(f"config {config}: {error.strerror}") from None
-        try:
-            config = json.loads(text)
-        except ValueError as error:
-            raise LayerError(f"config is not JSON: {error}") from None
+        config = json_object(text, "config")
     if not isinstance(config, dict):
         raise LayerError(f"config is a {type(config).__name__}, expected a JSON object")
     if "num_attention_heads" not in config and isinstance(config.get("text_config"), dict):
