@@ -273,9 +273,10 @@ def select_layer(tensors, config, prefix=""):
 
 def config_dict(config):
     """The config as a dict: a dict, JSON text, a config.json path, or a
-    transformers config (to_dict). A multimodal config gives its text_config."""
-    if hasattr(config, "to_dict"):
-        config = config.to_dict()
+    transformers config (as its to_json_string() writes it, the form
+    save_file users store). A multimodal config gives its text_config."""
+    if hasattr(config, "to_json_string"):
+        config = json_object(config.to_json_string(), "config")
     elif isinstance(config, (str, os.PathLike)):
         text = str(config)
         if not text.lstrip().startswith("{"):

@@ -356,6 +356,15 @@ class WriteLayerTest(unittest.TestCase):
                                            prefix="model.layers.5.self_attn.")
         self.assertEqual(metadata["layer_index"], "5")
         self.check_layer_file(out, self.layers[1], "5")
+        # A transformers config object: what its to_json_string() writes.
+
+        class PretrainedConfig:
+            def to_json_string(self):
+                return json.dumps(CONFIG, indent=2) + "\n"
+
+        write_layer.write_layer(out, state_dict, PretrainedConfig(),
+                                prefix="model.layers.5.self_attn.")
+        self.check_layer_file(out, self.layers[1], "5")
         # Without a prefix, no layer_index is written: the server takes 0.
         module = {name: values.astype(np.float64) for name, values in self.layers[0].items()}
         write_layer.write_layer(out, module, CONFIG)
