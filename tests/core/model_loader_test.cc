@@ -167,13 +167,15 @@ TEST(ModelLoaderTest, LoadsEveryExampleModelWithTheSizesItsNameGives) {
     absl::StatusOr<Model> model = LoadModel(file);
     ASSERT_TRUE(model.ok()) << model.status();
     switch (model->kind) {
-      case Kind::kMultiHead:
+      case Kind::kMultiHead: {
         EXPECT_THAT(name, StartsWith("mh_"));
         EXPECT_EQ(model->output_size, NumberAfter(name, "_e"));
         EXPECT_EQ(model->num_heads, NumberAfter(name, "_h"));
         // `_kv`: the key/value heads of a grouped model; without it, one per head.
-        EXPECT_EQ(KvHeads(*model), NumberAfter(name, "_kv") > 0 ? NumberAfter(name, "_kv") : model->num_heads);
+        const int64_t kv_heads = NumberAfter(name, "_kv");
+        EXPECT_EQ(KvHeads(*model), kv_heads > 0 ? kv_heads : model->num_heads);
         break;
+      }
       case Kind::kAdditive:
         EXPECT_THAT(name, StartsWith("additive_"));
         EXPECT_EQ(model->w_q.rows(), NumberAfter(name, "_h"));
@@ -624,11 +626,12 @@ nlohmann::json HfConfig() {
           {"num_key_value_heads", 2}, {"head_dim", 4}, {"max_position_embeddings", 2048}};
 }
 
-// The projections of HfConfig() (4 heads, 2 kv heads, head_dim 4, hidden 16),
-// each with distinct values.
-std::vector<TensorBytes> HfTensors() {
-  return {Weight("q_proj.weight", {16, 16}), Weight("k_proj.weight", {8, 16}, 1000),
-          Weight("v_proj.weight", {8, 16}, 2000), Weight("o_proj.weight", {16, 16}, 3000)};
+// The projections of a layer with hidden 16 whose queries have `query_width`
+// = H hd rows and keys and values `kv_width` = H_kv hd, each with distinct
+// values; by default HfConfig()'s (4 heads, 2 kv heads, head_dim 4).
+std::vector<TensorBytes> HfTensors(int64_t query_width = 16, int64_t kv_width = 8) {
+  return {Weight("q_proj.weight", {query_width, 16}), Weight("k_proj.weight", {kv_width, 16}, 1000),
+          Weight("v_proj.weight", {kv_width, 16}, 2000), Weight("o_proj.weight", {16, query_width}, 3000)};
 }
 
 // The metadata of a layer with `config`, plus `extra` keys.
@@ -700,8 +703,7 @@ TEST(ModelLoaderTest, LoadsHfLayerWithGroupedHeadsAndDefaultRotary) {
 // default to the query heads.
 TEST(ModelLoaderTest, HfLayerSizesDefaultFromHiddenSize) {
   const nlohmann::json config = With(HfConfig(), {{"head_dim", nullptr}, {"num_key_value_heads", nullptr}});
-  absl::StatusOr<Model> model = ParseHf(config, {}, {Weight("q_proj.weight", {16, 16}), Weight("k_proj.weight", {16, 16}),
-                                                     Weight("v_proj.weight", {16, 16}), Weight("o_proj.weight", {16, 16})});
+  absl::StatusOr<Model> model = ParseHf(config, {}, HfTensors(16, 16));
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(model->num_kv_heads, 4);
   EXPECT_EQ(model->head_size, 4);
@@ -823,8 +825,8 @@ TEST(ModelLoaderTest, HfRopeParametersEqualRopeScaling) {
   const nlohmann::json yarn = {{"rope_type", "yarn"}, {"factor", 32.0}, {"beta_fast", 32.0},
                                {"beta_slow", 1.0}, {"original_max_position_embeddings", 4096},
                                {"truncate", false}};
-  for (const nlohmann::json& scaling : {llama3, yarn, nlohmann::json{{"rope_type", "linear"}, {"factor", 4.0}},
-                                        nlohmann::json{{"rope_type", "default"}}}) {
+  const nlohmann::json linear = {{"rope_type", "linear"}, {"factor", 4.0}};
+  for (const nlohmann::json& scaling : {llama3, yarn, linear, nlohmann::json{{"rope_type", "default"}}}) {
     SCOPED_TRACE(scaling.dump());
     const nlohmann::json base = With(HfConfig(), {{"head_dim", 4}, {"max_position_embeddings", 131072}});
     const nlohmann::json v4 = With(base, {{"rope_theta", 500000.0}, {"rope_scaling", scaling}});
@@ -846,7 +848,7 @@ TEST(ModelLoaderTest, HfRopeParametersEqualRopeScaling) {
   // Scaling changes the frequencies (or the test above compares nothing).
   absl::StatusOr<Model> plain = ParseHf(With(HfConfig(), {{"rope_theta", 500000.0}}));
   absl::StatusOr<Model> scaled =
-      ParseHf(With(HfConfig(), {{"rope_theta", 500000.0}, {"rope_scaling", {{"rope_type", "linear"}, {"factor", 4.0}}}}));
+      ParseHf(With(HfConfig(), {{"rope_theta", 500000.0}, {"rope_scaling", linear}}));
   ASSERT_TRUE(plain.ok() && scaled.ok());
   EXPECT_DOUBLE_EQ(scaled->terms.rotary.inv_freq[1], plain->terms.rotary.inv_freq[1] / 4);
 }
@@ -856,9 +858,10 @@ TEST(ModelLoaderTest, HfRopeParametersPerLayerType) {
   const nlohmann::json config = With(
       HfConfig(), {{"sliding_window", 4},
                    {"layer_types", nlohmann::json::array({"sliding_attention", "full_attention"})},
-                   {"rope_parameters", {{"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10000.0}}},
-                                        {"full_attention", {{"rope_type", "linear"}, {"factor", 8.0},
-                                                            {"rope_theta", 1000000.0}}}}}});
+                   {"rope_parameters",
+                    {{"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10000.0}}},
+                     {"full_attention",
+                      {{"rope_type", "linear"}, {"factor", 8.0}, {"rope_theta", 1000000.0}}}}}});
   absl::StatusOr<Model> local = ParseHf(config, {{"layer_index", "0"}});
   absl::StatusOr<Model> global = ParseHf(config, {{"layer_index", "1"}});
   ASSERT_TRUE(local.ok()) << local.status();
@@ -960,7 +963,8 @@ TEST(ModelLoaderTest, RejectsHfTensorsOfTheWrongShape) {
                 "unexpected tensor 'rotary_emb.inv_freq'");
   std::vector<TensorBytes> no_k = HfTensors();
   no_k.erase(no_k.begin() + 1);
-  ExpectInvalid(ParseHf(HfConfig(), {}, no_k), "hf", "missing tensor 'k_proj.weight' (expected shape [8, 16])");
+  ExpectInvalid(ParseHf(HfConfig(), {}, no_k), "hf",
+                "missing tensor 'k_proj.weight' (expected shape [8, 16])");
 }
 
 TEST(ModelLoaderTest, RejectsHfMetadataWithoutAJsonConfig) {
@@ -1002,17 +1006,14 @@ TEST(ModelLoaderTest, RejectsHfOddRotaryDims) {
   ExpectInvalid(ParseHf(With(HfConfig(), {{"partial_rotary_factor", 0.25}})), "hf",
                 "config: rotary dims head_dim * partial_rotary_factor = 1, expected an even number >= 2");
   const nlohmann::json six = With(HfConfig(), {{"head_dim", 6}, {"partial_rotary_factor", 0.5}});
-  const std::vector<TensorBytes> six_wide = {Weight("q_proj.weight", {24, 16}), Weight("k_proj.weight", {12, 16}),
-                                             Weight("v_proj.weight", {12, 16}), Weight("o_proj.weight", {16, 24})};
-  ExpectInvalid(ParseHf(six, {}, six_wide), "hf", "rotary dims head_dim * partial_rotary_factor = 3");
+  ExpectInvalid(ParseHf(six, {}, HfTensors(24, 12)), "hf",
+                "rotary dims head_dim * partial_rotary_factor = 3");
   ExpectInvalid(ParseHf(With(HfConfig(), {{"partial_rotary_factor", 1.5}})), "hf",
                 "config \"partial_rotary_factor\" is 1.5, expected a number in (0, 1]");
   // ALiBi needs no rotary, so its head_dim may be odd.
-  const std::vector<TensorBytes> five_wide = {Weight("q_proj.weight", {20, 16}), Weight("k_proj.weight", {10, 16}),
-                                              Weight("v_proj.weight", {10, 16}), Weight("o_proj.weight", {16, 20})};
-  ExpectInvalid(ParseHf(With(HfConfig(), {{"head_dim", 5}}), {}, five_wide), "hf",
+  ExpectInvalid(ParseHf(With(HfConfig(), {{"head_dim", 5}}), {}, HfTensors(20, 10)), "hf",
                 "rotary dims head_dim * partial_rotary_factor = 5");
-  EXPECT_TRUE(ParseHf(With(HfConfig(), {{"head_dim", 5}}), {{"alibi", "true"}}, five_wide).ok());
+  EXPECT_TRUE(ParseHf(With(HfConfig(), {{"head_dim", 5}}), {{"alibi", "true"}}, HfTensors(20, 10)).ok());
 }
 
 }  // namespace
