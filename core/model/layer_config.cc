@@ -347,11 +347,12 @@ absl::StatusOr<HfLayerConfig> ReadHfLayerConfig(
   try {
     config = Json::parse(text->second);
   } catch (const Json::parse_error& error) {
-    return Invalid(absl::StrCat("__metadata__ \"config\" is not JSON (expected the model's "
-                                "config.json): ", error.what()));
+    return Invalid(absl::StrCat("__metadata__ \"config\" is not a JSON object (expected the "
+                                "model's config.json): ", error.what()));
   }
   if (!config.is_object()) {
-    return BadValue("(the whole config)", config, "a JSON object: the model's config.json");
+    return Invalid(absl::StrCat("__metadata__ \"config\" is not a JSON object (expected the "
+                                "model's config.json): it is ", Shown(config)));
   }
   if (const Json* type = Member(config, "model_type");
       type != nullptr && type->is_string() && type->get<std::string>().rfind("gemma3", 0) == 0) {

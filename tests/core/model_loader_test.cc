@@ -893,11 +893,12 @@ TEST(ModelLoaderTest, RejectsHfRopeTheEngineDoesNotCompute) {
         "rope_type\" is \"" + std::string(type) + "\", expected default, linear, llama3 or yarn";
     ExpectInvalid(ParseHf(With(HfConfig(), {{"rope_scaling", {{"rope_type", type}, {"factor", 2.0}}}})),
                   "hf", "config \"rope_scaling." + expected);
-    // transformers v4's older key "type", and v5's rope_parameters.
+    // transformers v4's older key "type", and v5's rope_parameters, each
+    // named as the config spells it.
     ExpectInvalid(ParseHf(With(HfConfig(), {{"rope_scaling", {{"type", type}, {"factor", 2.0}}}})), "hf",
-                  expected);
+                  "config \"rope_scaling.type\" is \"" + std::string(type) + "\", expected default");
     ExpectInvalid(ParseHf(With(HfConfig(), {{"rope_parameters", {{"rope_type", type}, {"factor", 2.0}}}})),
-                  "hf", expected);
+                  "hf", "config \"rope_parameters." + expected);
   }
   ExpectInvalid(ParseHf(With(HfConfig(), {{"rope_scaling", {{"rope_type", "dynamic"}}}})), "hf",
                 "(dynamic and longrope scale with the sequence's length");
