@@ -140,6 +140,11 @@ struct FlashProblem {
   int64_t block_rows = 0;
   int64_t block_column = 0;
   int64_t value_block_column = 0;
+  // Keys below it are not held (a windowed session gave their blocks back,
+  // as no query's window reaches them): they are left out of every softmax,
+  // also where the -1e6 rule would give masked keys weight. Only problems
+  // with a window (has_terms()) have it.
+  int64_t first_held_key = 0;
 
   bool Stopped() const { return stop != nullptr && stop->Stopped(); }
   // Before reading a value row at or past a query's bound.

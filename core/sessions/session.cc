@@ -130,12 +130,35 @@ absl::Status Session::State::Reserve(int64_t rows) {
 }
 
 void Session::State::Trim(int64_t rows) {
-  const size_t kept = static_cast<size_t>(internal::BlocksFor(rows));
   for (int64_t b = 0; b < batch; ++b) {
     for (auto [tensor, width] : {std::pair{&keys[b], key_width}, {&values[b], value_width}}) {
+      const size_t kept = static_cast<size_t>(std::max(internal::BlocksFor(rows), tensor->dropped));
       if (tensor->blocks.size() <= kept) continue;
       pool.Release(width, std::span(tensor->blocks).subspan(kept));
       tensor->blocks.resize(kept);
+    }
+  }
+}
+
+int64_t Session::State::window() const {
+  if (memory != SessionMemory::kSelf) return 0;
+  return model->kind == Kind::kMultiHead ? model->terms.sliding_window : sliding_window;
+}
+
+int64_t Session::State::first_held_row() const {
+  return keys.empty() ? 0 : keys[0].dropped * kKvBlockRows;
+}
+
+void Session::State::DropBehindWindow() {
+  if (window() == 0 || length < window()) return;
+  const int64_t behind = (length - window() + 1) / kKvBlockRows;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (auto [tensor, width] : {std::pair{&keys[b], key_width}, {&values[b], value_width}}) {
+      const int64_t end = std::min<int64_t>(behind, static_cast<int64_t>(tensor->blocks.size()));
+      if (end <= tensor->dropped) continue;
+      pool.Release(width, std::span(tensor->blocks).subspan(tensor->dropped, end - tensor->dropped));
+      std::fill(tensor->blocks.begin() + tensor->dropped, tensor->blocks.begin() + end, nullptr);
+      tensor->dropped = end;
     }
   }
 }
@@ -164,8 +187,9 @@ double Session::State::StepWork(const AttentionDims& dims) const {
 int64_t Session::State::held_bytes() const {
   int64_t bytes = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    bytes += static_cast<int64_t>(keys[b].blocks.size()) * BlockBytes(key_width) +
-             static_cast<int64_t>(values[b].blocks.size()) * BlockBytes(value_width);
+    bytes += static_cast<int64_t>(keys[b].blocks.size() - keys[b].dropped) * BlockBytes(key_width) +
+             static_cast<int64_t>(values[b].blocks.size() - values[b].dropped) *
+                 BlockBytes(value_width);
   }
   return bytes;
 }

@@ -174,6 +174,7 @@ void SetMemory(FlashProblem& p, const Session::State& state, int64_t b, int64_t 
   p.key_blocks = state.keys[b].blocks.data();
   p.value_blocks = (state.values_are_keys ? state.keys : state.values)[b].blocks.data();
   p.block_rows = kKvBlockRows;
+  p.first_held_key = state.first_held_row();
   p.block_column = key_column;
   p.value_block_column = value_column;
   p.key_stride = state.key_width;
@@ -578,7 +579,10 @@ void FinishStep(const Model& model, StepRun& run) {
     return;
   }
   if (!run.whole()) GatherPiece(run);
-  if (run.self() && run.last()) run.state->length += run.step->dims.num_queries;
+  if (run.self() && run.last()) {
+    run.state->length += run.step->dims.num_queries;
+    run.state->DropBehindWindow();
+  }
 }
 
 // FAILED_PRECONDITION for a step RunSteps cannot run with the others: of

@@ -407,6 +407,48 @@ INSTANTIATE_TEST_SUITE_P(
                       LayerCase{64, 8, 2, 8, false, false, false, 64, 0, true},
                       LayerCase{48, 6, 6, 8, false, false, true, 0, 0, false}));
 
+// A windowed session gives back the blocks behind its window: after many
+// times the window's tokens it holds at most window + 2 blocks of rows per
+// example, and its steps still answer as Attend on the whole prefix.
+TEST(HuggingFaceLayer, WindowedSessionHoldsOnlyWhatItsWindowSees) {
+  const LayerCase c{32, 4, 2, 8, false, false, false, 100, 0, false};
+  std::mt19937 rng(17);
+  const Model model = LayerModel(c, rng);
+  const int64_t n = 1300, prefill = 200, step_rows = 50;
+  const std::vector<float> x = RandomFloats(rng, n * c.hidden);
+  AttentionRequest whole;
+  whole.queries = {{1, n, c.hidden}, x};
+  whole.causal = true;
+  absl::StatusOr<AttentionResult> want = SharedEngine().Attend(model, whole);
+  ASSERT_TRUE(want.ok()) << want.status();
+  KvBlockPool pool(int64_t{1} << 26);
+  absl::StatusOr<std::unique_ptr<Session>> session =
+      Session::Open(std::make_shared<Model>(model), pool, {.memory = SessionMemory::kSelf});
+  ASSERT_TRUE(session.ok()) << session.status();
+  const int64_t row_bytes = 2 * KvWidth(model) * static_cast<int64_t>(sizeof(float));
+  for (int64_t begin = 0; begin < n;) {
+    const int64_t rows = begin == 0 ? prefill : step_rows;
+    SessionStep step{.queries = {{1, rows, c.hidden},
+                                 std::span<const float>(x).subspan(begin * c.hidden, rows * c.hidden)}};
+    absl::StatusOr<ValidatedStep> validated = ValidateStep(**session, step);
+    ASSERT_TRUE(validated.ok()) << validated.status();
+    AttentionResult result;
+    SharedEngine().RunSteps({&*validated, 1}, {&result, 1});
+    ASSERT_TRUE(result.status.ok()) << result.status;
+    for (int64_t i = 0; i < rows * c.hidden; ++i) {
+      ASSERT_NEAR(result.output.data[i], want->output.data[begin * c.hidden + i], 1e-5)
+          << "row " << begin + i / c.hidden;
+    }
+    begin += rows;
+    EXPECT_LE((*session)->held_bytes(), (c.window + 2 * kKvBlockRows + step_rows) * row_bytes)
+        << "after " << begin << " tokens";
+    EXPECT_EQ(pool.used_bytes(), (*session)->held_bytes());
+  }
+  EXPECT_LE((*session)->held_bytes(), (c.window + 2 * kKvBlockRows) * row_bytes);
+  session->reset();
+  EXPECT_EQ(pool.used_bytes(), 0);
+}
+
 TEST(HuggingFaceLayer, RefusesPositionsItCannotUse) {
   std::mt19937 rng(3);
   const Model model = LayerModel({32, 4, 2, 8, false, false, false, 0, 0, false}, rng);
