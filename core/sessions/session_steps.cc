@@ -358,15 +358,29 @@ FlashProblem BaseProblem(const StepRun& run) {
   return p;
 }
 
-// multi_head: one problem per (step, example, head), on the projections.
+// Whether a one-token step's query heads of a group run as one problem of
+// `group` rows over their kv head, so the group reads each key and value
+// once: decoding reads every key per step, and at long contexts that read
+// is the step's cost. Only where every head of the group sees the same
+// keys alike: no per-head terms, no window (whose bound moves with the
+// row), no weights asked for (their layout is per head).
+bool FoldsGroup(const Model& model, const StepRun& run) {
+  return run.dims().num_queries == 1 && model.num_heads > KvHeads(model) &&
+         !model.terms.has_head_terms() && model.terms.sliding_window == 0 &&
+         run.result().attention_weights.data.empty();
+}
+
+// multi_head: one problem per (step, example, head), on the projections;
+// or per (step, example, kv head) where FoldsGroup.
 void AddHeadTasks(const Model& model, const StepScratch& s, StepRun& run,
                   std::deque<FlashProblem>& problems, std::vector<AttentionTask>& tasks) {
   const int64_t heads = model.num_heads, head_size = HeadSize(model);
   const int64_t group = heads / KvHeads(model);
   const int64_t n = run.dims().num_queries;
+  const bool fold = FoldsGroup(model, run);
   for (int64_t b = 0; b < run.dims().batch; ++b) {
     const int64_t row = run.first_row + b * n;
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < heads; h += fold ? group : 1) {
       FlashProblem& p = problems.emplace_back(BaseProblem(run));
       p.queries = s.projected + row * s.projected_width + h * head_size;
       p.query_stride = s.projected_width;
@@ -379,6 +393,14 @@ void AddHeadTasks(const Model& model, const StepScratch& s, StepRun& run,
       p.terms = internal::HeadTerms(model.terms, h);
       p.precision = model.precision;
       SetMemory(p, *run.state, b, h / group * head_size, h / group * head_size);
+      if (fold) {
+        // The group's heads are adjacent columns of the token's row: rows
+        // of head_size, all with the token's bound.
+        p.num_queries = group;
+        p.query_stride = p.output_stride = head_size;
+        p.bounds.valid_len = p.bounds.valid_lens[0];
+        p.bounds.valid_lens = nullptr;
+      }
       internal::AddTasks(p, internal::WeightsOf(run.result(), b * heads + h, run.dims()), tasks);
     }
   }
