@@ -131,13 +131,20 @@ struct FlashProblem {
   PendingValues* pending_values = nullptr;
   // Keys and values in blocks (a decoding session's, core/sessions/session.h),
   // read in place: key j is row j % block_rows of key_blocks[j / block_rows]
-  // from column block_column (values alike, from value_blocks), with the row
-  // strides above; `keys` and `values` are unused. block_rows is a multiple
-  // of kFlashKeyTile, so no key tile straddles two blocks.
+  // from column block_column (values alike, from value_blocks and column
+  // value_block_column), with the row strides above; `keys` and `values`
+  // are unused. block_rows is a multiple of kFlashKeyTile, so no key tile
+  // straddles two blocks.
   const float* const* key_blocks = nullptr;
   const float* const* value_blocks = nullptr;
   int64_t block_rows = 0;
   int64_t block_column = 0;
+  int64_t value_block_column = 0;
+  // Keys below it are not held (a windowed session gave their blocks back,
+  // as no query's window reaches them): they are left out of every softmax,
+  // also where the -1e6 rule would give masked keys weight. Only problems
+  // with a window (has_terms()) have it.
+  int64_t first_held_key = 0;
 
   bool Stopped() const { return stop != nullptr && stop->Stopped(); }
   // Before reading a value row at or past a query's bound.

@@ -39,7 +39,8 @@ const float* KeyRow(const FlashProblem& p, int64_t j) {
 }
 const float* ValueRow(const FlashProblem& p, int64_t j) {
   if (!p.paged()) return p.values + j * p.value_stride;
-  return p.value_blocks[j / p.block_rows] + (j % p.block_rows) * p.value_stride + p.block_column;
+  return p.value_blocks[j / p.block_rows] + (j % p.block_rows) * p.value_stride +
+         p.value_block_column;
 }
 
 // Keys [begin, end) as rows of one matrix: end within begin's block.
@@ -66,14 +67,16 @@ T Scored(const FlashProblem& p, T dot, int64_t i, int64_t j) {
 // disallowed), the sink, the softmax, the output; and the row's n_k
 // weights when `weights` is set.
 void ExactRow(const FlashProblem& p, int64_t i, float* weights) {
-  const int64_t n_k = p.num_keys, first = p.bounds.First(i);
+  const int64_t n_k = p.num_keys, first = p.bounds.First(i), held = p.first_held_key;
   const int64_t bound = p.AllowedKeys(i);
   thread_local std::vector<double> scores;
   scores.assign(n_k, static_cast<double>(kMaskedScore));
+  // Keys no longer held take no part: weight 0.
+  std::fill_n(scores.begin(), held, -std::numeric_limits<double>::infinity());
   const float* q = p.queries + i * p.query_stride;
   double max_score = p.terms.has_sink ? static_cast<double>(p.terms.sink)
                                       : -std::numeric_limits<double>::infinity();
-  for (int64_t j = 0; j < n_k; ++j) {
+  for (int64_t j = held; j < n_k; ++j) {
     if (j >= first && j < bound) {
       const float* k = KeyRow(p, j);
       double dot = 0;

@@ -94,18 +94,23 @@ absl::StatusOr<std::optional<int64_t>> MetadataCount(
   return std::optional<int64_t>(value);
 }
 
-// The rope parameters: transformers v5's "rope_parameters" (the layer
-// type's own entry where it has one per type) or v4's "rope_scaling"; null
-// when neither.
-const Json* RopeParameters(const Json& config, const std::string& layer_type) {
+// The rope parameters and the config key they are under: transformers v5's
+// "rope_parameters" (the layer type's own entry where it has one per type)
+// or v4's "rope_scaling"; null when neither.
+struct RopeParameters {
+  const Json* parameters = nullptr;
+  std::string key = "rope_scaling";
+};
+
+RopeParameters FindRopeParameters(const Json& config, const std::string& layer_type) {
   if (const Json* parameters = Member(config, "rope_parameters"); parameters != nullptr) {
     if (const Json* of_type = Member(*parameters, layer_type);
         of_type != nullptr && of_type->is_object()) {
-      return of_type;
+      return {of_type, "rope_parameters." + layer_type};
     }
-    return parameters;
+    return {parameters, "rope_parameters"};
   }
-  return Member(config, "rope_scaling");
+  return {Member(config, "rope_scaling"), "rope_scaling"};
 }
 
 // 1 / theta^(2f / dims) for f < dims / 2.
@@ -117,14 +122,14 @@ std::vector<double> DefaultFrequencies(double theta, int64_t dims) {
   return inv_freq;
 }
 
-absl::Status ScaleLlama3(const Json& rope, RotaryEmbedding& rotary) {
+absl::Status ScaleLlama3(const Json& rope, const std::string& key, RotaryEmbedding& rotary) {
   ASSIGN_OR_RETURN(const double factor, NumberOr(rope, "factor", 8.0));
   ASSIGN_OR_RETURN(const double low_factor, NumberOr(rope, "low_freq_factor", 1.0));
   ASSIGN_OR_RETURN(const double high_factor, NumberOr(rope, "high_freq_factor", 4.0));
   ASSIGN_OR_RETURN(const double old_context,
                    NumberOr(rope, "original_max_position_embeddings", 8192.0));
   if (factor <= 0 || high_factor == low_factor) {
-    return BadValue("rope_scaling", rope, "factor > 0 and high_freq_factor != low_freq_factor");
+    return BadValue(key, rope, "factor > 0 and high_freq_factor != low_freq_factor");
   }
   const double low_wavelen = old_context / low_factor, high_wavelen = old_context / high_factor;
   for (double& inv_freq : rotary.inv_freq) {
@@ -140,10 +145,10 @@ absl::Status ScaleLlama3(const Json& rope, RotaryEmbedding& rotary) {
   return absl::OkStatus();
 }
 
-absl::Status ScaleYarn(const Json& rope, double theta, int64_t max_positions,
-                       RotaryEmbedding& rotary) {
+absl::Status ScaleYarn(const Json& rope, const std::string& key, double theta,
+                       int64_t max_positions, RotaryEmbedding& rotary) {
   ASSIGN_OR_RETURN(const double factor, NumberOr(rope, "factor", 1.0));
-  if (factor <= 0) return BadValue("rope_scaling.factor", rope["factor"], "a number > 0");
+  if (factor <= 0) return BadValue(key + ".factor", rope["factor"], "a number > 0");
   ASSIGN_OR_RETURN(const double mscale, NumberOr(rope, "mscale", 0.0));
   ASSIGN_OR_RETURN(const double mscale_all_dim, NumberOr(rope, "mscale_all_dim", 0.0));
   const auto get_mscale = [&](double m) { return factor <= 1 ? 1.0 : 0.1 * m * std::log(factor) + 1; };
@@ -183,10 +188,12 @@ absl::Status ScaleYarn(const Json& rope, double theta, int64_t max_positions,
 // The rotary embedding of a layer with `head_size` columns per head.
 absl::StatusOr<RotaryEmbedding> ReadRotary(const Json& config, const std::string& layer_type,
                                            int64_t head_size, bool interleaved) {
-  const Json* rope = RopeParameters(config, layer_type);
+  const RopeParameters rope = FindRopeParameters(config, layer_type);
   const Json empty = Json::object();
-  if (rope != nullptr && !rope->is_object()) return BadValue("rope_scaling", *rope, "an object");
-  const Json& parameters = rope != nullptr ? *rope : empty;
+  if (rope.parameters != nullptr && !rope.parameters->is_object()) {
+    return BadValue(rope.key, *rope.parameters, "an object");
+  }
+  const Json& parameters = rope.parameters != nullptr ? *rope.parameters : empty;
   RotaryEmbedding rotary;
   rotary.interleaved = interleaved;
   ASSIGN_OR_RETURN(const double theta_in_config, NumberOr(config, "rope_theta", 10000.0));
@@ -212,19 +219,20 @@ absl::StatusOr<RotaryEmbedding> ReadRotary(const Json& config, const std::string
   if (rotary.type == "default") return rotary;
   if (rotary.type == "linear") {
     ASSIGN_OR_RETURN(const double factor, NumberOr(parameters, "factor", 1.0));
-    if (factor <= 0) return BadValue("rope_scaling.factor", factor, "a number > 0");
+    if (factor <= 0) return BadValue(rope.key + ".factor", factor, "a number > 0");
     for (double& inv_freq : rotary.inv_freq) inv_freq /= factor;
     return rotary;
   }
   if (rotary.type == "llama3") {
-    RETURN_IF_ERROR(ScaleLlama3(parameters, rotary));
+    RETURN_IF_ERROR(ScaleLlama3(parameters, rope.key, rotary));
     return rotary;
   }
   if (rotary.type == "yarn") {
-    RETURN_IF_ERROR(ScaleYarn(parameters, rotary.theta, max_positions, rotary));
+    RETURN_IF_ERROR(ScaleYarn(parameters, rope.key, rotary.theta, max_positions, rotary));
     return rotary;
   }
-  return BadValue("rope_scaling.rope_type", type == nullptr ? Json() : *type,
+  return BadValue(rope.key + (Member(parameters, "rope_type") != nullptr ? ".rope_type" : ".type"),
+                  type == nullptr ? Json() : *type,
                   "default, linear, llama3 or yarn (dynamic and longrope scale with the "
                   "sequence's length, which this engine does not compute)");
 }
@@ -335,9 +343,23 @@ absl::StatusOr<HfLayerConfig> ReadHfLayerConfig(
         "a multi_head model in Hugging Face's layout (q_proj.weight, ...) needs __metadata__ "
         "\"config\": the model's config.json as a string");
   }
-  const Json config = Json::parse(text->second, nullptr, /*allow_exceptions=*/false);
-  if (config.is_discarded() || !config.is_object()) {
-    return Invalid("__metadata__ \"config\" is not a JSON object (expected the model's config.json)");
+  Json config;
+  try {
+    config = Json::parse(text->second);
+  } catch (const Json::parse_error& error) {
+    return Invalid(absl::StrCat("__metadata__ \"config\" is not a JSON object (expected the "
+                                "model's config.json): ", error.what()));
+  }
+  if (!config.is_object()) {
+    return Invalid(absl::StrCat("__metadata__ \"config\" is not a JSON object (expected the "
+                                "model's config.json): it is ", Shown(config)));
+  }
+  if (const Json* type = Member(config, "model_type");
+      type != nullptr && type->is_string() && type->get<std::string>().rfind("gemma3", 0) == 0) {
+    return BadValue("model_type", *type,
+                    "a family this engine computes: Gemma 3 scales its qk-norm by (1 + weight) "
+                    "and rotates its local layers with rope_local_base_freq, which it does not "
+                    "read");
   }
   HfLayerConfig layer;
   RETURN_IF_ERROR(ReadSizes(config, metadata, layer));

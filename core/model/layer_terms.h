@@ -44,6 +44,10 @@ struct LayerTerms {
   std::vector<float> alibi_slopes;
   // The heads' scale; 0: 1/sqrt(head_size).
   float scale = 0;
+
+  // Terms that differ between heads or change the scores (ALiBi, sinks,
+  // soft-cap): a group's heads are then not one problem.
+  bool has_head_terms() const { return !alibi_slopes.empty() || !sinks.empty() || softcap != 0; }
 };
 
 }  // namespace attention

@@ -88,6 +88,12 @@ struct SessionOpen {
   std::span<const int32_t> valid_lens;
   // Replaces the kind's default scale, for every step.
   std::optional<float> scale;
+  // dot_product self memory: key j is allowed for query i only if
+  // i - j < sliding_window, and scores are soft-capped to
+  // softcap * tanh(s / softcap), for every step (0: none), as an Attend
+  // request's fields of the same names.
+  int64_t sliding_window = 0;
+  float softcap = 0;
   // Most tokens a self session may hold per example; 0 = no limit.
   int64_t max_length = 0;
 };
