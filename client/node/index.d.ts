@@ -142,6 +142,9 @@ export interface SessionOptions {
   valid_lens?: ReadonlyArray<number>;
   scale?: number;
   version?: number;
+  /** A dot_product self session's sliding window and logit soft-cap, for every step. */
+  sliding_window?: number;
+  softcap?: number;
   /** Deadline of the whole session (default: none). */
   timeoutMs?: number;
   /** Replay the session on a new stream when its stream breaks (default true). */

@@ -2,12 +2,13 @@
 real attention-server: conformance cases through the numpy-in, numpy-out
 call, errors as grpc.RpcError with the server's code, attend_stream (answers
 in order, equal to attend's, a refused request's error in place), the
-heatmap example writing a valid PNG, and the layer cases with their
-position_ids and ListModels' grouped heads and rotary. Against a scripted
-service in this process (the real server cannot fail a stream on demand): a
-stream is never retried, odd error codes, answer counts that do not match
-the requests.
-Against a bare HTTP/2 service: answers cut off before their status are sent
+heatmap example writing a valid PNG, the layer cases with their
+position_ids and ListModels' grouped heads and rotary, and dot_product over
+grouped heads with a window and a soft-cap (attend, and session steps with
+their own keys and values). Against a scripted service in this process (the
+real server cannot fail a stream on demand): a stream is never retried, odd
+error codes, answer counts that do not match the requests. Against a bare
+HTTP/2 service: answers cut off before their status are sent
 again.
 
 Run with the Python of a virtual environment the package is installed in
@@ -280,6 +281,75 @@ class PythonClientTest(unittest.TestCase):
         with self.assertRaises(grpc.RpcError) as error:
             list(self.client.attend_stream([dict(queries=np.ones((1, 2048, 64)))], timeout=1e-3))
         self.assertEqual(error.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def grouped_attention(q, k, v, *, causal, window=0, softcap=0.0, offset=0):
+    """dot_product over grouped heads, written plainly from docs/api.md 2.8:
+    q (B, n_q, H, d), k (B, n_k, H_kv, d), v (B, n_k, H_kv, d_v); query i
+    sits at position offset + i; soft-cap, then the masks (causal, window
+    i - j < W) overwrite with -1e6."""
+    batch, n_q, heads, d = q.shape
+    group = heads // k.shape[2]
+    out = np.zeros((batch, n_q, heads, v.shape[3]))
+    i = offset + np.arange(n_q)[:, None]
+    j = np.arange(k.shape[1])[None, :]
+    allowed = np.ones((n_q, k.shape[1]), dtype=bool)
+    if causal:
+        allowed &= j <= i
+    if window:
+        allowed &= i - j < window
+    for b in range(batch):
+        for h in range(heads):
+            scores = q[b, :, h].astype(np.float64) @ k[b, :, h // group].T / np.sqrt(d)
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
+            scores = np.where(allowed, scores, -1e6)
+            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+            weights /= weights.sum(axis=1, keepdims=True)
+            out[b, :, h] = weights @ v[b, :, h // group]
+    return out
+
+
+class PythonGroupedHeadsTest(unittest.TestCase):
+    """dot_product over grouped heads: 4-D arrays, a window and a soft-cap,
+    through attend and through a session whose steps bring their own keys
+    and values, against a plain reference."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server()
+        cls.client = attention_client.AttentionClient(cls.server.address, timeout=30)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+
+    def test_attend_with_window_and_softcap(self):
+        rng = np.random.default_rng(5)
+        q, k = rng.normal(size=(2, 6, 4, 8)) * 2, rng.normal(size=(2, 6, 2, 8)) * 2
+        v = rng.normal(size=(2, 6, 2, 3))
+        result = self.client.attend(q, k, v, causal=True, sliding_window=2, softcap=1.5)
+        self.assertEqual(result.output.shape, (2, 6, 4, 3))
+        expected = grouped_attention(q, k, v, causal=True, window=2, softcap=1.5)
+        np.testing.assert_allclose(result.output, expected, atol=1e-5)
+        plain = self.client.attend(q, k, v, causal=True).output
+        self.assertGreater(float(np.max(np.abs(plain - expected))), 1e-3)
+
+    def test_session_steps_bring_their_own_keys_and_values(self):
+        rng = np.random.default_rng(6)
+        q, k = rng.normal(size=(1, 5, 4, 8)), rng.normal(size=(1, 5, 2, 8))
+        v = rng.normal(size=(1, 5, 2, 3))
+        with self.client.session("dot_product", sliding_window=3, softcap=2.0) as session:
+            length = 0
+            for n in (3, 1, 1):
+                rows = slice(length, length + n)
+                step = session.step(q[:, rows], keys=k[:, rows], values=v[:, rows])
+                expected = grouped_attention(q[:, rows], k[:, :length + n], v[:, :length + n],
+                                             causal=True, window=3, softcap=2.0, offset=length)
+                length += n
+                self.assertEqual(step.length, length)
+                np.testing.assert_allclose(step.output, expected, atol=1e-5)
 
 
 class PythonLayerTest(unittest.TestCase):

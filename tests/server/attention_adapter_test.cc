@@ -103,6 +103,19 @@ TEST(ProtoAdapterTest, FourDimensionalTensorsPassThroughAsTheyAre) {
   EXPECT_EQ(request.keys->data.size(), 30u);
 }
 
+TEST(ProtoAdapterTest, OpeningCarriesItsWindowAndSoftcap) {
+  v1::SessionOpen proto;
+  proto.set_model("dot_product");
+  const SessionOpen plain = ToSessionOpen(proto);
+  EXPECT_EQ(plain.sliding_window, 0);
+  EXPECT_EQ(plain.softcap, 0.0f);
+  proto.set_sliding_window(16);
+  proto.set_softcap(30.0f);
+  const SessionOpen open = ToSessionOpen(proto);
+  EXPECT_EQ(open.sliding_window, 16);
+  EXPECT_EQ(open.softcap, 30.0f);
+}
+
 TEST(ProtoAdapterTest, StepKeysAndValuesArePresentOnlyWhenSent) {
   v1::SessionStep proto;
   for (int64_t s : {1, 1, 4, 2}) proto.mutable_queries()->add_shape(s);

@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -426,6 +427,40 @@ TEST_F(ServerInferenceTest, PositionIdsMeanWhatAttendsDo) {
     ++compared;
   }
   EXPECT_GT(compared, 0);
+  EXPECT_EQ(Stop(), 0) << server_->Log();
+}
+
+// dot_product over grouped heads: 4-D inputs and the sliding_window and
+// softcap parameters mean through ModelInfer what they mean through Attend,
+// and they change the answer.
+TEST_F(ServerInferenceTest, GroupedHeadsWindowAndSoftcapAsForAttend) {
+  Start();
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  v1::AttendRequest request;
+  request.set_model("dot_product");
+  request.set_causal(true);
+  const auto fill = [&](v1::Tensor* tensor, std::vector<int64_t> shape) {
+    int64_t count = 1;
+    for (int64_t size : shape) tensor->add_shape(size), count *= size;
+    for (int64_t i = 0; i < count; ++i) tensor->add_data(normal(rng));
+  };
+  fill(request.mutable_queries(), {2, 5, 4, 8});
+  fill(request.mutable_keys(), {2, 5, 2, 8});
+  fill(request.mutable_values(), {2, 5, 2, 3});
+  v1::AttendResponse plain;
+  ASSERT_TRUE(AttendWithin(*attend_, kCallTimeout, request, &plain).ok());
+  request.set_sliding_window(2);
+  request.set_softcap(1.5f);
+  v1::AttendResponse attended;
+  const grpc::Status status = AttendWithin(*attend_, kCallTimeout, request, &attended);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_GT(LargestDifference(plain.output().data(), attended.output().data()), 1e-3);
+  for (Contents contents : {Contents::kRaw, Contents::kTyped}) {
+    const InferReply reply = Infer(*infer_, ToInfer(request, contents));
+    ASSERT_TRUE(reply.status.ok()) << reply.status.error_message();
+    ExpectSame(FindOutput(reply.response, "output"), attended.output(), "grouped heads");
+  }
   EXPECT_EQ(Stop(), 0) << server_->Log();
 }
 

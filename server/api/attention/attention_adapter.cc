@@ -46,6 +46,8 @@ SessionOpen ToSessionOpen(const v1::SessionOpen& proto) {
   if (proto.has_values()) open.values = View(proto.values());
   open.valid_lens = std::span<const int32_t>(proto.valid_lens().data(), proto.valid_lens().size());
   if (proto.has_scale()) open.scale = proto.scale();
+  open.sliding_window = proto.sliding_window();
+  open.softcap = proto.softcap();
   return open;
 }
 

@@ -235,7 +235,8 @@ class AttentionClient:
 
     def session(self, model, *, memory="self", batch=1, keys=None, values=None,
                 valid_lens=None, scale=None, version=None, timeout=None, replay=True,
-                replay_limit_bytes=session_module.REPLAY_LIMIT_BYTES):
+                replay_limit_bytes=session_module.REPLAY_LIMIT_BYTES, sliding_window=None,
+                softcap=None):
         """Opens a decoding session of `model` (docs/api.md section 11) over one
         AttendSession stream and returns its Session, whose step(rows) sends
         only the new rows: the server keeps the keys and values.
@@ -245,6 +246,7 @@ class AttentionClient:
           "cross" (every kind): keys (B, n_k, d_k), values (omitted: keys) and
           valid_lens (None or B values) stay, and steps bring queries.
         scale: replaces the kind's default scale. version: None: the newest.
+        sliding_window, softcap: a dot_product self session's, for every step.
         timeout: seconds for the whole session (default: no limit, since a
           session lives as long as its decoding).
         replay: when the stream breaks (UNAVAILABLE, CANCELLED, UNKNOWN: its server
@@ -260,6 +262,10 @@ class AttentionClient:
             raise ValueError(f"memory must be 'self' or 'cross'; got {memory!r}")
         header = _with_options(pb2.SessionOpen(model=model, memory=session_module.MEMORY[memory],
                                                batch=batch), valid_lens, scale, version)
+        if sliding_window is not None:
+            header.sliding_window = sliding_window
+        if softcap is not None:
+            header.softcap = softcap
         request = session_module.open_request(header, [
             wire.tensor_parts(number, _float32(array, name))
             for name, number, array in (("keys", 5, keys), ("values", 6, values))
