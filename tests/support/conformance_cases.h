@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -104,6 +105,32 @@ inline std::set<std::string> RotaryModels(v1::AttentionService::Stub& stub) {
     if (!model.rope_type().empty()) names.insert(model.name());
   }
   return names;
+}
+
+// A rotary layer case with positions, and Attend's answer to it without
+// them.
+struct PositionsCase {
+  ConformanceCase c;
+  v1::AttendResponse without;
+};
+
+// The layer cases that give positions to a rotary layer (RotaryModels), each
+// with Attend's answer without them: what WithSpreadPositions must change.
+inline std::vector<PositionsCase> RotaryPositionsCases(v1::AttentionService::Stub& stub) {
+  const std::set<std::string> rotary = RotaryModels(stub);
+  std::vector<PositionsCase> cases;
+  for (ConformanceCase& c : LoadLayerCases()) {
+    if (c.request.position_ids().empty() || !rotary.contains(c.request.model())) continue;
+    v1::AttendRequest plain = c.request;
+    plain.clear_position_ids();
+    PositionsCase positions{std::move(c), {}};
+    const grpc::Status status =
+        AttendWithin(stub, std::chrono::seconds(60), plain, &positions.without);
+    EXPECT_TRUE(status.ok()) << positions.c.name << ": " << status.error_message();
+    cases.push_back(std::move(positions));
+  }
+  EXPECT_FALSE(cases.empty()) << "no layer case gives positions to a rotary layer";
+  return cases;
 }
 
 // `request` (a layer case's) with positions whose distances are not those
