@@ -75,6 +75,7 @@
 #include "core/kernels/blas.h"
 #include "core/kernels/cpu_features.h"
 #include "core/engine/engine.h"
+#include "core/model/layer_config.h"
 #include "core/model/model.h"
 #include "core/kernels/packed_gemm.h"
 #include "core/engine/request.h"
@@ -231,6 +232,117 @@ double AttentionFlops(const Shape& s, const std::vector<int32_t>& lens) {
 
 double AllowedFraction(const Shape& s, const std::vector<int32_t>& lens) {
   return AttentionFlops(s, lens) / AttentionFlops(s, {});
+}
+
+// A Llama-3-8B-shaped attention layer (hidden 4096, 32 heads over 8 kv
+// heads of 128, rope_theta 500000 with llama3 scaling), read from its
+// config as a file's would be, with random weights of PyTorch's init scale.
+constexpr char kLlama3Config[] = R"({"model_type": "llama", "hidden_size": 4096,
+  "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
+  "max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+  "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})";
+
+Model LayerModel(Precision precision, std::mt19937& rng) {
+  const absl::StatusOr<HfLayerConfig> layer = ReadHfLayerConfig({{"config", kLlama3Config}});
+  if (!layer.ok()) std::abort();
+  Model model;
+  model.name = "bench_llama3_8b_layer";
+  model.kind = Kind::kMultiHead;
+  model.precision = precision;
+  model.num_heads = layer->num_heads;
+  model.num_kv_heads = layer->num_kv_heads;
+  model.head_size = layer->head_size;
+  model.terms = layer->terms;
+  const int64_t hidden = layer->hidden_size;
+  model.query_size = model.key_size = model.value_size = model.output_size = hidden;
+  const float bound = 1.0f / std::sqrt(static_cast<float>(hidden));
+  const auto random = [&](int64_t rows, int64_t cols) {
+    std::vector<float> data = RandomData(rows * cols, rng);
+    return RowMatrix(Eigen::Map<RowMatrix>(data.data(), rows, cols) * bound);
+  };
+  model.w_q = random(QueryWidth(model), hidden);
+  model.w_k = random(KvWidth(model), hidden);
+  model.w_v = random(KvWidth(model), hidden);
+  model.w_o = random(hidden, QueryWidth(model));
+  PackProjections(model);
+  return model;
+}
+
+// FLOPs of a causal prefill of n tokens on `model`: the four projections,
+// and QK^T and P V over the allowed half of the scores.
+double LayerPrefillFlops(const Model& model, int64_t n) {
+  const double tokens = static_cast<double>(n), hidden = static_cast<double>(model.output_size);
+  const double projections =
+      2 * tokens * hidden * (2.0 * QueryWidth(model) + 2.0 * KvWidth(model));
+  const double attention = 4 * (tokens * (tokens + 1) / 2) * QueryWidth(model);
+  return projections + attention;
+}
+
+void LayerPrefill(benchmark::State& state, int64_t n, Precision precision) {
+  std::mt19937 rng(kSeed);
+  const Model model = LayerModel(precision, rng);
+  const std::vector<float> tokens = RandomData(n * model.output_size, rng);
+  AttentionRequest request;
+  request.queries = {{1, n, model.output_size}, tokens};
+  request.causal = true;
+  const Stopwatch stopwatch;
+  for (auto _ : state) {
+    // No work limit: a whole prompt of this layer is more than a server's
+    // default --max-request-work, which sessions meet by prefilling in pieces.
+    absl::StatusOr<AttentionResult> result = SharedEngine().Attend(model, request, Limits{0, 0, 0});
+    if (!result.ok()) {
+      state.SkipWithError(std::string(result.status().message()).c_str());
+      return;
+    }
+    benchmark::DoNotOptimize(result->output.data.data());
+  }
+  stopwatch.Report(state, LayerPrefillFlops(model, n));
+}
+
+// One-token steps of a session of the layer at a context of `context`
+// tokens (prefilled before the timing; each step adds one, so the steps are
+// counted, kLayerDecodeSteps): the projections of one token and the
+// attention over every key held.
+constexpr int64_t kLayerDecodeSteps = 64;
+void LayerDecode(benchmark::State& state, int64_t context, Precision precision) {
+  std::mt19937 rng(kSeed);
+  const Model layer = LayerModel(precision, rng);
+  auto model = std::make_shared<const Model>(layer);
+  const int64_t hidden = model->output_size;
+  const std::vector<float> prompt = RandomData(context * hidden, rng);
+  const std::vector<float> token = RandomData(hidden, rng);
+  KvBlockPool pool(int64_t{1} << 34);
+  absl::StatusOr<std::unique_ptr<Session>> session =
+      Session::Open(model, pool, {.memory = SessionMemory::kSelf});
+  // The prompt in pieces, as a server prefills it.
+  for (int64_t first = 0; first < context && session.ok(); first += 2048) {
+    const int64_t rows = std::min<int64_t>(2048, context - first);
+    SessionStep step{.queries = {{1, rows, hidden},
+                                 std::span<const float>(prompt).subspan(first * hidden, rows * hidden)}};
+    absl::StatusOr<ValidatedStep> validated = ValidateStep(**session, step, Limits{0, 0, 0});
+    AttentionResult result;
+    if (validated.ok()) SharedEngine().RunSteps({&*validated, 1}, {&result, 1});
+  }
+  if (!session.ok() || (*session)->length() != context) {
+    state.SkipWithError("the prompt did not fill the session");
+    return;
+  }
+  const Stopwatch stopwatch;
+  for (auto _ : state) {
+    SessionStep step{.queries = {{1, 1, hidden}, token}};
+    absl::StatusOr<ValidatedStep> validated = ValidateStep(**session, step, Limits{0, 0, 0});
+    AttentionResult result;
+    SharedEngine().RunSteps({&*validated, 1}, {&result, 1});
+    benchmark::DoNotOptimize(result.output.data.data());
+  }
+  // A step reads the projection weights once and every key and value held.
+  const double weights = static_cast<double>(model->output_size) *
+                         (2.0 * QueryWidth(*model) + 2.0 * KvWidth(*model));
+  const double bytes =
+      (2.0 * context * KvWidth(*model)) * sizeof(float) +
+      weights * (precision == Precision::kBf16 ? 2.0 : 4.0);
+  stopwatch.Report(state, 4.0 * context * QueryWidth(*model) + 2.0 * weights);
+  state.counters["read_GBps"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void MultiHead(benchmark::State& state, Shape s, bool masked, Precision precision) {
@@ -657,6 +769,21 @@ void RegisterAll() {
                  std::to_string(prompt) + "/steps:64",
              DecodeConcurrent, sessions, 1024, 16, prompt, 64);
     }
+  }
+
+  for (int64_t n : {512, 2048}) {
+    Register("layer/llama3_8b/prefill/n:" + std::to_string(n), LayerPrefill, n, Precision::kFp32);
+    Register("layer/llama3_8b_bf16/prefill/n:" + std::to_string(n), LayerPrefill, n,
+             Precision::kBf16);
+  }
+  for (int64_t context : {4096, 16384}) {
+    benchmark::RegisterBenchmark(
+        ("layer/llama3_8b/decode/context:" + std::to_string(context)).c_str(), LayerDecode,
+        context, Precision::kFp32)
+        ->Unit(benchmark::kMillisecond)
+        ->Iterations(kLayerDecodeSteps)
+        ->ComputeStatistics("min", Min)
+        ->ComputeStatistics("max", Max);
   }
 
   constexpr int64_t kMemoryBatch = 8, kMemoryLength = 16384, kMemorySize = 64;

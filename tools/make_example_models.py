@@ -2,7 +2,7 @@
 """make_example_models.py: writes the example model repository models/.
 
 The server loads models/ by default, so a fresh checkout can answer requests
-for every kind and both multi-head layouts. Weights are random (fixed seed, so
+for every kind and the three multi-head layouts. Weights are random (fixed seed, so
 the files are reproducible) with PyTorch's nn.Linear initialisation scale,
 U(-1/sqrt(fan_in), 1/sqrt(fan_in)), which keeps scores in a sensible range.
 
@@ -110,6 +110,36 @@ def bilinear(rng, query_size, key_size):
     return [("W_k.weight", linear_weight(rng, query_size, key_size))]
 
 
+def hf_llama(rng, config):
+    """A Llama attention module (LlamaAttention: no biases), grouped kv heads."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_width = config["num_key_value_heads"] * config["head_dim"]
+    return [
+        ("q_proj.weight", linear_weight(rng, heads * config["head_dim"], hidden)),
+        ("k_proj.weight", linear_weight(rng, kv_width, hidden)),
+        ("v_proj.weight", linear_weight(rng, kv_width, hidden)),
+        ("o_proj.weight", linear_weight(rng, hidden, heads * config["head_dim"])),
+    ]
+
+
+# The config.json of a Llama 3.2-shaped model shrunk to hidden 64: 8 query
+# heads over 2 kv heads, and Llama 3.2's rotary (theta 500000, llama3 scaling).
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
+    "num_hidden_layers": 2, "intermediate_size": 256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "attention_bias": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}
+
+
+def hf_layer(config, layer_index):
+    """Hugging Face's layout: the model's config.json in the metadata."""
+    return {"kind": "multi_head", "config": json.dumps(config, separators=(",", ":")),
+            "layer_index": str(layer_index)}
+
+
 def multi_head(heads):
     return {"kind": "multi_head", "num_heads": str(heads)}
 
@@ -122,6 +152,9 @@ def example_models(rng):
         ("mh_d2l_e64_h4", d2l_multi_head(rng, 64, query_size=48, key_size=32, value_size=40), multi_head(4), "F32"),
         ("additive_h32", additive(rng, 32, query_size=64, key_size=64), {"kind": "additive"}, "F32"),
         ("bilinear_d64", bilinear(rng, 64, 64), {"kind": "bilinear"}, "F16"),
+        # Last, so that the models above keep the random numbers they had.
+        # Layer 1 of 2: without a window in the config, any index computes the same.
+        ("mh_hf_llama_e64_h8_kv2", hf_llama(rng, LLAMA_CONFIG), hf_layer(LLAMA_CONFIG, 1), "F32"),
     ]
 
 

@@ -41,9 +41,27 @@ inference::ModelInferRequest ToModelInferRequest(const attention::v1::AttendRequ
     input->add_shape(request.valid_lens_size());
     infer.add_raw_input_contents(RawBytes(request.valid_lens()));
   }
+  if (!request.position_ids().empty()) {
+    auto* input = infer.add_inputs();
+    input->set_name("position_ids");
+    input->set_datatype("INT64");
+    // [B, n_q] when there is one per query, else [n_q] (every example's).
+    const auto& queries = request.queries().shape();
+    const int64_t count = request.position_ids_size();
+    if (queries.size() >= 2 && queries[0] * queries[1] == count) {
+      for (int64_t size : {queries[0], queries[1]}) input->add_shape(size);
+    } else {
+      input->add_shape(count);
+    }
+    infer.add_raw_input_contents(RawBytes(request.position_ids()));
+  }
   auto& parameters = *infer.mutable_parameters();
   if (request.causal()) parameters["causal"].set_bool_param(true);
   if (request.has_scale()) parameters["scale"].set_double_param(request.scale());
+  if (request.has_sliding_window()) {
+    parameters["sliding_window"].set_int64_param(request.sliding_window());
+  }
+  if (request.has_softcap()) parameters["softcap"].set_double_param(request.softcap());
   if (request.return_attention_weights()) {
     parameters["return_attention_weights"].set_bool_param(true);
   }

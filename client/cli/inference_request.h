@@ -2,9 +2,10 @@
 // Protocol ModelInferRequest, so `attention-client bench --api inference`
 // loads the server with exactly the request `--api attention` sends.
 //
-// Tensors go in raw_input_contents (FP32 little-endian, valid_lens INT32), as
-// Triton's clients send them; causal, scale and return_attention_weights
-// become request parameters (docs/api.md section 9).
+// Tensors go in raw_input_contents (FP32 little-endian, valid_lens INT32,
+// position_ids INT64), as Triton's clients send them; causal, scale,
+// sliding_window, softcap and return_attention_weights become request
+// parameters (docs/api.md section 9).
 #pragma once
 
 #include "attention.pb.h"

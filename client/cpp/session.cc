@@ -14,6 +14,7 @@ namespace {
 
 using attention::v1::SessionRequest;
 using attention::v1::SessionResponse;
+using attention::v1::SessionStep;
 using attention::v1::Tensor;
 
 // How a stream ends when its server went away: UNAVAILABLE (a connection
@@ -89,13 +90,19 @@ absl::Status Session::EndStream() {
 }
 
 absl::StatusOr<SessionResponse> Session::Step(const Tensor& rows, bool return_attention_weights) {
+  SessionStep step;
+  *step.mutable_queries() = rows;
+  step.set_return_attention_weights(return_attention_weights);
+  return Step(step);
+}
+
+absl::StatusOr<SessionResponse> Session::Step(const SessionStep& step) {
   if (over_) {
     return absl::FailedPreconditionError(
         "the session is over: its stream broke and could not be replayed");
   }
   SessionRequest request;
-  *request.mutable_step()->mutable_queries() = rows;
-  request.mutable_step()->set_return_attention_weights(return_attention_weights);
+  *request.mutable_step() = step;
   absl::StatusOr<SessionResponse> answer = Exchange(request);
   if (!answer.ok()) {
     if (!options_.replay || !IsBreak(answer.status())) {
@@ -114,45 +121,69 @@ absl::StatusOr<SessionResponse> Session::Step(const Tensor& rows, bool return_at
   }
   length_ = answer->length();
   if (answer->has_error()) return AnswerError(*answer);
-  Keep(rows);
+  Keep(step);
   return answer;
 }
 
-void Session::Keep(const Tensor& rows) {
+void Session::KeptRows::Append(const Tensor& tensor) {
+  // The server answered, so the shape is (B, n, ...) with the session's B
+  // and row shape.
+  const int64_t batch = tensor.shape(0), n = tensor.shape(1);
+  row_shape.assign(tensor.shape().begin() + 2, tensor.shape().end());
+  int64_t width = 1;
+  for (int64_t size : row_shape) width *= size;
+  examples.resize(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    const float* from = tensor.data().data() + b * n * width;
+    examples[b].insert(examples[b].end(), from, from + n * width);
+  }
+  rows += n;
+}
+
+void Session::KeptRows::To(Tensor* tensor) const {
+  tensor->add_shape(static_cast<int64_t>(examples.size()));
+  tensor->add_shape(rows);
+  tensor->mutable_shape()->Add(row_shape.begin(), row_shape.end());
+  for (const std::vector<float>& example : examples) {
+    tensor->mutable_data()->Add(example.begin(), example.end());
+  }
+}
+
+void Session::Forget(std::string reason) {
+  unreplayable_ = std::move(reason);
+  kept_ = kept_keys_ = kept_values_ = KeptRows();
+}
+
+void Session::Keep(const SessionStep& step) {
   if (!options_.replay || !unreplayable_.empty() ||
       options_.open.memory() != attention::v1::SESSION_MEMORY_SELF) {
     return;  // cross memory is all in the opening: steps change nothing to replay
   }
-  kept_bytes_ += static_cast<int64_t>(rows.data_size()) * 4;
-  if (kept_bytes_ > options_.replay_limit_bytes) {
-    unreplayable_ = absl::StrCat("its opening and rows take ", kept_bytes_,
-                                 " bytes, more than replay_limit_bytes=",
-                                 options_.replay_limit_bytes);
-    kept_.clear();
-    kept_.shrink_to_fit();
+  if (kept_.rows == 0) {
+    carries_keys_ = step.has_keys();
+    carries_values_ = step.has_values();
+  } else if (step.has_keys() != carries_keys_ || step.has_values() != carries_values_) {
+    Forget("its steps differ in whether they carry keys and values");
     return;
   }
-  // The server answered, so the shape is (B, n, d) with the session's B and d.
-  const int64_t batch = rows.shape(0), n = rows.shape(1);
-  width_ = rows.shape(2);
-  kept_.resize(batch);
-  for (int64_t b = 0; b < batch; ++b) {
-    const float* from = rows.data().data() + b * n * width_;
-    kept_[b].insert(kept_[b].end(), from, from + n * width_);
+  kept_bytes_ += static_cast<int64_t>(step.queries().data_size() + step.keys().data_size() +
+                                      step.values().data_size()) *
+                 4;
+  if (kept_bytes_ > options_.replay_limit_bytes) {
+    Forget(absl::StrCat("its opening and rows take ", kept_bytes_,
+                        " bytes, more than replay_limit_bytes=", options_.replay_limit_bytes));
+    return;
   }
-  kept_rows_ += n;
+  kept_.Append(step.queries());
+  if (carries_keys_) kept_keys_.Append(step.keys());
+  if (carries_values_) kept_values_.Append(step.values());
 }
 
 SessionRequest Session::Prefill() const {
   SessionRequest request;
-  Tensor* rows = request.mutable_step()->mutable_queries();
-  rows->add_shape(static_cast<int64_t>(kept_.size()));
-  rows->add_shape(kept_rows_);
-  rows->add_shape(width_);
-  rows->mutable_data()->Reserve(static_cast<int>(kept_.size() * kept_rows_ * width_));
-  for (const std::vector<float>& example : kept_) {
-    rows->mutable_data()->Add(example.begin(), example.end());
-  }
+  kept_.To(request.mutable_step()->mutable_queries());
+  if (carries_keys_) kept_keys_.To(request.mutable_step()->mutable_keys());
+  if (carries_values_) kept_values_.To(request.mutable_step()->mutable_values());
   return request;
 }
 
@@ -177,7 +208,7 @@ absl::Status Session::Replay(const absl::Status& broke) {
       break;
     }
     absl::Status replayed = Start();
-    if (replayed.ok() && kept_rows_ > 0) {
+    if (replayed.ok() && kept_.rows > 0) {
       absl::StatusOr<SessionResponse> prefill = Exchange(Prefill());
       if (!prefill.ok()) {
         replayed = prefill.status();

@@ -70,6 +70,12 @@ class Session {
   // session is over: later steps are FAILED_PRECONDITION.
   absl::StatusOr<attention::v1::SessionResponse> Step(const attention::v1::Tensor& rows,
                                                       bool return_attention_weights = false);
+  // A step as the message carries it: a dot_product self session over
+  // grouped heads takes 4-D rows (B, n_new, H, d) and the step's own `keys`
+  // (B, n_new, H_kv, d) and `values` (B, n_new, H_kv, d_v), which a replay
+  // sends again too (steps that differ in which of them they carry cannot
+  // be replayed as one prefill: a later break then fails, saying so).
+  absl::StatusOr<attention::v1::SessionResponse> Step(const attention::v1::SessionStep& step);
 
   int replays() const { return replays_; }
   int64_t length() const { return length_; }
@@ -89,10 +95,22 @@ class Session {
   absl::Status EndStream();
   // After `broke`: a new stream holding the session as it was, or the error.
   absl::Status Replay(const absl::Status& broke);
-  // Keeps an answered step's rows for a replay, within the bound.
-  void Keep(const attention::v1::Tensor& rows);
-  // The kept rows as one (B, n, d) step.
+  // Keeps an answered step's rows (and its own keys and values) for a
+  // replay, within the bound.
+  void Keep(const attention::v1::SessionStep& step);
+  // Drops what is kept for a replay; a later break fails with `reason`.
+  void Forget(std::string reason);
+  // The kept rows as one (B, n, ...) step.
   attention::v1::SessionRequest Prefill() const;
+
+  // One tensor's answered rows, per example, row after row.
+  struct KeptRows {
+    std::vector<std::vector<float>> examples;
+    int64_t rows = 0;
+    std::vector<int64_t> row_shape;  // the axes after n: (d), or (H, d)
+    void Append(const attention::v1::Tensor& tensor);
+    void To(attention::v1::Tensor* tensor) const;
+  };
 
   AttentionClient& client_;  // not owned
   const SessionOptions options_;
@@ -100,11 +118,11 @@ class Session {
   std::unique_ptr<grpc::ClientReaderWriter<attention::v1::SessionRequest,
                                            attention::v1::SessionResponse>>
       stream_;
-  // Self memory's answered rows, per example, row after row; `kept_rows_`
-  // of `width_` values each.
-  std::vector<std::vector<float>> kept_;
-  int64_t kept_rows_ = 0;
-  int64_t width_ = 0;
+  // Self memory's answered rows, and the steps' own keys and values when
+  // they carry them (`carries_keys_`, `carries_values_`, as the first kept
+  // step did).
+  KeptRows kept_, kept_keys_, kept_values_;
+  bool carries_keys_ = false, carries_values_ = false;
   int64_t kept_bytes_ = 0;     // the opening's and the rows'
   std::string unreplayable_;   // why a break can no longer be replayed
   bool over_ = false;          // a break could not be replayed

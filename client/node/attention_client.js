@@ -343,7 +343,8 @@ class AttentionClient {
   // options: memory 'self' (multi_head, dot_product: every step's rows are
   // appended and attended causally, `batch` examples side by side) or
   // 'cross' (every kind: keys, values (left out: keys) and valid_lens stay,
-  // steps bring queries); scale, version; timeoutMs, the deadline of the
+  // steps bring queries); scale, version; sliding_window and softcap (a
+  // dot_product self session's, every step's); timeoutMs, the deadline of the
   // whole session (default: none, since it lives as long as its decoding);
   // replay (default true): when the stream breaks (UNAVAILABLE, CANCELLED:
   // its server died or shut down), open the session again through this
@@ -352,9 +353,15 @@ class AttentionClient {
   // that, up to replayLimitBytes (default 64 MiB), past which they are
   // dropped and a later break rejects with a SessionLost saying so.
   async session(model, options = {}) {
-    const { memory = 'self', batch, keys, values, valid_lens: validLens, scale, version } = options;
+    const {
+      memory = 'self', batch, keys, values, valid_lens: validLens, scale, version,
+      sliding_window: slidingWindow, softcap,
+    } = options;
     if (!(memory in MEMORY)) throw new TypeError(`memory must be 'self' or 'cross'; got ${memory}`);
-    const small = { model, memory: MEMORY[memory], batch, valid_lens: validLens, scale, version };
+    const small = {
+      model, memory: MEMORY[memory], batch, valid_lens: validLens, scale, version,
+      sliding_window: slidingWindow, softcap,
+    };
     return new Session(this, small, keys, values, options).open();
   }
 

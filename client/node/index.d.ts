@@ -24,11 +24,11 @@ export interface Tensor {
 
 export interface AttendRequest {
   model?: string;
-  /** (B, n_q, d_q) */
+  /** (B, n_q, d_q); dot_product's grouped heads: (B, n_q, H, d) */
   queries: TensorInput;
-  /** (B, n_k, d_k); left out: the queries */
+  /** (B, n_k, d_k); left out: the queries. Grouped heads: (B, n_k, H_kv, d) */
   keys?: TensorInput;
-  /** (B, n_k, d_v); left out: the keys */
+  /** (B, n_k, d_v); left out: the keys. Grouped heads: (B, n_k, H_kv, d_v) */
   values?: TensorInput;
   /** Empty, B entries, or B*n_q entries (row-major (B, n_q)). */
   valid_lens?: ReadonlyArray<number>;
@@ -39,10 +39,20 @@ export interface AttendRequest {
   request_id?: string;
   /** The model version; left out: the newest ready one. */
   version?: number;
+  /**
+   * The queries' positions for a model with rotary positions or ALiBi
+   * (docs/api.md section 5.6): empty (0..n_q-1), n_q entries (every
+   * example) or B*n_q entries (row-major (B, n_q)).
+   */
+  position_ids?: ReadonlyArray<number>;
+  /** dot_product: key j is allowed for query i only if i - j < sliding_window (0: none); presence matters. */
+  sliding_window?: number;
+  /** dot_product: scores become softcap * tanh(score / softcap) (0: none); presence matters. */
+  softcap?: number;
 }
 
 export interface AttendResponse {
-  /** (B, n_q, d_v); (B, n_q, E) for multi_head */
+  /** (B, n_q, d_v); (B, n_q, E) for multi_head; (B, n_q, H, d_v) for grouped heads */
   output: Tensor;
   /** Only when asked: (B, n_q, n_k); (B, H, n_q, n_k) for multi_head */
   attention_weights?: Tensor;
@@ -70,6 +80,20 @@ export interface ModelInfo {
   output_size?: number;
   version?: number;
   versions?: ModelVersionStatus[];
+  precision?: string;
+  /** multi_head: kv heads (H_kv) and the columns of one head. */
+  num_kv_heads?: number;
+  head_dim?: number;
+  /** Rotary positions: "default", "linear", "llama3", "yarn"; left out: none. */
+  rope_type?: string;
+  rope_theta?: number;
+  rope_interleaved?: boolean;
+  rotary_dim?: number;
+  /** The layer's sliding window and soft-cap (left out: none), ALiBi and sink logits. */
+  sliding_window?: number;
+  softcap?: number;
+  alibi?: boolean;
+  sinks?: boolean;
 }
 
 export interface ClientOptions {
@@ -118,6 +142,9 @@ export interface SessionOptions {
   valid_lens?: ReadonlyArray<number>;
   scale?: number;
   version?: number;
+  /** A dot_product self session's sliding window and logit soft-cap, for every step. */
+  sliding_window?: number;
+  softcap?: number;
   /** Deadline of the whole session (default: none). */
   timeoutMs?: number;
   /** Replay the session on a new stream when its stream breaks (default true). */
@@ -128,6 +155,10 @@ export interface SessionOptions {
 
 export interface StepOptions {
   return_attention_weights?: boolean;
+  /** A dot_product self session over grouped heads: the step's own keys (B, n_new, H_kv, d). */
+  keys?: TensorInput;
+  /** ... and values (B, n_new, H_kv, d_v); left out: the rows serve. */
+  values?: TensorInput;
 }
 
 export interface StepResult {
@@ -147,7 +178,7 @@ export interface Session {
   length: number;
   /** Times the stream broke and the session was replayed on a new one. */
   replays: number;
-  /** The step's rows (B, n_new, d): new tokens (self memory) or queries (cross). Steps run in order. */
+  /** The step's rows (B, n_new, d) or (B, n_new, H, d): new tokens (self memory) or queries (cross). Steps run in order. */
   step(rows: TensorInput, options?: StepOptions): Promise<StepResult>;
   /** Ends the session: the server frees its keys and values. */
   close(): void;

@@ -23,10 +23,13 @@ const BREAKS = new Set([grpc.status.UNAVAILABLE, grpc.status.CANCELLED]);
 // The pauses between tries at opening the stream again, as the unary calls'
 // retries wait (unary.js): from 50 ms, doubling, at most 1 s.
 const REOPEN_BACKOFF_MS = [50, 1000];
-// SessionRequest: open = 1, step = 2; SessionStep: queries = 1.
+// SessionRequest: open = 1, step = 2; SessionStep: queries = 1, keys = 3,
+// values = 4.
 const OPEN = 1;
 const STEP = 2;
 const STEP_QUERIES = 1;
+const STEP_KEYS = 3;
+const STEP_VALUES = 4;
 
 // The bytes of message field `number` whose body is `parts` joined.
 function messageField(number, parts) {
@@ -34,9 +37,12 @@ function messageField(number, parts) {
   return Buffer.concat([Buffer.from([(number << 3) | wire.LEN, ...wire.varint(size)]), ...parts]);
 }
 
-// A SessionRequest's bytes stepping with `rows` ({ shape, data }).
-function stepRequest(rows, returnAttentionWeights) {
+// A SessionRequest's bytes stepping with `rows` ({ shape, data }), and the
+// step's own keys and values when given.
+function stepRequest(rows, returnAttentionWeights, keys = null, values = null) {
   const parts = wire.tensorParts(STEP_QUERIES, rows, 'rows');
+  if (keys) parts.push(...wire.tensorParts(STEP_KEYS, keys, 'keys'));
+  if (values) parts.push(...wire.tensorParts(STEP_VALUES, values, 'values'));
   if (returnAttentionWeights) parts.unshift(Buffer.from([0x10, 0x01])); // field 2, true
   return messageField(STEP, parts);
 }
@@ -56,8 +62,8 @@ function openRequest(serialize, small, keys, values) {
   return messageField(OPEN, parts);
 }
 
-// A self session's rows so far, kept per step, and the one (B, n, d) prefill
-// they make.
+// A self session's rows so far, kept per step, and the one (B, n, d) or
+// (B, n, H, d) prefill they make.
 class Rows {
   constructor() {
     this.steps = []; // { batch, rows, width, data: a copy of the step's values }
@@ -66,19 +72,21 @@ class Rows {
   }
 
   static bytesOf(rows) {
-    return rows.data.length * 4;
+    return rows ? rows.data.length * 4 : 0;
   }
 
   append(rows) {
-    const [batch, n, width] = rows.shape.map(Number);
-    this.steps.push({ batch, n, width, data: Float32Array.from(rows.data) });
+    const [batch, n, ...row] = rows.shape.map(Number);
+    // A row's values: d, or H * d for grouped heads.
+    const width = row.reduce((product, size) => product * size, 1);
+    this.steps.push({ batch, n, width, row, data: Float32Array.from(rows.data) });
     this.count += n;
     this.bytes += Rows.bytesOf(rows);
   }
 
-  // Every step's rows side by side, per example: (B, count, d).
+  // Every step's rows side by side, per example: (B, count, ...row).
   all() {
-    const { batch, width } = this.steps[0];
+    const { batch, width, row: rowShape } = this.steps[0];
     const data = new Float32Array(batch * this.count * width);
     let row = 0;
     for (const step of this.steps) {
@@ -88,7 +96,7 @@ class Rows {
       }
       row += step.n;
     }
-    return { shape: [batch, this.count, width], data };
+    return { shape: [batch, this.count, ...rowShape], data };
   }
 }
 
@@ -143,6 +151,10 @@ class Session {
     this.opening = replay ? opening : null;
     // Cross memory is all in the opening: steps change nothing to replay.
     this.rows = memory === 'self' && replay ? new Rows() : null;
+    // A self session's steps' own keys and values, when they carry them: the
+    // replay's prefill carries them too.
+    this.keys = new Rows();
+    this.values = new Rows();
     this.unreplayable = null; // why a break can no longer be replayed
     this.forgetPast(opening.length);
     this.replays = 0;
@@ -165,14 +177,18 @@ class Session {
     return this;
   }
 
-  // Sends the step's rows ({ shape: [B, n_new, d], data }); resolves to
+  // Sends the step's rows ({ shape: [B, n_new, d], data }); a dot_product
+  // self session over grouped heads takes 4-D rows (B, n_new, H, d) and
+  // options.keys (B, n_new, H_kv, d) and options.values (B, n_new, H_kv, d_v),
+  // the step's own, appended instead of the rows. Resolves to
   // { output, attention_weights?, length }. Rejects with an AttendError for a
   // step the server refused (the session is as before it and can go on).
   // A broken stream is replayed and the step sent again (`replays` counts
   // it); without replay the stream's error, and with replay that cannot be
   // done a SessionLost saying why.
   step(rows, options = {}) {
-    const result = this.tail.then(() => this.send(rows, options.return_attention_weights === true));
+    const own = { keys: options.keys || null, values: options.values || null };
+    const result = this.tail.then(() => this.send(rows, options.return_attention_weights === true, own));
     this.tail = result.catch(() => {});
     return result;
   }
@@ -196,19 +212,35 @@ class Session {
   }
 
   // Drops what the session keeps for a replay once it needs `bytes`, more
-  // than the limit: a later break then fails, saying why.
-  forgetPast(bytes) {
-    if (this.replay && bytes > this.replayLimitBytes) {
-      this.unreplayable = `its opening and rows take ${bytes} bytes, more than `
-        + `replayLimitBytes=${this.replayLimitBytes}`;
-      this.rows = null;
-      this.opening = null;
-    }
+  // than the limit, or for `reason`: a later break then fails, saying why.
+  forgetPast(bytes, reason = null) {
+    const over = this.replay && bytes > this.replayLimitBytes;
+    if (!over && reason === null) return;
+    this.unreplayable = reason || `its opening and rows take ${bytes} bytes, more than `
+      + `replayLimitBytes=${this.replayLimitBytes}`;
+    this.rows = null;
+    this.opening = null;
   }
 
-  async send(rows, weights) {
+  // Appends a step's rows (and its own keys and values) to what the
+  // replay's prefill sends. A prefill is one step, so steps that differ in
+  // which of keys and values they carry cannot be replayed as one.
+  keepForReplay(rows, own) {
+    const kept = [[this.keys, own.keys], [this.values, own.values]];
+    if (this.rows.count > 0 && kept.some(([store, part]) => (part === null) !== (store.count === 0))) {
+      this.forgetPast(0, 'its steps differ in whether they carry keys and values');
+      return;
+    }
+    this.forgetPast(this.opening.length + this.rows.bytes + Rows.bytesOf(rows)
+      + kept.reduce((total, [store, part]) => total + store.bytes + Rows.bytesOf(part), 0));
+    if (!this.rows) return;
+    this.rows.append(rows);
+    for (const [store, part] of kept) if (part) store.append(part);
+  }
+
+  async send(rows, weights, own = { keys: null, values: null }) {
     if (this.closed) throw new Error('the session is closed');
-    const request = stepRequest(rows, weights);
+    const request = stepRequest(rows, weights, own.keys, own.values);
     let response;
     try {
       response = await this.stream.exchange(request);
@@ -219,10 +251,7 @@ class Session {
     }
     this.length = response.length || 0;
     if (response.error) throw streamError(response);
-    if (this.rows) {
-      this.forgetPast(this.opening.length + this.rows.bytes + Rows.bytesOf(rows));
-      this.rows?.append(rows);
-    }
+    if (this.rows) this.keepForReplay(rows, own);
     const { output, attention_weights: attentionWeights, length = 0 } = response;
     return attentionWeights ? { output, attention_weights: attentionWeights, length } : { output, length };
   }
@@ -253,7 +282,9 @@ class Session {
         const opened = await this.stream.exchange(this.opening);
         let refused = opened.error ? opened : null;
         if (!refused && this.rows && this.rows.count > 0) {
-          const prefill = await this.stream.exchange(stepRequest(this.rows.all(), false));
+          const prefill = await this.stream.exchange(stepRequest(this.rows.all(), false,
+            this.keys.count > 0 ? this.keys.all() : null,
+            this.values.count > 0 ? this.values.all() : null));
           refused = prefill.error ? prefill : null;
         }
         if (refused && BREAKS.has(refused.error.code)) { // a server draining: another may take it
@@ -286,4 +317,4 @@ class Session {
   }
 }
 
-module.exports = { Session, REPLAY_LIMIT_BYTES };
+module.exports = { Session, REPLAY_LIMIT_BYTES, stepRequest };

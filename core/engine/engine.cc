@@ -86,7 +86,9 @@ void RunGroup(ThreadPool& pool, const Model& model, std::span<const ValidatedReq
 // A zero output of the request's shape, and zero weights if it asks for them.
 void ShapeResult(const Model& model, const ValidatedRequest& v, AttentionResult& result) {
   const AttentionDims& d = v.dims;
-  result.output.shape = {d.batch, d.num_queries, d.output_size};
+  result.output.shape = d.grouped ? std::vector<int64_t>{d.batch, d.num_queries, d.num_heads,
+                                                         d.value_size}
+                                   : std::vector<int64_t>{d.batch, d.num_queries, d.output_size};
   result.output.data.assign(d.output_elements(), 0.0f);
   result.status = absl::OkStatus();
   if (!v.request->return_attention_weights) {
@@ -94,7 +96,7 @@ void ShapeResult(const Model& model, const ValidatedRequest& v, AttentionResult&
     return;
   }
   result.attention_weights.shape =
-      model.kind == Kind::kMultiHead
+      model.kind == Kind::kMultiHead || d.grouped
           ? std::vector<int64_t>{d.batch, d.num_heads, d.num_queries, d.num_keys}
           : std::vector<int64_t>{d.batch, d.num_queries, d.num_keys};
   result.attention_weights.data.assign(d.weight_elements(), 0.0f);

@@ -34,10 +34,10 @@ std::optional<int64_t> CheckedAdd(int64_t a, int64_t b) {
 
 // Checks rank, positive sizes and data length; `axes` names the three axes.
 absl::Status CheckTensorShape(absl::string_view field, const TensorView& tensor,
-                              absl::string_view axes) {
+                              absl::string_view axes, size_t rank) {
   const auto& shape = tensor.shape;
-  if (shape.size() != 3) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".shape: expected rank 3 ", axes,
+  if (shape.size() != rank) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape: expected rank ", rank, " ", axes,
                                                    ", got rank ", shape.size(), " ",
                                                    ShapeString(shape)));
   }
@@ -88,12 +88,17 @@ float DefaultScale(const Model& model, const AttentionDims& dims) {
     case Kind::kAdditive:
       return 1.0f;
     case Kind::kMultiHead:
-      return 1.0f / std::sqrt(static_cast<float>(model.output_size / model.num_heads));
+      if (model.terms.scale > 0) return model.terms.scale;
+      return 1.0f / std::sqrt(static_cast<float>(HeadSize(model)));
   }
   return 1.0f;
 }
 
 namespace {
+
+// The largest position a request may give: rotary angles stay exact in
+// double far beyond it.
+constexpr int64_t kMaxPosition = int64_t{1} << 40;
 
 // Query rows an engine thread works on at once; scratch is sized for them.
 constexpr double kQueryBlockRows = 64;
@@ -104,31 +109,82 @@ std::string Count(double value) {
   return absl::StrCat(static_cast<int64_t>(value));
 }
 
+// Grouped heads: every tensor 4-D, (B, n, heads, d).
+bool Grouped(const AttentionRequest& request) { return request.queries.shape.size() == 4; }
+
 // The three tensors' shapes, each on its own (CheckShape): the queries are
-// required, keys and values optional.
-absl::Status CheckShapes(const AttentionRequest& request) {
+// required, keys and values optional. All are 3-D, or (dot_product) all 4-D.
+absl::Status CheckShapes(const Model& model, const AttentionRequest& request) {
   if (request.queries.shape.empty() && request.queries.data.empty()) {
     return absl::InvalidArgumentError(
         "queries: required tensor (B, n_q, d_q) is missing");
   }
-  RETURN_IF_ERROR(CheckTensorShape("queries", request.queries, "(B, n_q, d_q)"));
-  if (request.keys) RETURN_IF_ERROR(CheckTensorShape("keys", *request.keys, "(B, n_k, d_k)"));
-  if (request.values) RETURN_IF_ERROR(CheckTensorShape("values", *request.values, "(B, n_k, d_v)"));
+  if (!Grouped(request)) {
+    RETURN_IF_ERROR(CheckTensorShape("queries", request.queries, "(B, n_q, d_q)"));
+    if (request.keys) RETURN_IF_ERROR(CheckTensorShape("keys", *request.keys, "(B, n_k, d_k)"));
+    if (request.values) {
+      RETURN_IF_ERROR(CheckTensorShape("values", *request.values, "(B, n_k, d_v)"));
+    }
+    return absl::OkStatus();
+  }
+  if (model.kind != Kind::kDotProduct) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "queries.shape: expected rank 3 (B, n_q, d_q), got rank 4 ",
+        ShapeString(request.queries.shape), ": grouped heads (B, n_q, H, d) are for dot_product, "
+        "and model '", model.name, "' is ", std::string(KindName(model.kind))));
+  }
+  for (const auto& [field, tensor] :
+       {std::pair<absl::string_view, const std::optional<TensorView>*>{"keys", &request.keys},
+        {"values", &request.values}}) {
+    if (tensor->has_value() && (*tensor)->shape.size() != 4) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".shape: expected rank 4 like the queries (all three tensors are 3-D or all "
+          "4-D), got rank ", (*tensor)->shape.size(), " ", ShapeString((*tensor)->shape),
+          " beside queries of rank 4 ", ShapeString(request.queries.shape)));
+    }
+  }
+  RETURN_IF_ERROR(CheckTensorShape("queries", request.queries, "(B, n_q, H, d)", 4));
+  if (request.keys) RETURN_IF_ERROR(CheckTensorShape("keys", *request.keys, "(B, n_k, H_kv, d)", 4));
+  if (request.values) {
+    RETURN_IF_ERROR(CheckTensorShape("values", *request.values, "(B, n_k, H_kv, d_v)", 4));
+  }
   return absl::OkStatus();
 }
 
-// The sizes the shapes give, after the self-attention shorthand.
+// The sizes the shapes give, after the self-attention shorthand; for
+// grouped heads, the sizes of one head.
 AttentionDims SizesOf(const AttentionRequest& request) {
   const TensorView& queries = request.queries;
   const TensorView& keys = ResolvedKeys(request);
+  const size_t last = queries.shape.size() - 1;
   AttentionDims dims;
   dims.batch = queries.shape[0];
   dims.num_queries = queries.shape[1];
-  dims.query_size = queries.shape[2];
+  dims.query_size = queries.shape[last];
   dims.num_keys = keys.shape[1];
-  dims.key_size = keys.shape[2];
-  dims.value_size = ResolvedValues(request).shape[2];
+  dims.key_size = keys.shape[last];
+  dims.value_size = ResolvedValues(request).shape[last];
+  if (Grouped(request)) {
+    dims.grouped = true;
+    dims.num_heads = queries.shape[2];
+    dims.num_kv_heads = keys.shape[2];
+  }
   return dims;
+}
+
+// Grouped heads: the values' kv heads are the keys', and H is a multiple
+// of them.
+absl::Status CheckHeads(const AttentionRequest& request, const AttentionDims& dims) {
+  if (!dims.grouped) return absl::OkStatus();
+  if (request.values) {
+    RETURN_IF_ERROR(CheckTensorAxis("values", 2, "H_kv", dims.num_kv_heads,
+                                    request.values->shape[2],
+                                    request.keys ? "keys' H_kv" : "H, since keys = queries"));
+  }
+  if (dims.num_heads % dims.num_kv_heads == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "queries.shape[2] (H): expected a multiple of the keys' kv heads H_kv = ",
+      dims.num_kv_heads, " (query head h reads kv head h / (H / H_kv)), got ", dims.num_heads));
 }
 
 // Keys and values agree with the queries' batch, values with the keys' n_k.
@@ -152,7 +208,7 @@ absl::Status CheckModelSizes(const Model& model, const AttentionRequest& request
       request.values ? "values" : (request.keys ? "keys (standing in for values)"
                                                 : "queries (standing in for values)");
   if (model.kind == Kind::kDotProduct || model.kind == Kind::kDistance) {
-    return CheckTensorAxis(keys_field, 2, "d_k", dims.query_size, dims.key_size,
+    return CheckTensorAxis(keys_field, dims.grouped ? 3 : 2, "d_k", dims.query_size, dims.key_size,
                            absl::StrCat(std::string(KindName(model.kind)), " needs d_k == d_q"));
   }
   const std::string why = absl::StrCat("model '", model.name, "' input size");
@@ -258,6 +314,55 @@ absl::Status CheckScratchLimit(const Model& model, const AttentionDims& dims,
       "); split it into smaller requests"));
 }
 
+// position_ids: 0, n_q or B*n_q entries, each >= 0, and only for a model
+// whose layer reads positions.
+absl::Status CheckPositionIds(const Model& model, const AttentionRequest& request,
+                              const AttentionDims& dims) {
+  const int64_t count = static_cast<int64_t>(request.position_ids.size());
+  if (count == 0) return absl::OkStatus();
+  if (model.terms.rotary.dims == 0 && model.terms.alibi_slopes.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "position_ids: model '", model.name,
+        "' has neither rotary positions nor ALiBi, so it reads no positions; omit them"));
+  }
+  if (count != dims.num_queries && count != dims.batch * dims.num_queries) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "position_ids: expected 0, ", dims.num_queries, " (n_q, for every example) or ",
+        dims.batch * dims.num_queries, " (B*n_q, row-major) entries, got ", count));
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    if (request.position_ids[i] < 0 || request.position_ids[i] > kMaxPosition) {
+      return absl::InvalidArgumentError(absl::StrCat("position_ids[", i, "]: expected 0 to ",
+                                                     kMaxPosition, ", got ",
+                                                     request.position_ids[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// sliding_window and softcap: dot_product only (a multi_head model's layer
+// fixes its own), a window >= 0 and a finite cap >= 0.
+absl::Status CheckScoreTerms(const Model& model, const AttentionRequest& request) {
+  if (!request.sliding_window && !request.softcap) return absl::OkStatus();
+  if (model.kind != Kind::kDotProduct) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        request.sliding_window ? "sliding_window" : "softcap",
+        ": only dot_product models take it (model '", model.name, "' is ",
+        std::string(KindName(model.kind)),
+        model.kind == Kind::kMultiHead ? ", whose layer fixes its own window and soft-cap)"
+                                       : ")"));
+  }
+  if (request.sliding_window && *request.sliding_window < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sliding_window: expected >= 0 (0: no window), got ", *request.sliding_window));
+  }
+  if (request.softcap && !(std::isfinite(*request.softcap) && *request.softcap >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "softcap: expected a finite value >= 0 (0: none), got ", *request.softcap));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 double RequestWork(const Model& model, const AttentionDims& dims) {
@@ -277,8 +382,10 @@ double RequestWork(const Model& model, const AttentionDims& dims) {
       return b * n_k * d_k * d_q + scores * (d_q + d_v + kSoftmaxWork);
     case Kind::kMultiHead: {
       const double e = static_cast<double>(model.output_size);
-      const double head = e / static_cast<double>(dims.num_heads);
-      return b * (n_q * d_q + n_k * d_k + n_k * d_v + n_q * e) * e +
+      const double queries = static_cast<double>(QueryWidth(model));
+      const double kv = static_cast<double>(KvWidth(model));
+      const double head = static_cast<double>(HeadSize(model));
+      return b * (n_q * (d_q + e) * queries + n_k * (d_k + d_v) * kv) +
              scores * (2 * head + kSoftmaxWork);
     }
   }
@@ -300,12 +407,13 @@ const TensorView& ResolvedValues(const AttentionRequest& request) {
 
 absl::StatusOr<AttentionDims> Validate(const Model& model, const AttentionRequest& request,
                                        const Limits& limits) {
-  RETURN_IF_ERROR(CheckShapes(request));
+  RETURN_IF_ERROR(CheckShapes(model, request));
   AttentionDims dims = SizesOf(request);
   RETURN_IF_ERROR(CheckBatchAndKeyCounts(request, dims));
+  RETURN_IF_ERROR(CheckHeads(request, dims));
   RETURN_IF_ERROR(CheckModelSizes(model, request, dims));
-  dims.output_size = model.output_size != 0 ? model.output_size : dims.value_size;
-  dims.num_heads = model.kind == Kind::kMultiHead ? model.num_heads : 1;
+  dims.output_size = model.output_size != 0 ? model.output_size : dims.num_heads * dims.value_size;
+  if (model.kind == Kind::kMultiHead) dims.num_heads = model.num_heads;
   absl::StatusOr<LengthMask> length_mask = CheckValidLens(request, dims);
   if (!length_mask.ok()) return length_mask.status();
   dims.length_mask = *length_mask;
@@ -314,6 +422,8 @@ absl::StatusOr<AttentionDims> Validate(const Model& model, const AttentionReques
         absl::StrCat("scale: expected a finite value, got ", *request.scale));
   }
   dims.scale = request.scale ? *request.scale : DefaultScale(model, dims);
+  RETURN_IF_ERROR(CheckPositionIds(model, request, dims));
+  RETURN_IF_ERROR(CheckScoreTerms(model, request));
   RETURN_IF_ERROR(CheckElementLimit(request, dims, limits));
   // Before the finiteness pass: a request refused for its cost is refused
   // cheaply.

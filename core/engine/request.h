@@ -20,6 +20,9 @@
 namespace attention {
 
 struct AttentionRequest {
+  // dot_product also takes grouped heads, all three tensors 4-D: queries
+  // (B, n_q, H, d), keys (B, n_k, H_kv, d), values (B, n_k, H_kv, d_v), with H
+  // a multiple of H_kv; output (B, n_q, H, d_v).
   TensorView queries;                // (B, n_q, d_q)
   std::optional<TensorView> keys;    // (B, n_k, d_k); absent: keys = queries
   std::optional<TensorView> values;  // (B, n_k, d_v); absent: values = keys
@@ -28,6 +31,16 @@ struct AttentionRequest {
   bool causal = false;
   bool return_attention_weights = false;
   std::optional<float> scale;  // replaces the kind's default scale
+  // The tokens' positions, for models with rotary positions or ALiBi: empty
+  // (0..n_q-1), n_q entries (the same for every example) or B*n_q
+  // (row-major). Keys omitted take the queries' positions; keys given take
+  // 0..n_k-1.
+  std::span<const int64_t> position_ids;
+  // dot_product: key j is allowed for query i only if i - j < sliding_window
+  // (unset or 0: no window), and scores are soft-capped to
+  // softcap * tanh(s / softcap) (unset or 0: none).
+  std::optional<int64_t> sliding_window;
+  std::optional<float> softcap;
 };
 
 // Caps that keep one request from exhausting memory. Defaults suit a server
@@ -55,8 +68,13 @@ struct AttentionDims {
   int64_t query_size = 0;   // d_q
   int64_t key_size = 0;     // d_k
   int64_t value_size = 0;   // d_v
-  int64_t output_size = 0;  // last axis of output: d_v, or E for multi_head
+  int64_t output_size = 0;  // output's elements per query: d_v, E for multi_head, H d_v grouped
   int64_t num_heads = 1;    // heads in attention_weights (1 for single-head kinds)
+  // dot_product over grouped heads: 4-D tensors queries (B, n_q, H, d),
+  // keys (B, n_k, H_kv, d), values (B, n_k, H_kv, d_v); query_size,
+  // key_size and value_size are then one head's.
+  bool grouped = false;
+  int64_t num_kv_heads = 1;
   float scale = 1.0f;       // resolved: request's scale or the kind's default
   enum class LengthMask { kNone, kPerExample, kPerQuery } length_mask = LengthMask::kNone;
 
@@ -84,15 +102,17 @@ const TensorView& ResolvedKeys(const AttentionRequest& request);
 const TensorView& ResolvedValues(const AttentionRequest& request);
 
 // The kind's scale when a request sets none: 1/sqrt(d_q) for dot_product and
-// bilinear, 1/sqrt(E/H) for multi_head, 1 for distance and additive.
+// bilinear, the layer's scale or 1/sqrt(head_size) for multi_head, 1 for
+// distance and additive.
 float DefaultScale(const Model& model, const AttentionDims& dims);
 
 // Validate()'s checks of one tensor, for callers that validate tensors of
-// their own (decoding sessions, core/sessions/session.h): rank 3, positive sizes, data
+// their own (decoding sessions, core/sessions/session.h): the rank (3 unless
+// given), positive sizes, data
 // length == product(shape) (`axes` names the axes in the message), finite
 // values, and one axis's size.
 absl::Status CheckTensorShape(absl::string_view field, const TensorView& tensor,
-                              absl::string_view axes);
+                              absl::string_view axes, size_t rank = 3);
 absl::Status CheckTensorFinite(absl::string_view field, const TensorView& tensor);
 // INVALID_ARGUMENT "field.shape[axis] (axis_name): expected E (why), got A"
 // unless expected == actual.

@@ -1,6 +1,8 @@
 // run_dot_product.cc: the runner of the dot-product family (dot_product,
 // distance, bilinear), whose scores all take the flash kernel's one form
-// s = scale q'.k + r_i + c_j (core/kernels/flash_kernel.h).
+// s = scale q'.k + r_i + c_j (core/kernels/flash_kernel.h); dot_product also
+// over grouped heads (4-D rows), one problem per (example, query head), and
+// with a request's sliding window and soft-cap.
 #include <vector>
 
 #include "core/engine/attention_tasks.h"
@@ -42,23 +44,27 @@ DistanceBiases DistanceBiasesOf(const ValidatedRequest& v) {
   return biases;
 }
 
-// The problem of example b of request v, whose queries (already mapped for
-// bilinear) start at `queries`.
-FlashProblem ExampleProblem(const Model& model, const ValidatedRequest& v, int64_t b,
+// The problem of example b of request v, head h (grouped heads: query head
+// h on kv head h / (H / H_kv); otherwise the one head, 0), whose queries
+// (already mapped for bilinear) start at `queries`.
+FlashProblem ExampleProblem(const Model& model, const ValidatedRequest& v, int64_t b, int64_t h,
                             const float* queries, const DistanceBiases& biases,
                             AttentionResult& result, RequestStop* stop) {
   const AttentionRequest& request = *v.request;
   const AttentionDims& d = v.dims;
   const int64_t head_size = d.key_size;
+  const int64_t heads = d.num_heads, kv_heads = d.num_kv_heads;
+  const int64_t kv_head = h / (heads / kv_heads);
   FlashProblem p;
-  p.queries = queries + b * d.num_queries * head_size;
-  p.keys = ResolvedKeys(request).data.data() + b * d.num_keys * d.key_size;
-  p.values = ResolvedValues(request).data.data() + b * d.num_keys * d.value_size;
-  p.output = result.output.data.data() + b * d.num_queries * d.value_size;
-  p.query_stride = head_size;
-  p.key_stride = d.key_size;
-  p.value_stride = d.value_size;
-  p.output_stride = d.value_size;
+  p.queries = queries + (b * d.num_queries * heads + h) * head_size;
+  p.keys = ResolvedKeys(request).data.data() + (b * d.num_keys * kv_heads + kv_head) * d.key_size;
+  p.values =
+      ResolvedValues(request).data.data() + (b * d.num_keys * kv_heads + kv_head) * d.value_size;
+  p.output = result.output.data.data() + (b * d.num_queries * heads + h) * d.value_size;
+  p.query_stride = heads * head_size;
+  p.key_stride = kv_heads * d.key_size;
+  p.value_stride = kv_heads * d.value_size;
+  p.output_stride = heads * d.value_size;
   p.num_queries = d.num_queries;
   p.num_keys = d.num_keys;
   p.head_size = head_size;
@@ -69,6 +75,8 @@ FlashProblem ExampleProblem(const Model& model, const ValidatedRequest& v, int64
     p.key_bias = biases.keys.data() + b * d.num_keys;
   }
   p.bounds = BoundsOf(v, b);
+  p.bounds.window = request.sliding_window.value_or(0);
+  p.terms.softcap = request.softcap.value_or(0.0f);
   p.distance = model.kind == Kind::kDistance;
   if (model.kind == Kind::kDotProduct) p.precision = model.precision;
   p.stop = stop;
@@ -95,7 +103,7 @@ void RunDotProductFamily(ThreadPool& pool, const Model& model,
   // Tasks point into `problems`: reserve it whole so it never reallocates.
   std::vector<FlashProblem> problems;
   size_t num_problems = 0;
-  for (size_t r = 0; r < n; ++r) num_problems += requests[r].dims.batch;
+  for (size_t r = 0; r < n; ++r) num_problems += requests[r].dims.batch * requests[r].dims.num_heads;
   problems.reserve(num_problems);
   std::vector<AttentionTask> tasks;
   for (size_t r = 0; r < n; ++r) {
@@ -103,9 +111,11 @@ void RunDotProductFamily(ThreadPool& pool, const Model& model,
     const float* queries = mapped_queries ? mapped_queries + query_rows[r] * d.key_size
                                           : requests[r].request->queries.data.data();
     for (int64_t b = 0; b < d.batch; ++b) {
-      problems.push_back(
-          ExampleProblem(model, requests[r], b, queries, biases[r], results[r], stops[r]));
-      AddTasks(problems.back(), WeightsOf(results[r], b, d), tasks);
+      for (int64_t h = 0; h < d.num_heads; ++h) {
+        problems.push_back(
+            ExampleProblem(model, requests[r], b, h, queries, biases[r], results[r], stops[r]));
+        AddTasks(problems.back(), WeightsOf(results[r], b * d.num_heads + h, d), tasks);
+      }
     }
   }
   RunAttention(pool, tasks);

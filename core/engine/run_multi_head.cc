@@ -1,7 +1,8 @@
 // run_multi_head.cc: the runner of multi_head models: project queries, keys
-// and values, attend per head on column slices, project the concatenated
-// heads. Each of the four projections is one GEMM over the tokens of every
-// request of the group.
+// and values, position them (Hugging Face's qk-norm and rotary), attend per
+// head on column slices (query head h on kv head h / (H / H_kv)), project
+// the concatenated heads. Each of the four projections is one GEMM over the
+// tokens of every request of the group.
 #include <algorithm>
 #include <deque>
 #include <mutex>
@@ -9,6 +10,7 @@
 
 #include "core/engine/attention_tasks.h"
 #include "core/engine/group_scratch.h"
+#include "core/engine/positions.h"
 #include "core/engine/projection.h"
 #include "core/engine/runners.h"
 #include "core/thread_pool.h"
@@ -85,17 +87,18 @@ class PendingValueRows final : public PendingValues {
   std::once_flag done_;
 };
 
-// One group's (tokens x E) projections, stacked like the inputs, where the
-// heads read them. Self-attention (keys and values omitted): Q, K and V side
-// by side, three products over the same tokens into one (tokens x 3E)
-// buffer, stored where q, k and v (consecutive, tokens x E each) would be.
+// One group's projections, stacked like the inputs, where the heads read
+// them: queries (tokens x H hd), keys and values (tokens x H_kv hd).
+// Self-attention (keys and values omitted): Q, K and V side by side, three
+// products over the same tokens into one (tokens x (H + 2 H_kv) hd) buffer.
 struct MultiHeadGroup {
   std::vector<int64_t> query_rows, key_rows;  // TokenOffsets
-  int64_t width = 0;                          // E
-  int64_t qkv_stride = 0;                     // floats between rows of q, k and v
+  int64_t query_width = 0;                    // H hd
+  int64_t kv_width = 0;                       // H_kv hd
+  int64_t query_stride = 0, kv_stride = 0;    // floats between rows of q, and of k and v
   Projection queries, keys, values;           // the whole of each, all rows
   std::vector<int64_t> keys_read, values_read;  // RowsReadOf, per example
-  float* concat = nullptr;                    // (tokens x E) concatenated heads
+  float* concat = nullptr;                    // (tokens x H hd) concatenated heads
   float* stacked_output = nullptr;            // (tokens x E), for more than one request
 };
 
@@ -112,29 +115,32 @@ MultiHeadGroup PlanGroup(const Model& model, std::span<const ValidatedRequest> r
   MultiHeadGroup g;
   g.query_rows = TokenOffsets(requests, /*keys=*/false);
   g.key_rows = TokenOffsets(requests, /*keys=*/true);
-  g.width = model.output_size;
-  const int64_t width = g.width;
+  g.query_width = QueryWidth(model);
+  g.kv_width = KvWidth(model);
+  const int64_t qw = g.query_width, kw = g.kv_width, width = model.output_size;
   const int64_t total_queries = g.query_rows.back(), total_keys = g.key_rows.back();
   const bool self_attention = AllSelfAttention(requests);
   const auto [q, k, v, concat, stacked_output, stacked_queries, stacked_keys, stacked_values] =
-      GroupScratch<8>({total_queries * width, total_keys * width, total_keys * width,
-                       total_queries * width, requests.size() == 1 ? 0 : total_queries * width,
+      GroupScratch<8>({total_queries * (self_attention ? qw + 2 * kw : qw),
+                       self_attention ? 0 : total_keys * kw, self_attention ? 0 : total_keys * kw,
+                       total_queries * qw, requests.size() == 1 ? 0 : total_queries * width,
                        StackedFloats(requests, QueriesOf),
                        self_attention ? 0 : StackedFloats(requests, KeysOf),
                        self_attention ? 0 : StackedFloats(requests, ValuesOf)},
                       once);
-  g.qkv_stride = self_attention ? 3 * width : width;
+  g.query_stride = self_attention ? qw + 2 * kw : qw;
+  g.kv_stride = self_attention ? qw + 2 * kw : kw;
   g.concat = concat;
   g.stacked_output = stacked_output;
   const float* const queries_in = StackRows(requests, QueriesOf, stacked_queries);
   g.queries = {queries_in, q, total_queries, &model.w_q, &model.b_q, true, &model.packed_q,
-               g.qkv_stride};
+               g.query_stride};
   g.keys = {self_attention ? queries_in : StackRows(requests, KeysOf, stacked_keys),
-            self_attention ? q + width : k, total_keys, &model.w_k, &model.b_k, true,
-            &model.packed_k, g.qkv_stride};
+            self_attention ? q + qw : k, total_keys, &model.w_k, &model.b_k, true,
+            &model.packed_k, g.kv_stride};
   g.values = {self_attention ? queries_in : StackRows(requests, ValuesOf, stacked_values),
-              self_attention ? q + 2 * width : v, total_keys, &model.w_v, &model.b_v, true,
-              &model.packed_v, g.qkv_stride};
+              self_attention ? q + qw + kw : v, total_keys, &model.w_v, &model.b_v, true,
+              &model.packed_v, g.kv_stride};
   for (const ValidatedRequest& request : requests) {
     for (int64_t b = 0; b < request.dims.batch; ++b) {
       const RowsRead read = RowsReadOf(request, b);
@@ -145,24 +151,57 @@ MultiHeadGroup PlanGroup(const Model& model, std::span<const ValidatedRequest> r
   return g;
 }
 
+// Hugging Face layers: qk-norm and rotary on the projected queries and keys,
+// each token at its position (the request's position_ids, or its index).
+void PositionQueriesAndKeys(ThreadPool& pool, const Model& model, const MultiHeadGroup& g,
+                            std::span<const ValidatedRequest> requests) {
+  if (!TransformsRows(model.terms)) return;
+  std::vector<int64_t> query_positions, key_positions;
+  for (const ValidatedRequest& v : requests) {
+    for (int64_t b = 0; b < v.dims.batch; ++b) {
+      AppendPositions(*v.request, b, v.dims.num_queries, query_positions);
+      if (!v.request->keys) continue;
+      for (int64_t j = 0; j < v.dims.num_keys; ++j) key_positions.push_back(j);
+    }
+  }
+  const int64_t hd = HeadSize(model);
+  const ProjectedRows queries{g.queries.out, g.query_stride, g.query_rows.back(), model.num_heads,
+                              &model.terms.q_norm};
+  const ProjectedRows keys{g.keys.out, g.kv_stride, g.key_rows.back(), KvHeads(model),
+                           &model.terms.k_norm};
+  if (key_positions.empty()) {
+    const ProjectedRows both[] = {queries, keys};
+    PositionRows(pool, model.terms, hd, both, query_positions);
+    return;
+  }
+  PositionRows(pool, model.terms, hd, {&queries, 1}, query_positions);
+  PositionRows(pool, model.terms, hd, {&keys, 1}, key_positions);
+}
+
 // The problem of head h of an example whose rows start at query_row and
-// key_row of the group's stacking.
-FlashProblem HeadProblem(const MultiHeadGroup& g, const ValidatedRequest& v, int64_t b, int64_t h,
-                         int64_t query_row, int64_t key_row, int64_t head_size) {
+// key_row of the group's stacking: its queries' columns, and those of the
+// kv head it reads, h / (H / H_kv).
+FlashProblem HeadProblem(const Model& model, const MultiHeadGroup& g, const ValidatedRequest& v,
+                         int64_t b, int64_t h, int64_t query_row, int64_t key_row) {
   const AttentionDims& d = v.dims;
+  const int64_t head_size = HeadSize(model);
   const int64_t column = h * head_size;
+  const int64_t kv_column = h / (model.num_heads / KvHeads(model)) * head_size;
   FlashProblem p;
-  p.queries = g.queries.out + query_row * g.qkv_stride + column;
-  p.keys = g.keys.out + key_row * g.qkv_stride + column;
-  p.values = g.values.out + key_row * g.qkv_stride + column;
-  p.output = g.concat + query_row * g.width + column;
-  p.query_stride = p.key_stride = p.value_stride = g.qkv_stride;
-  p.output_stride = g.width;
+  p.queries = g.queries.out + query_row * g.query_stride + column;
+  p.keys = g.keys.out + key_row * g.kv_stride + kv_column;
+  p.values = g.values.out + key_row * g.kv_stride + kv_column;
+  p.output = g.concat + query_row * g.query_width + column;
+  p.query_stride = g.query_stride;
+  p.key_stride = p.value_stride = g.kv_stride;
+  p.output_stride = g.query_width;
   p.num_queries = d.num_queries;
   p.num_keys = d.num_keys;
   p.head_size = p.value_size = head_size;
   p.scale = d.scale;
   p.bounds = BoundsOf(v, b);
+  p.bounds.window = model.terms.sliding_window;
+  p.terms = HeadTerms(model.terms, h);
   return p;
 }
 
@@ -171,7 +210,6 @@ void AttendHeads(ThreadPool& pool, const Model& model, const MultiHeadGroup& g,
                  std::span<const ValidatedRequest> requests, std::span<AttentionResult> results,
                  Stops stops) {
   const int64_t heads = model.num_heads;
-  const int64_t head_size = model.output_size / heads;
   // Tasks point into `problems`: reserve it whole so it never reallocates.
   std::vector<FlashProblem> problems;
   size_t num_problems = 0;
@@ -192,7 +230,7 @@ void AttendHeads(ThreadPool& pool, const Model& model, const MultiHeadGroup& g,
       }
       for (int64_t h = 0; h < heads; ++h) {
         FlashProblem& p = problems.emplace_back(
-            HeadProblem(g, requests[r], b, h, query_row, key_row, head_size));
+            HeadProblem(model, g, requests[r], b, h, query_row, key_row));
         p.pending_values = pending;
         p.precision = model.precision;
         p.stop = stops[r];
@@ -217,7 +255,7 @@ void ProjectOutput(ThreadPool& pool, const Model& model, const MultiHeadGroup& g
   RunProjections(pool, {{g.concat, g.stacked_output, total_queries, &model.w_o, &model.b_o, true,
                          &model.packed_o}});
   for (size_t r = 0; r < results.size(); ++r) {
-    std::copy_n(g.stacked_output + g.query_rows[r] * g.width,
+    std::copy_n(g.stacked_output + g.query_rows[r] * model.output_size,
                 results[r].output.data.size(), results[r].output.data.begin());
   }
 }
@@ -233,6 +271,7 @@ void RunMultiHead(ThreadPool& pool, const Model& model,
   AddReadRows(requests, g.keys_read, g.keys, projections);
   AddReadRows(requests, g.values_read, g.values, projections);
   RunProjections(pool, projections, LoneStop(stops));
+  PositionQueriesAndKeys(pool, model, g, requests);
   AttendHeads(pool, model, g, requests, results, stops);
   ProjectOutput(pool, model, g, results, stops);
 }

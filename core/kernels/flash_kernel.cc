@@ -24,6 +24,7 @@
 #include <Eigen/Core>
 
 #include "core/kernels/finite.h"
+#include "core/kernels/flash_terms.h"
 #include "core/kernels/flash_tile.h"
 #include "core/kernels/masked_softmax.h"
 
@@ -234,13 +235,13 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
   }
 }
 
-// Rows [0, n_k) of a paged problem's blocks, `width` floats from column
-// block_column of each, into `out` (n_k x width).
-void GatherBlocks(const FlashProblem& p, const float* const* blocks, int64_t stride, int64_t width,
-                  std::vector<float>& out) {
+// Rows [0, n_k) of a paged problem's blocks, `width` floats from `column` of
+// each, into `out` (n_k x width).
+void GatherBlocks(const FlashProblem& p, const float* const* blocks, int64_t stride, int64_t column,
+                  int64_t width, std::vector<float>& out) {
   out.resize(p.num_keys * width);
   for (int64_t j = 0; j < p.num_keys; ++j) {
-    const float* row = blocks[j / p.block_rows] + (j % p.block_rows) * stride + p.block_column;
+    const float* row = blocks[j / p.block_rows] + (j % p.block_rows) * stride + column;
     std::copy_n(row, width, out.data() + j * width);
   }
 }
@@ -251,8 +252,9 @@ void GatherBlocks(const FlashProblem& p, const float* const* blocks, int64_t str
 // made only then.
 FlashProblem Contiguous(const FlashProblem& p, Scratch& scratch) {
   FlashProblem contiguous = p;
-  GatherBlocks(p, p.key_blocks, p.key_stride, p.head_size, scratch.keys);
-  GatherBlocks(p, p.value_blocks, p.value_stride, p.value_size, scratch.values);
+  GatherBlocks(p, p.key_blocks, p.key_stride, p.block_column, p.head_size, scratch.keys);
+  GatherBlocks(p, p.value_blocks, p.value_stride, p.value_block_column, p.value_size,
+               scratch.values);
   contiguous.key_blocks = contiguous.value_blocks = nullptr;
   contiguous.keys = scratch.keys.data();
   contiguous.values = scratch.values.data();
@@ -267,7 +269,7 @@ void PointAtBlock(const FlashProblem& p, FlashTile& tile) {
   const int64_t block = tile.key_begin / p.block_rows;
   tile.key_base = block * p.block_rows;
   tile.keys = p.key_blocks[block] + p.block_column;
-  tile.values = p.value_blocks[block] + p.block_column;
+  tile.values = p.value_blocks[block] + p.value_block_column;
   tile.key_end = std::min(tile.key_end, tile.key_base + p.block_rows);
 }
 
@@ -312,7 +314,7 @@ void PairKeysAndValues(const FlashProblem& p, const FlashTilePath& path, int64_t
     const int64_t count = std::min(block_rows, key_end - first);
     const float* keys = p.paged() ? p.key_blocks[first / block_rows] + p.block_column
                                   : p.keys + first * p.key_stride;
-    const float* values = p.paged() ? p.value_blocks[first / block_rows] + p.block_column
+    const float* values = p.paged() ? p.value_blocks[first / block_rows] + p.value_block_column
                                     : p.values + first * p.value_stride;
     path.pair_keys(keys, p.key_stride, count, p.head_size,
                    scratch.key_pairs.data() + first * key_words);
@@ -450,6 +452,7 @@ bool FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t qu
   // Queries (n_q x head_size), keys (n_k x head_size), values (n_k x value_size),
   // output (n_q x value_size); rows [query_begin, query_end) are computed.
   if (query_begin >= query_end) return true;
+  if (problem.has_terms()) return internal::TermsAttention(problem, query_begin, query_end, nullptr, 0);
   Scratch& scratch = ThreadScratch();
   scratch.Reserve(problem);
   const FlashTilePath path = FlashTilePathFor(ActiveIsa(), problem.precision);
@@ -473,11 +476,14 @@ bool FlashAttention(const FlashProblem& problem, int64_t query_begin, int64_t qu
 }
 
 bool PairsKeysPerCall(const FlashProblem& problem) {
-  return FlashTilePathFor(ActiveIsa(), problem.precision).pair_keys != nullptr;
+  return !problem.has_terms() && FlashTilePathFor(ActiveIsa(), problem.precision).pair_keys != nullptr;
 }
 
 bool AttentionWithWeights(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
                           float* weights, int64_t weights_stride) {
+  if (problem.has_terms()) {
+    return internal::TermsAttention(problem, query_begin, query_end, weights, weights_stride);
+  }
   if (problem.paged()) {
     Scratch& scratch = ThreadScratch();
     const bool completed = AttentionWithWeights(Contiguous(problem, scratch), query_begin,

@@ -25,6 +25,7 @@
 // returns and leaves the rows it did not finish unspecified.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "core/kernels/packed_weights.h"
@@ -63,16 +64,45 @@ class PendingValues {
   ~PendingValues() = default;
 };
 
-// Which keys each query of one (example, head) may see: [0, Allowed(i)).
+// Which keys each query of one (example, head) may see: [First(i),
+// Allowed(i)).
 struct KeyBounds {
   // Per-query lengths [n_q] if set, else `valid_len` for all queries
   // (INT32_MAX: no length mask).
   const int32_t* valid_lens = nullptr;
   int32_t valid_len = INT32_MAX;
   bool causal = false;
+  // A sliding window: key j is allowed for query i only if
+  // first_query + i - j < window (0: none). first_query is the index of
+  // query 0 among the keys (a decoding step's: the tokens before it).
+  int64_t window = 0;
+  int64_t first_query = 0;
 
-  // min(valid_len(i), n_k, causal ? i + 1 : n_k); 0 means no key is allowed.
+  // min(valid_len(i), n_k, causal ? i + 1 : n_k); at most First(i) means no
+  // key is allowed.
   int64_t Allowed(int64_t query, int64_t num_keys) const;
+  // The first key the window allows query i: 0 without a window.
+  int64_t First(int64_t query) const {
+    return window > 0 ? std::max<int64_t>(0, first_query + query - window + 1) : 0;
+  }
+};
+
+// What the attention layers of today's decoder models add to a head's
+// scores (core/model/layer_terms.h), in the order they apply:
+//
+//   s = scale * q_i . k_j;  s += alibi_slope * (j - (first_query + i));
+//   s = softcap * tanh(s / softcap);
+//
+// then disallowed keys (KeyBounds, window included) get -1e6, and the
+// softmax takes `sink` as one more logit whose weight is dropped. A problem
+// with any of them (or a window) runs on flash_terms.cc's kernel.
+struct ScoreTerms {
+  float alibi_slope = 0;  // 0: none
+  float softcap = 0;      // 0: none
+  bool has_sink = false;
+  float sink = 0;
+
+  bool any() const { return alibi_slope != 0 || softcap != 0 || has_sink; }
 };
 
 // One attention problem: an (example, head) slice. Pointers are not owned.
@@ -87,6 +117,7 @@ struct FlashProblem {
   const float* query_bias = nullptr;  // [n_q] or null
   const float* key_bias = nullptr;    // [n_k] or null
   KeyBounds bounds;
+  ScoreTerms terms;
   // The distance kind: the biases are -scale/2 |q|^2 and -scale/2 |k|^2, and
   // a row recomputed in double takes -scale/2 |q - k|^2 from q and k instead,
   // since those float biases may have overflowed.
@@ -100,13 +131,20 @@ struct FlashProblem {
   PendingValues* pending_values = nullptr;
   // Keys and values in blocks (a decoding session's, core/sessions/session.h),
   // read in place: key j is row j % block_rows of key_blocks[j / block_rows]
-  // from column block_column (values alike, from value_blocks), with the row
-  // strides above; `keys` and `values` are unused. block_rows is a multiple
-  // of kFlashKeyTile, so no key tile straddles two blocks.
+  // from column block_column (values alike, from value_blocks and column
+  // value_block_column), with the row strides above; `keys` and `values`
+  // are unused. block_rows is a multiple of kFlashKeyTile, so no key tile
+  // straddles two blocks.
   const float* const* key_blocks = nullptr;
   const float* const* value_blocks = nullptr;
   int64_t block_rows = 0;
   int64_t block_column = 0;
+  int64_t value_block_column = 0;
+  // Keys below it are not held (a windowed session gave their blocks back,
+  // as no query's window reaches them): they are left out of every softmax,
+  // also where the -1e6 rule would give masked keys weight. Only problems
+  // with a window (has_terms()) have it.
+  int64_t first_held_key = 0;
 
   bool Stopped() const { return stop != nullptr && stop->Stopped(); }
   // Before reading a value row at or past a query's bound.
@@ -114,6 +152,8 @@ struct FlashProblem {
     if (pending_values != nullptr) pending_values->Complete();
   }
   int64_t AllowedKeys(int64_t query) const { return bounds.Allowed(query, num_keys); }
+  // Terms or a window: the problem runs on flash_terms.cc's kernel.
+  bool has_terms() const { return terms.any() || bounds.window > 0; }
   bool paged() const { return key_blocks != nullptr; }
 };
 

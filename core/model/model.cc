@@ -53,6 +53,19 @@ std::optional<Precision> PrecisionFromName(std::string_view name) {
   return ValueIn(kPrecisionNames, name);
 }
 
+int64_t KvHeads(const Model& model) {
+  return model.num_kv_heads > 0 ? model.num_kv_heads : model.num_heads;
+}
+
+int64_t HeadSize(const Model& model) {
+  if (model.head_size > 0) return model.head_size;
+  return model.num_heads > 0 ? model.output_size / model.num_heads : 0;
+}
+
+int64_t QueryWidth(const Model& model) { return model.num_heads * HeadSize(model); }
+
+int64_t KvWidth(const Model& model) { return KvHeads(model) * HeadSize(model); }
+
 Model DotProductModel() {
   Model model;
   model.name = std::string(KindName(Kind::kDotProduct));

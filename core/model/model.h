@@ -2,9 +2,11 @@
 //
 // A model is a scoring function (its kind) plus the weights that function
 // needs. The two built-ins, `dot_product` and `distance`, have no weights and
-// accept any sizes. File models are made by LoadModel() (model_loader.h); both
-// multi-head layouts (d2l and torch.nn.MultiheadAttention) are normalised to
-// one set of projections here, so the kernels see a single layout.
+// accept any sizes. File models are made by LoadModel() (model_loader.h); the
+// three multi-head layouts (d2l, torch.nn.MultiheadAttention and Hugging
+// Face's) are normalised to one set of projections here, so the kernels see a
+// single layout: H query heads and H_kv kv heads of head_size columns each,
+// with the layer terms (layer_terms.h) of Hugging Face's decoder layers.
 //
 // Weights are stored as PyTorch stores them: [out, in], y = x W^T + b.
 #pragma once
@@ -16,6 +18,7 @@
 #include <string_view>
 
 #include "core/kernels/packed_weights.h"
+#include "core/model/layer_terms.h"
 
 namespace attention {
 
@@ -45,6 +48,13 @@ struct Model {
   int64_t key_size = 0;     // d_k
   int64_t value_size = 0;   // d_v
   int64_t output_size = 0;  // multi_head: E; 0 = d_v
+  // multi_head: kv heads H_kv (a divisor of H; 0 = H) and the columns of one
+  // head (0 = E / H). Query head h reads kv head h / (H / H_kv).
+  int64_t num_kv_heads = 0;
+  int64_t head_size = 0;
+  // multi_head: what Hugging Face's layers add to the heads' attention
+  // (rotary positions, qk-norm, window, soft-cap, sinks, ALiBi, the scale).
+  LayerTerms terms;
   // What the products compute in (docs/api.md 5.5): multi_head's
   // projections and attention, dot_product's attention; the other kinds
   // report fp32.
@@ -52,8 +62,9 @@ struct Model {
 
   // additive: W_q [h, d_q], W_k [h, d_k], w_v [1, h].
   // bilinear: W_k [d_q, d_k].
-  // multi_head: W_q [E, d_q], W_k [E, d_k], W_v [E, d_v], W_o [E, E] and the
-  // biases b_q, b_k, b_v, b_o [E] (zero when the file has none), until
+  // multi_head: W_q [H hd, d_q], W_k [H_kv hd, d_k], W_v [H_kv hd, d_v],
+  // W_o [E, H hd] and the biases b_q, b_k, b_v, b_o (empty or zero when the
+  // file has none; hd = head_size, H hd = H_kv hd = E in the older layouts), until
   // PackProjections moves them into the packed_* weights (LoadModel does);
   // empty after.
   RowMatrix w_q, w_k, w_v, w_o;
@@ -69,6 +80,14 @@ struct Model {
   // storage.
   PackedWeights packed_q, packed_k, packed_v, packed_o;
 };
+
+// multi_head sizes, with the defaults of the older layouts filled in: kv
+// heads (H_kv), columns per head (hd), the query projection's width (H hd)
+// and the key and value projections' (H_kv hd).
+int64_t KvHeads(const Model& model);
+int64_t HeadSize(const Model& model);
+int64_t QueryWidth(const Model& model);
+int64_t KvWidth(const Model& model);
 
 // A multi_head model: packs its row-major weights and biases in its
 // precision into packed_* and empties them. Does nothing for any other model.

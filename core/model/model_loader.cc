@@ -12,9 +12,9 @@
 //   (no tensors allowed, any sizes), so an operator can publish another name.
 // - torch.nn.MultiheadAttention(bias=False) has neither in_proj_bias nor
 //   out_proj.bias; both absent loads with zero biases, one alone is an error.
-// - Metadata keys other than "kind", "num_heads" and "precision" are ignored
-//   (writers add e.g. "format"); "num_heads" on a kind without heads is an
-//   error. "precision" is accepted on every kind (only multi_head and the
+// - Metadata keys other than "kind", "num_heads" and "precision" (and, in
+//   Hugging Face's layout, those layer_config.h reads) are ignored (writers
+//   add e.g. "format"); "num_heads" on a kind without heads is an error. "precision" is accepted on every kind (only multi_head and the
 //   dot_product alias have products it changes; the others stay fp32); an
 //   unknown value is an error naming the key.
 // - Non-finite weights are an error: they would turn every answer into NaN.
@@ -40,6 +40,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "core/model/layer_config.h"
 #include "core/model/safetensors.h"
 #include "core/status_macros.h"
 
@@ -75,6 +76,11 @@ class Weights {
   explicit Weights(std::map<std::string, Tensor> tensors) : remaining_(std::move(tensors)) {}
 
   bool Has(absl::string_view name) const { return remaining_.contains(std::string(name)); }
+
+  // The shape of tensor `name`, which Has().
+  const std::vector<int64_t>& ShapeOf(absl::string_view name) const {
+    return remaining_.at(std::string(name)).shape;
+  }
 
   // The bound value of a size symbol; only valid after a Take() bound it.
   int64_t Size(absl::string_view symbol) const { return sizes_.at(symbol); }
@@ -304,7 +310,86 @@ absl::Status LoadTorchMultiHead(Weights& weights, Model& model) {
   return weights.CheckAllTaken("a torch.nn.MultiheadAttention multi_head model");
 }
 
-absl::Status LoadMultiHead(Weights& weights, Model& model) {
+// Hugging Face's attention modules: q_proj.weight [H hd, hidden],
+// k_proj.weight and v_proj.weight [H_kv hd, hidden], o_proj.weight
+// [hidden, H hd], each projection's .bias optional on its own, qk-norm
+// weights [hd] (per head) or [H hd] / [H_kv hd] (the whole projection),
+// sinks [H]; sizes and terms from the "config" metadata (layer_config.h).
+absl::Status TakeHfProjection(Weights& weights, absl::string_view name, int64_t rows,
+                              absl::string_view in, RowMatrix& weight, Vector& bias) {
+  absl::StatusOr<Tensor> w = weights.Take(absl::StrCat(name, ".weight"), {Fixed(rows), Sym(in)});
+  if (!w.ok()) return w.status();
+  weight = Matrix(*w);
+  const std::string bias_name = absl::StrCat(name, ".bias");
+  if (!weights.Has(bias_name)) return absl::OkStatus();
+  absl::StatusOr<Tensor> b = weights.Take(bias_name, {Fixed(rows)});
+  if (!b.ok()) return b.status();
+  bias = Slice(*b, 0, rows);
+  return absl::OkStatus();
+}
+
+// An RMSNorm weight over one head (hd) or the whole projection (`width`).
+absl::Status TakeNorm(Weights& weights, absl::string_view name, int64_t head_size, int64_t width,
+                      std::vector<float>& norm) {
+  if (!weights.Has(name)) return absl::OkStatus();
+  const std::vector<int64_t>& shape = weights.ShapeOf(name);
+  const bool per_head = shape.size() == 1 && shape[0] == head_size;
+  absl::StatusOr<Tensor> tensor = weights.Take(name, {Fixed(per_head ? head_size : width)});
+  if (!tensor.ok()) {
+    return Invalid(absl::StrCat(tensor.status().message(), " or [", head_size, "] (one head)"));
+  }
+  norm = std::move(tensor->data);
+  return absl::OkStatus();
+}
+
+absl::Status LoadHfMultiHead(Weights& weights, const std::map<std::string, std::string>& metadata,
+                             Model& model) {
+  ASSIGN_OR_RETURN(HfLayerConfig layer, ReadHfLayerConfig(metadata));
+  const int64_t hd = layer.head_size;
+  const int64_t query_width = layer.num_heads * hd, kv_width = layer.num_kv_heads * hd;
+  RETURN_IF_ERROR(TakeHfProjection(weights, "q_proj", query_width, "hidden", model.w_q, model.b_q));
+  const int64_t hidden = weights.Size("hidden");
+  if (layer.hidden_size != 0 && layer.hidden_size != hidden) {
+    return Invalid(absl::StrCat("tensor 'q_proj.weight' has ", hidden,
+                                " columns, but config \"hidden_size\" is ", layer.hidden_size));
+  }
+  RETURN_IF_ERROR(TakeHfProjection(weights, "k_proj", kv_width, "hidden", model.w_k, model.b_k));
+  RETURN_IF_ERROR(TakeHfProjection(weights, "v_proj", kv_width, "hidden", model.w_v, model.b_v));
+  RETURN_IF_ERROR(TakeHfProjection(weights, "o_proj", hidden, "Hhd", model.w_o, model.b_o));
+  if (weights.Size("Hhd") != query_width) {
+    return Invalid(absl::StrCat("tensor 'o_proj.weight' has ", weights.Size("Hhd"),
+                                " columns, expected H * head_dim = ", query_width));
+  }
+  RETURN_IF_ERROR(TakeNorm(weights, "q_norm.weight", hd, query_width, layer.terms.q_norm));
+  RETURN_IF_ERROR(TakeNorm(weights, "k_norm.weight", hd, kv_width, layer.terms.k_norm));
+  if (weights.Has("sinks")) {
+    absl::StatusOr<Tensor> sinks = weights.Take("sinks", {Fixed(layer.num_heads)});
+    if (!sinks.ok()) return sinks.status();
+    layer.terms.sinks = std::move(sinks->data);
+  }
+  model.num_heads = layer.num_heads;
+  model.num_kv_heads = layer.num_kv_heads;
+  model.head_size = hd;
+  model.query_size = model.key_size = model.value_size = model.output_size = hidden;
+  model.terms = std::move(layer.terms);
+  return weights.CheckAllTaken("a Hugging Face multi_head model");
+}
+
+// The "num_heads" key the d2l and torch layouts need.
+absl::Status ReadNumHeads(const std::map<std::string, std::string>& metadata, Model& model) {
+  const auto entry = metadata.find(std::string(kNumHeadsKey));
+  if (entry == metadata.end()) {
+    return Invalid(absl::StrCat("multi_head model has no __metadata__ \"", kNumHeadsKey, "\""));
+  }
+  ASSIGN_OR_RETURN(model.num_heads, ParseNumHeads(entry->second));
+  return absl::OkStatus();
+}
+
+absl::Status LoadMultiHead(Weights& weights, const std::map<std::string, std::string>& metadata,
+                           Model& model) {
+  if (weights.Has("q_proj.weight") || weights.Has("o_proj.weight")) {
+    return LoadHfMultiHead(weights, metadata, model);
+  }
   const auto first_present = [&](auto& names) -> std::optional<absl::string_view> {
     for (absl::string_view name : names) {
       if (weights.Has(name)) return name;
@@ -318,11 +403,13 @@ absl::Status LoadMultiHead(Weights& weights, Model& model) {
     return Invalid(absl::StrCat("mixes the d2l layout ('", *d2l,
                                 "') and the torch.nn.MultiheadAttention layout ('", *torch, "')"));
   }
+  if (d2l || torch) RETURN_IF_ERROR(ReadNumHeads(metadata, model));
   if (d2l) return LoadD2lMultiHead(weights, model);
   if (torch) return LoadTorchMultiHead(weights, model);
   return Invalid(
-      "multi_head model has neither the d2l tensors (W_q.weight, W_k.weight, W_v.weight, W_o.weight) nor "
-      "the torch.nn.MultiheadAttention ones (in_proj_weight or q/k/v_proj_weight, out_proj.weight)");
+      "multi_head model has neither the d2l tensors (W_q.weight, W_k.weight, W_v.weight, W_o.weight), "
+      "the torch.nn.MultiheadAttention ones (in_proj_weight or q/k/v_proj_weight, out_proj.weight) "
+      "nor Hugging Face's (q_proj.weight, k_proj.weight, v_proj.weight, o_proj.weight)");
 }
 
 // The "precision" key: fp32 when absent (or when `force_fp32`), else its
@@ -363,18 +450,12 @@ absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const u
   if (*kind == Kind::kMultiHead || *kind == Kind::kDotProduct) model.precision = *precision;
 
   const auto heads_entry = file->metadata.find(std::string(kNumHeadsKey));
-  if (*kind == Kind::kMultiHead) {
-    if (heads_entry == file->metadata.end()) {
-      return Invalid(absl::StrCat("multi_head model has no __metadata__ \"", kNumHeadsKey, "\""));
-    }
-    absl::StatusOr<int64_t> num_heads = ParseNumHeads(heads_entry->second);
-    if (!num_heads.ok()) return num_heads.status();
-    model.num_heads = *num_heads;
-  } else if (heads_entry != file->metadata.end()) {
+  if (*kind != Kind::kMultiHead && heads_entry != file->metadata.end()) {
     return Invalid(absl::StrCat("__metadata__ \"", kNumHeadsKey, "\" is given, but a ",
                                 std::string(KindName(*kind)), " model has no heads"));
   }
 
+  const std::map<std::string, std::string> metadata = file->metadata;
   Weights weights(std::move(file->tensors));
   absl::Status status;
   switch (*kind) {
@@ -390,7 +471,7 @@ absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const u
       status = LoadBilinear(weights, model);
       break;
     case Kind::kMultiHead:
-      status = LoadMultiHead(weights, model);
+      status = LoadMultiHead(weights, metadata, model);
       break;
   }
   if (!status.ok()) return status;

@@ -130,9 +130,9 @@ absl::Status Session::State::Reserve(int64_t rows) {
 }
 
 void Session::State::Trim(int64_t rows) {
-  const size_t kept = static_cast<size_t>(internal::BlocksFor(rows));
   for (int64_t b = 0; b < batch; ++b) {
     for (auto [tensor, width] : {std::pair{&keys[b], key_width}, {&values[b], value_width}}) {
+      const size_t kept = static_cast<size_t>(std::max(internal::BlocksFor(rows), tensor->dropped));
       if (tensor->blocks.size() <= kept) continue;
       pool.Release(width, std::span(tensor->blocks).subspan(kept));
       tensor->blocks.resize(kept);
@@ -140,10 +140,34 @@ void Session::State::Trim(int64_t rows) {
   }
 }
 
+int64_t Session::State::window() const {
+  if (memory != SessionMemory::kSelf) return 0;
+  return model->kind == Kind::kMultiHead ? model->terms.sliding_window : sliding_window;
+}
+
+int64_t Session::State::first_held_row() const {
+  return keys.empty() ? 0 : keys[0].dropped * kKvBlockRows;
+}
+
+void Session::State::DropBehindWindow() {
+  if (window() == 0 || length < window()) return;
+  const int64_t behind = (length - window() + 1) / kKvBlockRows;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (auto [tensor, width] : {std::pair{&keys[b], key_width}, {&values[b], value_width}}) {
+      const int64_t end = std::min<int64_t>(behind, static_cast<int64_t>(tensor->blocks.size()));
+      if (end <= tensor->dropped) continue;
+      pool.Release(width, std::span(tensor->blocks).subspan(tensor->dropped, end - tensor->dropped));
+      std::fill(tensor->blocks.begin() + tensor->dropped, tensor->blocks.begin() + end, nullptr);
+      tensor->dropped = end;
+    }
+  }
+}
+
 void Session::State::Rollback() {
   Trim(length);
   if (memory == SessionMemory::kSelf && length == 0 && model->kind == Kind::kDotProduct) {
-    key_width = value_width = key_size = value_size = 0;
+    key_width = value_width = key_size = value_size = heads = kv_heads = 0;
+    values_are_keys = true;
   }
 }
 
@@ -153,7 +177,7 @@ double Session::State::StepWork(const AttentionDims& dims) const {
   const double held_rows = static_cast<double>(batch) * static_cast<double>(held);
   double work = RequestWork(*model, dims);
   if (model->kind == Kind::kMultiHead) {
-    work -= held_rows * static_cast<double>((key_size + value_size) * model->output_size);
+    work -= held_rows * static_cast<double>((key_size + value_size) * KvWidth(*model));
   } else if (model->kind == Kind::kAdditive) {
     work -= held_rows * static_cast<double>(key_size * model->w_q.rows());
   }
@@ -163,8 +187,9 @@ double Session::State::StepWork(const AttentionDims& dims) const {
 int64_t Session::State::held_bytes() const {
   int64_t bytes = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    bytes += static_cast<int64_t>(keys[b].blocks.size()) * BlockBytes(key_width) +
-             static_cast<int64_t>(values[b].blocks.size()) * BlockBytes(value_width);
+    bytes += static_cast<int64_t>(keys[b].blocks.size() - keys[b].dropped) * BlockBytes(key_width) +
+             static_cast<int64_t>(values[b].blocks.size() - values[b].dropped) *
+                 BlockBytes(value_width);
   }
   return bytes;
 }
@@ -211,6 +236,14 @@ absl::Status CheckCrossValidLens(std::span<const int32_t> valid_lens, int64_t ba
 }
 
 absl::Status CheckCrossOpen(const Model& model, const SessionOpen& open, const Limits& limits) {
+  if (model.kind == Kind::kMultiHead &&
+      (model.terms.rotary.dims > 0 || !model.terms.k_norm.empty() ||
+       !model.terms.alibi_slopes.empty() || model.terms.sliding_window > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "memory: model '", model.name,
+        "' is a decoder layer (rotary positions, qk-norm, ALiBi or a window over its own "
+        "tokens): open self memory"));
+  }
   if (!open.keys) {
     return absl::InvalidArgumentError("keys: required for cross memory, (B, n_k, d_k)");
   }
@@ -251,6 +284,17 @@ absl::Status CheckOpen(const Model& model, const SessionOpen& open, const Limits
   if (open.max_length < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_length: expected >= 0, got ", open.max_length));
+  }
+  if ((open.sliding_window != 0 || open.softcap != 0) &&
+      (model.kind != Kind::kDotProduct || open.memory != SessionMemory::kSelf)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        open.sliding_window != 0 ? "sliding_window" : "softcap",
+        ": only dot_product self memory takes it (a multi_head model's layer fixes its own)"));
+  }
+  if (open.sliding_window < 0 || !(std::isfinite(open.softcap) && open.softcap >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        open.sliding_window < 0 ? "sliding_window" : "softcap", ": expected >= 0 (0: none), got ",
+        open.sliding_window < 0 ? absl::StrCat(open.sliding_window) : absl::StrCat(open.softcap)));
   }
   return open.memory == SessionMemory::kSelf ? CheckSelfOpen(model, open)
                                              : CheckCrossOpen(model, open, limits);
@@ -343,11 +387,13 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(std::shared_ptr<const Mod
   auto state = std::make_unique<State>(std::move(model), *pool.impl_, open.memory, batch);
   state->scale = open.scale;
   state->max_length = self ? open.max_length : 0;
+  state->sliding_window = open.sliding_window;
+  state->softcap = open.softcap;
   if (self) {
     const Model& m = *state->model;
     state->values_are_keys = m.kind == Kind::kDotProduct;
     state->key_size = state->value_size = m.query_size;
-    state->key_width = state->value_width = m.output_size;
+    state->key_width = state->value_width = m.kind == Kind::kMultiHead ? KvWidth(m) : 0;
   } else {
     RETURN_IF_ERROR(FillCrossMemory(open, *state));
   }
@@ -392,6 +438,94 @@ absl::Status CheckStepLength(const Session::State& state, int64_t new_rows) {
                                                    ", past its max_length of ", limit));
 }
 
+// 3-D rows, or (dot_product self memory) 4-D rows over grouped heads; the
+// same kind as the session's first step; a step's own keys and values only
+// with 4-D rows.
+absl::Status CheckStepRank(const Session::State& state, const SessionStep& step) {
+  const bool grouped = step.queries.shape.size() == 4;
+  if (!grouped && (step.keys || step.values)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        step.keys ? "keys" : "values",
+        ": a step carries its own keys and values only in a dot_product self session over "
+        "grouped heads (4-D queries (B, n_new, H, d))"));
+  }
+  const bool self_dot_product =
+      state.memory == SessionMemory::kSelf && state.model->kind == Kind::kDotProduct;
+  if (grouped && !self_dot_product) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "queries.shape: expected rank 3 (B, n_new, d_q), got rank 4 ",
+        ShapeString(step.queries.shape),
+        ": grouped heads are for dot_product self memory"));
+  }
+  if (state.key_width != 0 && grouped != (state.heads > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "queries.shape: expected rank ", state.heads > 0 ? 4 : 3, " as the session's first step, got rank ",
+        step.queries.shape.size(), " ", ShapeString(step.queries.shape)));
+  }
+  return absl::OkStatus();
+}
+
+// One of a grouped step's tensors: (B, n_new, heads, width), finite; with
+// heads and width as the session holds them once it has rows (0: any).
+absl::Status CheckGroupedTensor(absl::string_view field, const TensorView& tensor,
+                                absl::string_view axes, const TensorView& queries, int64_t heads,
+                                int64_t width, absl::string_view why) {
+  if (tensor.shape.size() != 4) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".shape: expected rank 4 like the queries, got rank ", tensor.shape.size(), " ",
+        ShapeString(tensor.shape)));
+  }
+  RETURN_IF_ERROR(CheckTensorShape(field, tensor, axes, 4));
+  RETURN_IF_ERROR(CheckTensorAxis(field, 0, "B", queries.shape[0], tensor.shape[0], "the queries' B"));
+  RETURN_IF_ERROR(
+      CheckTensorAxis(field, 1, "n_new", queries.shape[1], tensor.shape[1], "the queries' n_new"));
+  if (heads > 0) RETURN_IF_ERROR(CheckTensorAxis(field, 2, "heads", heads, tensor.shape[2], why));
+  if (width > 0) RETURN_IF_ERROR(CheckTensorAxis(field, 3, "width", width, tensor.shape[3], why));
+  return CheckTensorFinite(field, tensor);
+}
+
+// A step of grouped heads: queries (B, n_new, H, d), keys (B, n_new, H_kv,
+// d; absent: the queries), values (B, n_new, H_kv, d_v; absent: the keys),
+// H a multiple of H_kv, all as the session's first step had them.
+absl::Status CheckGroupedStep(const Session::State& state, const SessionStep& step) {
+  const TensorView& queries = step.queries;
+  RETURN_IF_ERROR(CheckTensorShape("queries", queries, "(B, n_new, H, d)", 4));
+  RETURN_IF_ERROR(
+      CheckTensorAxis("queries", 0, "B", state.batch, queries.shape[0], "the session's batch"));
+  const bool held = state.key_width != 0;
+  const absl::string_view why = "as the session's first step";
+  if (held) {
+    RETURN_IF_ERROR(CheckTensorAxis("queries", 2, "H", state.heads, queries.shape[2], why));
+    RETURN_IF_ERROR(CheckTensorAxis("queries", 3, "d", state.key_size, queries.shape[3], why));
+  }
+  const int64_t heads = queries.shape[2];
+  int64_t kv_heads = heads;
+  if (step.keys) {
+    RETURN_IF_ERROR(CheckGroupedTensor("keys", *step.keys, "(B, n_new, H_kv, d)", queries,
+                                       held ? state.kv_heads : 0, queries.shape[3], why));
+    kv_heads = step.keys->shape[2];
+  } else if (held && state.kv_heads != heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "keys: required: the session holds ", state.kv_heads, " kv heads, and the queries (", heads,
+        " heads) cannot stand in for them"));
+  }
+  if (heads % kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "queries.shape[2] (H): expected a multiple of the keys' kv heads H_kv = ", kv_heads,
+        " (query head h reads kv head h / (H / H_kv)), got ", heads));
+  }
+  if (held && step.values.has_value() == state.values_are_keys) {
+    return absl::InvalidArgumentError(
+        state.values_are_keys
+            ? "values: the session holds its keys as its values (its first step had none); "
+              "step without values"
+            : "values: required: the session holds values apart from its keys");
+  }
+  if (!step.values) return absl::OkStatus();
+  return CheckGroupedTensor("values", *step.values, "(B, n_new, H_kv, d_v)", queries, kv_heads,
+                            held ? state.value_size : 0, why);
+}
+
 AttentionDims StepDims(const Session::State& state, const SessionStep& step) {
   const Model& model = *state.model;
   const bool self = state.memory == SessionMemory::kSelf;
@@ -404,6 +538,14 @@ AttentionDims StepDims(const Session::State& state, const SessionStep& step) {
   dims.value_size = self ? dims.query_size : state.value_size;
   dims.output_size = model.output_size != 0 ? model.output_size : dims.value_size;
   dims.num_heads = model.kind == Kind::kMultiHead ? model.num_heads : 1;
+  if (step.queries.shape.size() == 4) {
+    dims.grouped = true;
+    dims.num_heads = step.queries.shape[2];
+    dims.num_kv_heads = step.keys ? step.keys->shape[2] : dims.num_heads;
+    dims.query_size = dims.key_size = step.queries.shape[3];
+    dims.value_size = step.values ? step.values->shape[3] : dims.key_size;
+    dims.output_size = dims.num_heads * dims.value_size;
+  }
   if (!state.valid_lens.empty()) dims.length_mask = AttentionDims::LengthMask::kPerExample;
   dims.scale = state.scale ? *state.scale : DefaultScale(model, dims);
   return dims;
@@ -416,6 +558,8 @@ absl::Status CheckStepLimits(const Session::State& state, const SessionStep& ste
   const double weights =
       step.return_attention_weights ? static_cast<double>(dims.weight_elements()) : 0.0;
   const double elements = static_cast<double>(step.queries.data.size()) +
+                          static_cast<double>(step.keys ? step.keys->data.size() : 0) +
+                          static_cast<double>(step.values ? step.values->data.size() : 0) +
                           static_cast<double>(dims.output_elements()) + weights;
   if (limits.max_request_elements > 0 && elements > limits.max_request_elements) {
     return absl::InvalidArgumentError(
@@ -448,7 +592,12 @@ absl::Status CheckStepLimits(const Session::State& state, const SessionStep& ste
 absl::StatusOr<ValidatedStep> ValidateStep(Session& session, const SessionStep& step,
                                            const Limits& limits) {
   const Session::State& state = *session.state_;
-  RETURN_IF_ERROR(CheckStepQueries(state, step.queries));
+  RETURN_IF_ERROR(CheckStepRank(state, step));
+  if (step.queries.shape.size() == 4) {
+    RETURN_IF_ERROR(CheckGroupedStep(state, step));
+  } else {
+    RETURN_IF_ERROR(CheckStepQueries(state, step.queries));
+  }
   RETURN_IF_ERROR(CheckStepLength(state, step.queries.shape[1]));
   const AttentionDims dims = StepDims(state, step);
   RETURN_IF_ERROR(CheckStepLimits(state, step, dims, limits));

@@ -88,6 +88,12 @@ struct SessionOpen {
   std::span<const int32_t> valid_lens;
   // Replaces the kind's default scale, for every step.
   std::optional<float> scale;
+  // dot_product self memory: key j is allowed for query i only if
+  // i - j < sliding_window, and scores are soft-capped to
+  // softcap * tanh(s / softcap), for every step (0: none), as an Attend
+  // request's fields of the same names.
+  int64_t sliding_window = 0;
+  float softcap = 0;
   // Most tokens a self session may hold per example; 0 = no limit.
   int64_t max_length = 0;
 };
@@ -134,6 +140,10 @@ struct SessionStep {
   // and values. Cross: the step's queries.
   TensorView queries;
   bool return_attention_weights = false;
+  // A dot_product self session over grouped heads (4-D rows): the step's own
+  // keys (B, n_new, H_kv, d) and values (B, n_new, H_kv, d_v), appended
+  // instead of the queries; absent: the queries serve, as for 3-D rows.
+  std::optional<TensorView> keys, values;
 };
 
 // A step that passed ValidateStep() for its session. Several sessions'

@@ -46,6 +46,9 @@ namespace internal {
 // t % kKvBlockRows of blocks[t / kKvBlockRows].
 struct BlockRows {
   std::vector<float*> blocks;
+  // Blocks [0, dropped) went back to the pool (null here): their rows are
+  // behind every later query's sliding window.
+  int64_t dropped = 0;
 
   float* Row(int64_t t, int64_t width) const {
     return blocks[t / kKvBlockRows] + (t % kKvBlockRows) * width;
@@ -68,6 +71,15 @@ class Session::State {
   absl::Status Reserve(int64_t rows);
   // Returns the blocks past those `rows` rows need.
   void Trim(int64_t rows);
+  // Gives the pool back the blocks whose rows no later step can see: those
+  // wholly before length - window + 1 (a windowed self session's memory
+  // stays within window + 2 blocks per example).
+  void DropBehindWindow();
+  // The window every step attends through (the model's layer's, or a
+  // dot_product session's own); 0: none.
+  int64_t window() const;
+  // The first key row still held (0 unless blocks were dropped).
+  int64_t first_held_row() const;
   // Undoes a step that failed: the blocks past `length` go back to the pool
   // (rows written past it are not part of the session), and a dot_product
   // session with no rows forgets the row width its first step gave it.
@@ -93,8 +105,16 @@ class Session::State {
   // additive's W_k k, the other kinds' rows as given.
   int64_t key_width = 0, value_width = 0;
   int64_t key_size = 0, value_size = 0;
-  // dot_product self memory: a row is its own key and value, held once.
+  // dot_product self memory: a row is its own key and value, held once
+  // (unless the steps bring values of their own).
   bool values_are_keys = false;
+  // dot_product self memory over grouped heads (4-D rows), fixed by the
+  // first step: H query heads, H_kv kv heads (0: 3-D rows). key_size and
+  // value_size are then one head's, key_width = H_kv key_size.
+  int64_t heads = 0, kv_heads = 0;
+  // dot_product self memory: the window and soft-cap of every step.
+  int64_t sliding_window = 0;
+  float softcap = 0;
   std::vector<int32_t> valid_lens;  // cross: empty or one per example
   // distance cross memory: -scale/2 |k|^2 of every key, per example.
   std::vector<std::vector<float>> key_bias;

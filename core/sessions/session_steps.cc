@@ -24,6 +24,7 @@
 #include "core/engine/engine.h"
 #include "core/kernels/finite.h"
 #include "core/engine/group_scratch.h"
+#include "core/engine/positions.h"
 #include "core/kernels/masked_softmax.h"
 #include "core/engine/projection.h"
 #include "core/engine/request_stop.h"
@@ -42,29 +43,45 @@ struct Piece {
   int64_t offset = 0;  // rows of each example computed by earlier pieces
   AttentionDims dims;  // the piece as a step of its own
   TensorView queries;
-  std::vector<float> copied;  // the piece's queries, when B > 1 spreads them
+  std::optional<TensorView> keys, values;  // a grouped step's own, if it has them
+  // The piece's rows, when B > 1 spreads them.
+  std::vector<float> copied_queries, copied_keys, copied_values;
 };
+
+// Rows [offset, offset + rows) of every example of `whole` (B, n, ...): in
+// place for B = 1, else copied into `copied`.
+TensorView RowsOf(const TensorView& whole, int64_t offset, int64_t rows,
+                  std::vector<float>& copied) {
+  const int64_t batch = whole.shape[0], n = whole.shape[1];
+  const int64_t width = static_cast<int64_t>(whole.data.size()) / (batch * n);
+  TensorView part;
+  part.shape = whole.shape;
+  part.shape[1] = rows;
+  if (batch == 1) {
+    part.data = whole.data.subspan(offset * width, rows * width);
+    return part;
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto first = whole.data.begin() + (b * n + offset) * width;
+    copied.insert(copied.end(), first, first + rows * width);
+  }
+  part.data = copied;
+  return part;
+}
 
 Piece PieceOf(const ValidatedStep& step, const Session::State& state) {
   const AttentionDims& d = step.dims;
   const int64_t rest = d.num_queries - step.done_rows;
-  Piece piece{step.done_rows, d, step.step->queries, {}};
+  Piece piece{step.done_rows, d, step.step->queries, step.step->keys, step.step->values, {}, {}, {}};
   const int64_t rows = step.chunk_rows > 0 ? std::min(step.chunk_rows, rest) : rest;
   if (rows == d.num_queries) return piece;
   piece.dims.num_queries = rows;
   if (state.memory == SessionMemory::kSelf) piece.dims.num_keys = state.length + piece.offset + rows;
-  const std::span<const float> all = step.step->queries.data;
-  const int64_t width = d.query_size;
-  if (d.batch == 1) {
-    piece.queries.data = all.subspan(piece.offset * width, rows * width);
-  } else {
-    for (int64_t b = 0; b < d.batch; ++b) {
-      const auto first = all.begin() + (b * d.num_queries + piece.offset) * width;
-      piece.copied.insert(piece.copied.end(), first, first + rows * width);
-    }
-    piece.queries.data = piece.copied;
+  piece.queries = RowsOf(step.step->queries, piece.offset, rows, piece.copied_queries);
+  if (piece.keys) piece.keys = RowsOf(*step.step->keys, piece.offset, rows, piece.copied_keys);
+  if (piece.values) {
+    piece.values = RowsOf(*step.step->values, piece.offset, rows, piece.copied_values);
   }
-  piece.queries.shape = {d.batch, rows, width};
   return piece;
 }
 
@@ -99,14 +116,31 @@ struct StepRun {
 void ShapeResult(const Model& model, const AttentionDims& d, bool weights,
                  AttentionResult& result) {
   result = {};
-  result.output.shape = {d.batch, d.num_queries, d.output_size};
+  result.output.shape =
+      d.grouped ? std::vector<int64_t>{d.batch, d.num_queries, d.num_heads, d.value_size}
+                : std::vector<int64_t>{d.batch, d.num_queries, d.output_size};
   result.output.data.assign(d.output_elements(), 0.0f);
   if (!weights) return;
   result.attention_weights.shape =
-      model.kind == Kind::kMultiHead
+      model.kind == Kind::kMultiHead || d.grouped
           ? std::vector<int64_t>{d.batch, d.num_heads, d.num_queries, d.num_keys}
           : std::vector<int64_t>{d.batch, d.num_queries, d.num_keys};
   result.attention_weights.data.assign(d.weight_elements(), 0.0f);
+}
+
+// A dot_product session's first step fixes its rows: one key and value
+// row of d_q per token, or over grouped heads H_kv key_size floats of keys
+// and H_kv value_size of values (held once when they are the keys).
+void FixRowWidths(const StepRun& run, Session::State& state) {
+  const AttentionDims& d = run.dims();
+  state.key_size = d.key_size;
+  state.value_size = d.value_size;
+  state.key_width = d.num_kv_heads * d.key_size;
+  state.value_width = d.num_kv_heads * d.value_size;
+  if (!d.grouped) return;
+  state.heads = d.num_heads;
+  state.kv_heads = d.num_kv_heads;
+  state.values_are_keys = !run.piece.values.has_value();
 }
 
 // A later piece first asks its stop (a step stopped between its pieces
@@ -118,10 +152,7 @@ absl::Status BeginStep(StepRun& run) {
   absl::Status status;
   if (run.piece.offset > 0 && run.step->stop) status = run.step->stop();
   if (status.ok() && run.self()) {
-    if (state.key_width == 0) {
-      state.key_width = state.value_width = state.key_size = state.value_size =
-          run.dims().query_size;
-    }
+    if (state.key_width == 0) FixRowWidths(run, state);
     status = state.Reserve(state.length + run.step->dims.num_queries);
   }
   if (!status.ok()) {
@@ -137,12 +168,15 @@ absl::Status BeginStep(StepRun& run) {
 }
 
 // Keys and values of example b, read in place from the session's blocks
-// from column `column` on.
-void SetMemory(FlashProblem& p, const Session::State& state, int64_t b, int64_t column) {
+// from columns `key_column` and `value_column` on.
+void SetMemory(FlashProblem& p, const Session::State& state, int64_t b, int64_t key_column,
+               int64_t value_column) {
   p.key_blocks = state.keys[b].blocks.data();
   p.value_blocks = (state.values_are_keys ? state.keys : state.values)[b].blocks.data();
   p.block_rows = kKvBlockRows;
-  p.block_column = column;
+  p.first_held_key = state.first_held_row();
+  p.block_column = key_column;
+  p.value_block_column = value_column;
   p.key_stride = state.key_width;
   p.value_stride = state.value_width;
 }
@@ -170,13 +204,16 @@ struct StepScratch {
   float* concat = nullptr;
   float* output = nullptr;
   int64_t width = 0;  // multi_head: E
+  // multi_head: H hd and H_kv hd, the widths of the queries' and of the keys'
+  // (and values') projections in a projected row.
+  int64_t query_width = 0, kv_width = 0;
   int64_t rows = 0;   // of every step
 };
 
 int64_t ProjectedWidth(const Model& model) {
   switch (model.kind) {
     case Kind::kMultiHead:
-      return 3 * model.output_size;
+      return QueryWidth(model) + 2 * KvWidth(model);
     case Kind::kBilinear:
       return model.w_k.cols();
     case Kind::kAdditive:
@@ -194,13 +231,16 @@ StepScratch PlanScratch(const Model& model, std::span<StepRun> runs, std::vector
     run.first_row = s.rows;
     s.rows += run.rows();
   }
-  s.width = model.kind == Kind::kMultiHead ? model.output_size : 0;
+  const bool multi_head = model.kind == Kind::kMultiHead;
+  s.width = multi_head ? model.output_size : 0;
+  s.query_width = multi_head ? QueryWidth(model) : 0;
+  s.kv_width = multi_head ? KvWidth(model) : 0;
   s.projected_width = ProjectedWidth(model);
   const bool stacked = runs.size() > 1 && s.projected_width > 0;
   const int64_t d_q = runs[0].dims().query_size, rows = s.rows;
   const auto [inputs, projected, concat, output] =
-      internal::GroupScratch<4>({stacked ? rows * d_q : 0, rows * s.projected_width, rows * s.width,
-                                 runs.size() > 1 ? rows * s.width : 0},
+      internal::GroupScratch<4>({stacked ? rows * d_q : 0, rows * s.projected_width,
+                                 rows * s.query_width, runs.size() > 1 ? rows * s.width : 0},
                                 once);
   s.projected = projected;
   s.concat = concat;
@@ -232,11 +272,31 @@ std::vector<Projection> MultiHeadInputProjections(const Model& model, const Step
     const float* in = s.inputs + first * d_q;
     float* out = s.projected + first * stride;
     projections.push_back(
-        {in, out + s.width, count, &model.w_k, &model.b_k, true, &model.packed_k, stride});
-    projections.push_back(
-        {in, out + 2 * s.width, count, &model.w_v, &model.b_v, true, &model.packed_v, stride});
+        {in, out + s.query_width, count, &model.w_k, &model.b_k, true, &model.packed_k, stride});
+    projections.push_back({in, out + s.query_width + s.kv_width, count, &model.w_v, &model.b_v,
+                           true, &model.packed_v, stride});
   }
   return projections;
+}
+
+// Hugging Face layers: qk-norm and rotary on the projected queries and keys
+// of every step, each row at its position in its session (the tokens
+// before it). Cross memory never has them (Session::Open refuses it).
+void PositionSelfSteps(ThreadPool& pool, const Model& model, const StepScratch& s,
+                       std::span<const StepRun> runs) {
+  if (!internal::TransformsRows(model.terms)) return;
+  std::vector<int64_t> positions;
+  positions.reserve(s.rows);
+  for (const StepRun& run : runs) {
+    const int64_t before = run.state->length + run.piece.offset;
+    for (int64_t b = 0; b < run.dims().batch; ++b) {
+      for (int64_t i = 0; i < run.dims().num_queries; ++i) positions.push_back(before + i);
+    }
+  }
+  const internal::ProjectedRows parts[] = {
+      {s.projected, s.projected_width, s.rows, model.num_heads, &model.terms.q_norm},
+      {s.projected + s.query_width, s.projected_width, s.rows, KvHeads(model), &model.terms.k_norm}};
+  internal::PositionRows(pool, model.terms, HeadSize(model), parts, positions);
 }
 
 // Every step's queries projected as the kind needs, one GEMM per product
@@ -253,20 +313,22 @@ void ProjectInputs(ThreadPool& pool, const Model& model, const StepScratch& s,
   }
   if (projections.empty()) return;
   internal::RunProjections(pool, projections, runs.size() == 1 ? runs[0].stop : nullptr);
+  if (model.kind == Kind::kMultiHead) PositionSelfSteps(pool, model, s, runs);
 }
 
 // A self step's new keys and values into its blocks, after the session's
 // length and the step's earlier pieces: `keys` and `values` (rows of the
-// piece, row stride `stride`).
-void Append(const StepRun& run, const float* keys, const float* values, int64_t stride) {
+// piece, with their row strides).
+void Append(const StepRun& run, const float* keys, const float* values, int64_t key_stride,
+            int64_t value_stride) {
   Session::State& state = *run.state;
   const int64_t n = run.dims().num_queries, before = state.length + run.piece.offset;
   for (int64_t b = 0; b < state.batch; ++b) {
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t row = (b * n + i) * stride;
-      std::copy_n(keys + row, state.key_width, state.keys[b].Row(before + i, state.key_width));
+      std::copy_n(keys + (b * n + i) * key_stride, state.key_width,
+                  state.keys[b].Row(before + i, state.key_width));
       if (state.values_are_keys) continue;
-      std::copy_n(values + row, state.value_width,
+      std::copy_n(values + (b * n + i) * value_stride, state.value_width,
                   state.values[b].Row(before + i, state.value_width));
     }
   }
@@ -277,9 +339,12 @@ void AppendSelfSteps(const Model& model, const StepScratch& s, std::span<const S
     if (!run.self()) continue;
     if (model.kind == Kind::kMultiHead) {
       const float* row = s.projected + run.first_row * s.projected_width;
-      Append(run, row + s.width, row + 2 * s.width, s.projected_width);
+      Append(run, row + s.query_width, row + s.query_width + s.kv_width, s.projected_width,
+             s.projected_width);
     } else {
-      Append(run, run.queries().data.data(), nullptr, run.dims().query_size);
+      const TensorView& keys = run.piece.keys ? *run.piece.keys : run.queries();
+      const float* values = run.piece.values ? run.piece.values->data.data() : nullptr;
+      Append(run, keys.data.data(), values, run.state->key_width, run.state->value_width);
     }
   }
 }
@@ -293,23 +358,49 @@ FlashProblem BaseProblem(const StepRun& run) {
   return p;
 }
 
-// multi_head: one problem per (step, example, head), on the projections.
+// Whether a one-token step's query heads of a group run as one problem of
+// `group` rows over their kv head, so the group reads each key and value
+// once: decoding reads every key per step, and at long contexts that read
+// is the step's cost. Only where every head of the group sees the same
+// keys alike: no per-head terms, no window (whose bound moves with the
+// row), no weights asked for (their layout is per head).
+bool FoldsGroup(const Model& model, const StepRun& run) {
+  return run.dims().num_queries == 1 && model.num_heads > KvHeads(model) &&
+         !model.terms.has_head_terms() && model.terms.sliding_window == 0 &&
+         run.result().attention_weights.data.empty();
+}
+
+// multi_head: one problem per (step, example, head), on the projections;
+// or per (step, example, kv head) where FoldsGroup.
 void AddHeadTasks(const Model& model, const StepScratch& s, StepRun& run,
                   std::deque<FlashProblem>& problems, std::vector<AttentionTask>& tasks) {
-  const int64_t heads = model.num_heads, head_size = s.width / heads;
+  const int64_t heads = model.num_heads, head_size = HeadSize(model);
+  const int64_t group = heads / KvHeads(model);
   const int64_t n = run.dims().num_queries;
+  const bool fold = FoldsGroup(model, run);
   for (int64_t b = 0; b < run.dims().batch; ++b) {
     const int64_t row = run.first_row + b * n;
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < heads; h += fold ? group : 1) {
       FlashProblem& p = problems.emplace_back(BaseProblem(run));
       p.queries = s.projected + row * s.projected_width + h * head_size;
       p.query_stride = s.projected_width;
-      p.output = s.concat + row * s.width + h * head_size;
-      p.output_stride = s.width;
+      p.output = s.concat + row * s.query_width + h * head_size;
+      p.output_stride = s.query_width;
       p.head_size = p.value_size = head_size;
       p.bounds = BoundsOf(run, b);
+      p.bounds.window = model.terms.sliding_window;
+      p.bounds.first_query = run.state->length + run.piece.offset;
+      p.terms = internal::HeadTerms(model.terms, h);
       p.precision = model.precision;
-      SetMemory(p, *run.state, b, h * head_size);
+      SetMemory(p, *run.state, b, h / group * head_size, h / group * head_size);
+      if (fold) {
+        // The group's heads are adjacent columns of the token's row: rows
+        // of head_size, all with the token's bound.
+        p.num_queries = group;
+        p.query_stride = p.output_stride = head_size;
+        p.bounds.valid_len = p.bounds.valid_lens[0];
+        p.bounds.valid_lens = nullptr;
+      }
       internal::AddTasks(p, internal::WeightsOf(run.result(), b * heads + h, run.dims()), tasks);
     }
   }
@@ -324,33 +415,43 @@ void DistanceQueryBias(StepRun& run) {
       -(0.5f * d.scale) * q.rowwise().squaredNorm();
 }
 
-// The dot-product family: one problem per (step, example), on the step's
-// queries (bilinear: mapped by W_k).
+// The dot-product family: one problem per (step, example, head), on the
+// step's queries (bilinear: mapped by W_k); one head unless the rows are
+// grouped (query head h on kv head h / (H / H_kv)).
 void AddExampleTasks(const Model& model, const StepScratch& s, StepRun& run,
                      std::deque<FlashProblem>& problems, std::vector<AttentionTask>& tasks) {
   const AttentionDims& d = run.dims();
   const bool mapped = s.projected_width > 0;
-  const int64_t query_width = mapped ? s.projected_width : d.query_size;
+  const int64_t head_size = mapped ? s.projected_width : d.query_size;
+  const int64_t heads = d.num_heads, group = heads / d.num_kv_heads;
   const float* queries =
-      mapped ? s.projected + run.first_row * query_width : run.queries().data.data();
+      mapped ? s.projected + run.first_row * head_size : run.queries().data.data();
   if (model.kind == Kind::kDistance) DistanceQueryBias(run);
+  const Session::State& state = *run.state;
   for (int64_t b = 0; b < d.batch; ++b) {
-    FlashProblem& p = problems.emplace_back(BaseProblem(run));
-    p.queries = queries + b * d.num_queries * query_width;
-    p.query_stride = query_width;
-    p.output = run.result().output.data.data() + b * d.num_queries * d.value_size;
-    p.output_stride = d.value_size;
-    p.head_size = query_width;
-    p.value_size = d.value_size;
-    p.bounds = BoundsOf(run, b);
-    if (model.kind == Kind::kDistance) {
-      p.distance = true;
-      p.query_bias = run.query_bias.data() + b * d.num_queries;
-      p.key_bias = run.state->key_bias[b].data();
+    for (int64_t h = 0; h < heads; ++h) {
+      FlashProblem& p = problems.emplace_back(BaseProblem(run));
+      p.queries = queries + (b * d.num_queries * heads + h) * head_size;
+      p.query_stride = heads * head_size;
+      p.output = run.result().output.data.data() + (b * d.num_queries * heads + h) * d.value_size;
+      p.output_stride = heads * d.value_size;
+      p.head_size = head_size;
+      p.value_size = d.value_size;
+      p.bounds = BoundsOf(run, b);
+      if (model.kind == Kind::kDistance) {
+        p.distance = true;
+        p.query_bias = run.query_bias.data() + b * d.num_queries;
+        p.key_bias = state.key_bias[b].data();
+      }
+      if (model.kind == Kind::kDotProduct) {
+        p.precision = model.precision;
+        p.bounds.window = state.sliding_window;
+        p.bounds.first_query = state.length + run.piece.offset;
+        p.terms.softcap = state.softcap;
+      }
+      SetMemory(p, state, b, h / group * d.key_size, h / group * d.value_size);
+      internal::AddTasks(p, internal::WeightsOf(run.result(), b * heads + h, d), tasks);
     }
-    if (model.kind == Kind::kDotProduct) p.precision = model.precision;
-    SetMemory(p, *run.state, b, 0);
-    internal::AddTasks(p, internal::WeightsOf(run.result(), b, d), tasks);
   }
 }
 
@@ -500,7 +601,10 @@ void FinishStep(const Model& model, StepRun& run) {
     return;
   }
   if (!run.whole()) GatherPiece(run);
-  if (run.self() && run.last()) run.state->length += run.step->dims.num_queries;
+  if (run.self() && run.last()) {
+    run.state->length += run.step->dims.num_queries;
+    run.state->DropBehindWindow();
+  }
 }
 
 // FAILED_PRECONDITION for a step RunSteps cannot run with the others: of

@@ -69,6 +69,30 @@ TEST(BenchInferenceTest, ModelInferRequestCarriesTheSameTensorsAndOptions) {
   EXPECT_TRUE(plain.parameters().empty()) << "defaults add no parameters";
 }
 
+TEST(BenchInferenceTest, PositionsWindowAndSoftcapBecomeAnInputAndParameters) {
+  attention::v1::AttendRequest attend = Request();  // queries (1, 2, 2)
+  for (int64_t id : {int64_t{1} << 40, int64_t{3}}) attend.add_position_ids(id);
+  attend.set_sliding_window(0);
+  attend.set_softcap(30.0f);
+  const inference::ModelInferRequest infer = ToModelInferRequest(attend);
+  ASSERT_EQ(infer.inputs_size(), 4);
+  ASSERT_EQ(infer.raw_input_contents_size(), 4);
+  EXPECT_EQ(infer.inputs(3).name(), "position_ids");
+  EXPECT_EQ(infer.inputs(3).datatype(), "INT64");
+  EXPECT_THAT(infer.inputs(3).shape(), ElementsAre(1, 2)) << "one per query: [B, n_q]";
+  EXPECT_THAT(FromBytes<int64_t>(infer.raw_input_contents(3)), ElementsAre(int64_t{1} << 40, 3));
+  ASSERT_TRUE(infer.parameters().contains("sliding_window")) << "0 is a value, not absence";
+  EXPECT_EQ(infer.parameters().at("sliding_window").int64_param(), 0);
+  EXPECT_EQ(infer.parameters().at("softcap").double_param(), 30.0);
+
+  // n_q entries for every example of a batch of two: [n_q].
+  attention::v1::AttendRequest batch = Request();
+  batch.mutable_queries()->set_shape(0, 2);
+  batch.mutable_queries()->set_shape(1, 1);
+  batch.add_position_ids(5);
+  EXPECT_THAT(ToModelInferRequest(batch).inputs(3).shape(), ElementsAre(1));
+}
+
 TEST(BenchInferenceTest, LoadReachesTheServerAsModelInferCalls) {
   auto server = attention::testing::ServerProcess::Start({});
   ASSERT_TRUE(server.ok()) << server.status();

@@ -1,9 +1,10 @@
 // node_wire_test.js: the Node client's own protobuf encoding (client/node's
 // wire.js and serializers, no server). Requests it writes from Float32Array
 // memory decode, with protobufjs, to the message protobufjs would encode
-// from the same object, every AttendRequest field included; answers it
-// reads give the values protobufjs encoded, in every form a protobuf encoder
-// may use (packed or not, runs split, a message field repeated and merged,
+// from the same object, every AttendRequest field included (positions,
+// window, soft-cap, 4-D tensors), and a session step with its own keys and
+// values; answers it reads give the values protobufjs encoded, in every form
+// a protobuf encoder may use (packed or not, runs split, a message field repeated and merged,
 // unknown fields); a large answer's data are a view on the received bytes
 // whatever their alignment, a small or shared one's a copy; a malformed
 // answer throws an error naming the field.
@@ -20,6 +21,7 @@ const NODE_DIR = path.join(__dirname, '..', '..', 'client', 'node');
 const protobuf = require(path.join(NODE_DIR, 'node_modules', 'protobufjs'));
 const wire = require(path.join(NODE_DIR, 'wire.js'));
 const { AttentionClient } = require(path.join(NODE_DIR, 'attention_client.js'));
+const { stepRequest } = require(path.join(NODE_DIR, 'session.js'));
 
 // keepCase: the .proto names, as the client's messages use them.
 const root = new protobuf.Root().loadSync(path.join(NODE_DIR, 'proto', 'attention', 'v1', 'attention.proto'),
@@ -68,6 +70,42 @@ test('requests decode to what protobufjs encodes, every field', () => {
   assert.equal(ours.version, 0);
   const selfAttention = AttendRequest.decode(requestSerialize({ queries: { shape: [1, 1, 1], data: [1] } }));
   assert.equal(selfAttention.keys, null);
+});
+
+test('positions, window, soft-cap and 4-D tensors decode to what protobufjs encodes', () => {
+  const request = {
+    model: 'llama', position_ids: [7, 2 ** 40, 0], sliding_window: 0, softcap: 30,
+    queries: { shape: [1, 3, 4, 2], data: Float32Array.from(ramp(24, 0.5)) },
+    keys: { shape: [1, 3, 2, 2], data: ramp(12, 0.25) },
+  };
+  const ours = AttendRequest.toObject(AttendRequest.decode(requestSerialize(request)), TO_OBJECT);
+  const reference = AttendRequest.toObject(AttendRequest.decode(AttendRequest.encode(
+    AttendRequest.fromObject({ ...request, queries: { ...request.queries, data: Array.from(request.queries.data) } }),
+  ).finish()), TO_OBJECT);
+  assert.deepEqual(ours, reference);
+  assert.deepEqual(ours.position_ids, [7, 2 ** 40, 0]);
+  assert.deepEqual(ours.queries.shape, [1, 3, 4, 2]);
+  assert.equal(ours.sliding_window, 0); // present: proto3 `optional`
+  assert.equal(ours.softcap, 30);
+  const plain = AttendRequest.decode(requestSerialize({ queries: { shape: [1, 1, 1], data: [1] } }));
+  assert.equal(Object.prototype.hasOwnProperty.call(plain, 'sliding_window'), false);
+});
+
+test('a session step carries its own keys and values only when given', () => {
+  const SessionRequest = root.lookupType('attention.v1.SessionRequest');
+  const rows = { shape: [1, 1, 4, 2], data: Float32Array.from(ramp(8, 1)) };
+  const keys = { shape: [1, 1, 2, 2], data: ramp(4, 2) };
+  const values = { shape: [1, 1, 2, 3], data: ramp(6, 3) };
+  const step = SessionRequest.toObject(SessionRequest.decode(stepRequest(rows, true, keys, values)),
+    TO_OBJECT).step;
+  assert.deepEqual(step.queries.shape, [1, 1, 4, 2]);
+  assert.deepEqual(step.keys.shape, [1, 1, 2, 2]);
+  assert.deepEqual(step.keys.data, keys.data.map((v) => Math.fround(v)));
+  assert.deepEqual(step.values.shape, [1, 1, 2, 3]);
+  assert.equal(step.return_attention_weights, true);
+  const alone = SessionRequest.decode(stepRequest(rows, false)).step;
+  assert.equal(alone.keys, null);
+  assert.equal(alone.values, null);
 });
 
 test('answers in every encoding', () => {

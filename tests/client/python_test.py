@@ -1,11 +1,14 @@
 """python_test: the Python client (the attention-client package) against a
 real attention-server: conformance cases through the numpy-in, numpy-out
 call, errors as grpc.RpcError with the server's code, attend_stream (answers
-in order, equal to attend's, a refused request's error in place), and the
-heatmap example writing a valid PNG. Against a scripted service in this
-process (the real server cannot fail a stream on demand): a stream is never
-retried, odd error codes, answer counts that do not match the requests.
-Against a bare HTTP/2 service: answers cut off before their status are sent
+in order, equal to attend's, a refused request's error in place), the
+heatmap example writing a valid PNG, the layer cases with their
+position_ids and ListModels' grouped heads and rotary, and dot_product over
+grouped heads with a window and a soft-cap (attend, and session steps with
+their own keys and values). Against a scripted service in this process (the
+real server cannot fail a stream on demand): a stream is never retried, odd
+error codes, answer counts that do not match the requests. Against a bare
+HTTP/2 service: answers cut off before their status are sent
 again.
 
 Run with the Python of a virtual environment the package is installed in
@@ -174,8 +177,13 @@ class PythonClientTest(unittest.TestCase):
         self.assertEqual(error.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
 
     def test_bad_input_is_refused_before_sending(self):
-        with self.assertRaisesRegex(ValueError, r"queries must have 3 dimensions .* \(2, 2\)"):
+        with self.assertRaisesRegex(ValueError, r"queries must be an array .* got a scalar"):
+            self.client.attend(np.float32(2))
+        # Any rank is sent: the server says which ones the model takes.
+        with self.assertRaises(grpc.RpcError) as error:
             self.client.attend(np.ones((2, 2)))
+        self.assertEqual(error.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("queries", error.exception.details())
 
     def test_heatmap_example_writes_a_png(self):
         with tempfile.TemporaryDirectory() as out:
@@ -250,9 +258,10 @@ class PythonClientTest(unittest.TestCase):
 
     def test_stream_request_that_cannot_be_built_ends_the_stream_after_the_others(self):
         requests = [dict(queries=np.ones((1, 2, 3))), dict(queries=np.full((1, 1, 3), 2.0)),
-                    dict(queries=np.ones((2, 3))), dict(queries=np.ones((1, 2, 3)))]
+                    dict(queries=np.ones((1, 2, 3)), position_ids=[0.5, 1.5]),
+                    dict(queries=np.ones((1, 2, 3)))]
         items = []
-        with self.assertRaisesRegex(ValueError, r"queries must have 3 dimensions .* \(2, 3\)"):
+        with self.assertRaisesRegex(ValueError, r"position_ids must be integers"):
             for item in self.client.attend_stream(requests):
                 items.append(item)
         self.assertEqual(len(items), 2)
@@ -272,6 +281,147 @@ class PythonClientTest(unittest.TestCase):
         with self.assertRaises(grpc.RpcError) as error:
             list(self.client.attend_stream([dict(queries=np.ones((1, 2048, 64)))], timeout=1e-3))
         self.assertEqual(error.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def grouped_attention(q, k, v, *, causal, window=0, softcap=0.0, offset=0):
+    """dot_product over grouped heads, written plainly from docs/api.md 2.8:
+    q (B, n_q, H, d), k (B, n_k, H_kv, d), v (B, n_k, H_kv, d_v); query i
+    sits at position offset + i; soft-cap, then the masks (causal, window
+    i - j < W) overwrite with -1e6."""
+    batch, n_q, heads, d = q.shape
+    group = heads // k.shape[2]
+    out = np.zeros((batch, n_q, heads, v.shape[3]))
+    i = offset + np.arange(n_q)[:, None]
+    j = np.arange(k.shape[1])[None, :]
+    allowed = np.ones((n_q, k.shape[1]), dtype=bool)
+    if causal:
+        allowed &= j <= i
+    if window:
+        allowed &= i - j < window
+    for b in range(batch):
+        for h in range(heads):
+            scores = q[b, :, h].astype(np.float64) @ k[b, :, h // group].T / np.sqrt(d)
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
+            scores = np.where(allowed, scores, -1e6)
+            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+            weights /= weights.sum(axis=1, keepdims=True)
+            out[b, :, h] = weights @ v[b, :, h // group]
+    return out
+
+
+class PythonGroupedHeadsTest(unittest.TestCase):
+    """dot_product over grouped heads: 4-D arrays, a window and a soft-cap,
+    through attend and through a session whose steps bring their own keys
+    and values, against a plain reference."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server()
+        cls.client = attention_client.AttentionClient(cls.server.address, timeout=30)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+
+    def test_attend_with_window_and_softcap(self):
+        rng = np.random.default_rng(5)
+        q, k = rng.normal(size=(2, 6, 4, 8)) * 2, rng.normal(size=(2, 6, 2, 8)) * 2
+        v = rng.normal(size=(2, 6, 2, 3))
+        result = self.client.attend(q, k, v, causal=True, sliding_window=2, softcap=1.5)
+        self.assertEqual(result.output.shape, (2, 6, 4, 3))
+        expected = grouped_attention(q, k, v, causal=True, window=2, softcap=1.5)
+        np.testing.assert_allclose(result.output, expected, atol=1e-5)
+        plain = self.client.attend(q, k, v, causal=True).output
+        self.assertGreater(float(np.max(np.abs(plain - expected))), 1e-3)
+
+    def test_session_steps_bring_their_own_keys_and_values(self):
+        rng = np.random.default_rng(6)
+        q, k = rng.normal(size=(1, 5, 4, 8)), rng.normal(size=(1, 5, 2, 8))
+        v = rng.normal(size=(1, 5, 2, 3))
+        with self.client.session("dot_product", sliding_window=3, softcap=2.0) as session:
+            length = 0
+            for n in (3, 1, 1):
+                rows = slice(length, length + n)
+                step = session.step(q[:, rows], keys=k[:, rows], values=v[:, rows])
+                expected = grouped_attention(q[:, rows], k[:, :length + n], v[:, :length + n],
+                                             causal=True, window=3, softcap=2.0, offset=length)
+                length += n
+                self.assertEqual(step.length, length)
+                np.testing.assert_allclose(step.output, expected, atol=1e-5)
+
+
+class PythonLayerTest(unittest.TestCase):
+    """The layer cases (Hugging Face's layouts): positions, windows and
+    grouped heads through attend and list_models."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server("--model-repository", os.path.join(CONFORMANCE, "layers", "models"))
+        cls.client = attention_client.AttentionClient(cls.server.address, timeout=30)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+
+    def test_every_layer_case_with_its_positions(self):
+        directory = os.path.join(CONFORMANCE, "layers", "cases")
+        names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))
+        self.assertTrue(any(name.endswith("_positions.json") for name in names))
+        for name in names:
+            case = json.loads(read_text(os.path.join(directory, name)))
+            request = case["request"]
+            with self.subTest(case=name):
+                arguments = case_arguments(request)
+                arguments["return_attention_weights"] = request.get("return_attention_weights",
+                                                                    False)
+                if "position_ids" in request:
+                    # (B, n_q), as a caller holds them.
+                    arguments["position_ids"] = np.asarray(request["position_ids"]).reshape(
+                        request["queries"]["shape"][:2])
+                result = self.client.attend(**arguments)
+                for key in ("output", "attention_weights"):
+                    if key not in case["expected"]:
+                        continue
+                    np.testing.assert_allclose(getattr(result, key),
+                                               tensor(case["expected"][key]), atol=case["atol"],
+                                               rtol=case["rtol"], err_msg=f"{name}: {key}")
+
+    def test_positions_change_the_answer(self):
+        queries = np.random.default_rng(3).uniform(-1, 1, (1, 3, 64))
+        plain = self.client.attend(queries, model="llama3_gqa", causal=True).output
+        same = self.client.attend(queries, model="llama3_gqa", causal=True,
+                                  position_ids=[0, 1, 2]).output
+        # Rotary sees only the distances between positions: a shift of them
+        # all changes nothing, other distances change the answer.
+        shifted = self.client.attend(queries, model="llama3_gqa", causal=True,
+                                     position_ids=[100, 101, 102]).output
+        spread = self.client.attend(queries, model="llama3_gqa", causal=True,
+                                    position_ids=[0, 5, 50]).output
+        np.testing.assert_allclose(same, plain, atol=1e-6)
+        np.testing.assert_allclose(shifted, plain, atol=1e-5)
+        self.assertGreater(float(np.max(np.abs(spread - plain))), 1e-3)
+
+    def test_lists_grouped_heads_and_rotary(self):
+        models = {m.name: m for m in self.client.list_models()}
+        llama = models["llama3_gqa"]
+        self.assertEqual(llama.num_heads % llama.num_kv_heads, 0)
+        self.assertLess(llama.num_kv_heads, llama.num_heads)
+        self.assertEqual(llama.rope_type, "llama3")
+        self.assertTrue(models["alibi_6_heads"].alibi)
+        self.assertEqual(models["alibi_6_heads"].rope_type, "")
+
+    def test_window_and_softcap_are_refused_for_a_layer_with_their_names(self):
+        queries = np.ones((1, 2, 64))
+        for arguments, field in ((dict(sliding_window=2), "sliding_window"),
+                                 (dict(softcap=5.0), "softcap")):
+            with self.subTest(field=field):
+                with self.assertRaises(grpc.RpcError) as error:
+                    self.client.attend(queries, model="llama3_gqa", **arguments)
+                self.assertEqual(error.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertIn(field, error.exception.details())
 
 
 class PythonSessionTest(unittest.TestCase):

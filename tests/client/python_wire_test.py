@@ -30,7 +30,7 @@ def slow_tensor(array):
 
 
 def slow_request(queries, keys=None, values=None, *, model="dot_product", valid_lens=None,
-                 scale=None, version=None, **scalars):
+                 scale=None, version=None, position_ids=None, **scalars):
     request = pb2.AttendRequest(model=model, queries=slow_tensor(queries), **scalars)
     if keys is not None:
         request.keys.CopyFrom(slow_tensor(keys))
@@ -42,6 +42,8 @@ def slow_request(queries, keys=None, values=None, *, model="dot_product", valid_
         request.scale = scale
     if version is not None:
         request.version = version
+    if position_ids is not None:
+        request.position_ids.extend(int(v) for v in np.asarray(position_ids).ravel())
     return request
 
 
@@ -73,6 +75,30 @@ class RequestEncodingTest(unittest.TestCase):
                             request_id="r-\u00e9", version=3)
         self.assertEqual(list(parsed.valid_lens), [1, 2, 3, 4, 5, 0])
         self.assertEqual((parsed.scale, parsed.version), (0.25, 3))
+
+    def test_positions_window_and_softcap(self):
+        q = self.rng.normal(size=(2, 3, 4))
+        parsed = self.check(q, position_ids=np.array([[7, 8, 9], [2 ** 40, 0, 1]]),
+                            sliding_window=4, softcap=30.0)
+        self.assertEqual(list(parsed.position_ids), [7, 8, 9, 2 ** 40, 0, 1])
+        self.assertEqual((parsed.sliding_window, parsed.softcap), (4, 30.0))
+        # 0 is a value, not absence.
+        parsed = self.check(q, position_ids=[0, 1, 2], sliding_window=0, softcap=0.0)
+        self.assertTrue(parsed.HasField("sliding_window"))
+        self.assertTrue(parsed.HasField("softcap"))
+        parsed = self.check(q)
+        self.assertFalse(parsed.HasField("sliding_window"))
+        self.assertFalse(parsed.HasField("softcap"))
+        self.assertEqual(list(parsed.position_ids), [])
+
+    def test_tensors_of_any_rank(self):
+        # dot_product's grouped heads are 4-D; the server judges ranks.
+        q = self.rng.normal(size=(1, 3, 4, 2))
+        k = self.rng.normal(size=(1, 5, 2, 2))
+        parsed = self.check(q, k, k)
+        self.assertEqual(list(parsed.queries.shape), [1, 3, 4, 2])
+        self.assertEqual(list(parsed.keys.shape), [1, 5, 2, 2])
+        self.check(np.ones((2, 2)))
 
     def test_presence_of_optional_fields_and_tensors(self):
         # scale 0 and version 0 are values, not absence; keys and values
@@ -116,8 +142,10 @@ class RequestEncodingTest(unittest.TestCase):
                     attention_client.from_tensor(slow_tensor(array)), array)
 
     def test_bad_input_names_the_tensor(self):
-        with self.assertRaisesRegex(ValueError, r"keys must have 3 dimensions .* \(4, 2\)"):
-            client._request_bytes(np.ones((1, 1, 2)), np.ones((4, 2)))
+        with self.assertRaisesRegex(ValueError, r"keys must be an array .* got a scalar"):
+            client._request_bytes(np.ones((1, 1, 2)), np.float32(4))
+        with self.assertRaisesRegex(ValueError, r"position_ids must be integers; got dtype float"):
+            client._request_bytes(np.ones((1, 1, 2)), position_ids=[0.5])
         with self.assertRaisesRegex(ValueError, r"queries is required"):
             client._request_bytes(None)
         with self.assertRaisesRegex(ValueError, r"[Vv]alue out of range"):

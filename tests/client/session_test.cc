@@ -187,6 +187,15 @@ TEST_F(ClientSessionTest, RefusedStepLeavesTheSessionAsItWas) {
   absl::StatusOr<SessionResponse> wrong = (*session)->Step(Random({1, 1, 5}, rng));
   EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument) << wrong.status();
   EXPECT_EQ((*session)->length(), 2);
+  // A whole SessionStep reaches the server as it is: its own keys, which a
+  // session without grouped heads refuses, naming them.
+  attention::v1::SessionStep with_keys;
+  *with_keys.mutable_queries() = Random({1, 1, kWidth}, rng);
+  *with_keys.mutable_keys() = Random({1, 1, kWidth}, rng);
+  absl::StatusOr<SessionResponse> keys = (*session)->Step(with_keys);
+  EXPECT_EQ(keys.status().code(), absl::StatusCode::kInvalidArgument) << keys.status();
+  EXPECT_THAT(std::string(keys.status().message()), HasSubstr("keys"));
+  EXPECT_EQ((*session)->length(), 2);
   absl::StatusOr<SessionResponse> next = (*session)->Step(Random({1, 1, kWidth}, rng));
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->length(), 3);

@@ -1,11 +1,13 @@
 // conformance_test.cc: every case of a conformance directory through the engine.
 //
 // The directory is $ATTENTION_CONFORMANCE_DIR, or the in-repo copy
-// tests/conformance. cases/*.json must match PyTorch's expected output and
+// tests/conformance. cases/*.json and layers/cases/*.json (Hugging Face's
+// layouts, models in layers/models) must match the expected output and
 // weights within each case's atol + rtol * |expected|; every errors.json entry
 // must be refused with its code (NOT_FOUND for an unknown model, otherwise
-// INVALID_ARGUMENT from validation). The last line printed is
-// `conformance: N/M cases pass`.
+// INVALID_ARGUMENT from validation). The causal layer cases run as decoding
+// sessions too: a prefill, then one-token steps, whose outputs are the
+// case's. The last line printed is `conformance: N/M cases pass`.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -23,6 +25,7 @@
 #include "absl/status/status.h"
 #include "core/engine/engine.h"
 #include "core/model/model_loader.h"
+#include "core/sessions/session.h"
 #include "tests/support/files.h"
 
 namespace attention {
@@ -65,6 +68,7 @@ struct ParsedRequest {
   Tensor queries;
   std::optional<Tensor> keys, values;
   std::vector<int32_t> valid_lens;
+  std::vector<int64_t> position_ids;
   AttentionRequest request;
 
   explicit ParsedRequest(const json& j) {
@@ -77,6 +81,10 @@ struct ParsedRequest {
     if (keys) request.keys = keys->view();
     if (values) request.values = values->view();
     request.valid_lens = valid_lens;
+    for (const json& id : j.value("position_ids", json::array())) {
+      position_ids.push_back(id.is_string() ? std::stoll(id.get<std::string>()) : id.get<int64_t>());
+    }
+    request.position_ids = position_ids;
     request.causal = j.value("causal", false);
     request.return_attention_weights = j.value("return_attention_weights", false);
     if (j.contains("scale")) request.scale = JsonFloat(j["scale"]);
@@ -89,8 +97,8 @@ const std::map<std::string, Model>& Models() {
     auto* m = new std::map<std::string, Model>;
     (*m)["dot_product"] = DotProductModel();
     (*m)["distance"] = DistanceModel();
-    const fs::path dir = ConformanceDir() / "models";
-    if (fs::is_directory(dir)) {
+    for (const fs::path& dir : {ConformanceDir() / "models", ConformanceDir() / "layers" / "models"}) {
+      if (!fs::is_directory(dir)) continue;
       for (const auto& entry : fs::directory_iterator(dir)) {
         if (entry.path().extension() != ".safetensors") continue;
         absl::StatusOr<Model> model = LoadModel(entry.path());
@@ -140,13 +148,28 @@ void ExpectClose(const Tensor& actual, const json& expected_json, double atol, d
 
 std::vector<fs::path> CaseFiles() {
   std::vector<fs::path> files;
-  const fs::path dir = ConformanceDir() / "cases";
-  if (fs::is_directory(dir)) {
+  for (const fs::path& dir : {ConformanceDir() / "cases", ConformanceDir() / "layers" / "cases"}) {
+    if (!fs::is_directory(dir)) continue;
     for (const auto& entry : fs::directory_iterator(dir)) {
       if (entry.path().extension() == ".json") files.push_back(entry.path());
     }
   }
   std::sort(files.begin(), files.end());
+  return files;
+}
+
+// The layer cases a session can replay: causal, every example whole, the
+// positions a session gives (0, 1, ...).
+std::vector<fs::path> SessionCaseFiles() {
+  std::vector<fs::path> files;
+  for (const fs::path& file : CaseFiles()) {
+    if (file.parent_path().parent_path().filename() != "layers") continue;
+    const json request = ReadJson(file)["request"];
+    if (request.value("causal", false) && !request.contains("valid_lens") &&
+        !request.contains("position_ids")) {
+      files.push_back(file);
+    }
+  }
   return files;
 }
 
@@ -180,6 +203,54 @@ TEST_P(ConformanceCase, MatchesPyTorch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Conformance, ConformanceCase, ::testing::ValuesIn(CaseFiles()),
+                         [](const auto& info) { return TestName(info.param.stem().string()); });
+
+// A case's request as a self session: the first rows as one prefill step,
+// then one step per row; each step's output rows are the case's.
+class ConformanceSession : public ::testing::TestWithParam<fs::path> {};
+
+TEST_P(ConformanceSession, StepsMatchTheWholePrefix) {
+  const json c = ReadJson(GetParam());
+  ParsedRequest parsed(c["request"]);
+  const Model* model = FindModel(parsed.model);
+  ASSERT_NE(model, nullptr) << "unknown model " << parsed.model;
+  const std::vector<int64_t>& shape = parsed.queries.shape;
+  const int64_t batch = shape[0], n = shape[1], width = shape[2];
+  const Tensor expected = JsonTensor(c["expected"]["output"]);
+  const int64_t out_width = expected.shape[2];
+  KvBlockPool pool(int64_t{1} << 24);
+  absl::StatusOr<std::unique_ptr<Session>> session = Session::Open(
+      std::make_shared<Model>(*model), pool, {.memory = SessionMemory::kSelf, .batch = batch});
+  ASSERT_TRUE(session.ok()) << session.status();
+  const double atol = c.value("atol", 1e-5), rtol = c.value("rtol", 1e-4);
+  const int64_t prefill = std::min<int64_t>(3, n);
+  for (int64_t begin = 0; begin < n;) {
+    const int64_t rows = begin == 0 ? prefill : 1;
+    Tensor queries;
+    queries.shape = {batch, rows, width};
+    for (int64_t b = 0; b < batch; ++b) {
+      const auto first = parsed.queries.data.begin() + (b * n + begin) * width;
+      queries.data.insert(queries.data.end(), first, first + rows * width);
+    }
+    SessionStep step{.queries = queries.view()};
+    absl::StatusOr<ValidatedStep> validated = ValidateStep(**session, step);
+    ASSERT_TRUE(validated.ok()) << validated.status();
+    AttentionResult result;
+    SharedEngine().RunSteps({&*validated, 1}, {&result, 1});
+    ASSERT_TRUE(result.status.ok()) << result.status;
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t i = 0; i < rows * out_width; ++i) {
+        const double want = expected.data[(b * n + begin) * out_width + i];
+        const double got = result.output.data[b * rows * out_width + i];
+        ASSERT_LE(std::abs(got - want), atol + rtol * std::abs(want))
+            << "example " << b << " row " << begin + i / out_width << " column " << i % out_width;
+      }
+    }
+    begin += rows;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Conformance, ConformanceSession, ::testing::ValuesIn(SessionCaseFiles()),
                          [](const auto& info) { return TestName(info.param.stem().string()); });
 
 class ConformanceError : public ::testing::TestWithParam<json> {};

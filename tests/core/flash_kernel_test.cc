@@ -513,7 +513,7 @@ TEST(FlashKernelTest, KeysInBlocksMatchContiguousKeys) {
     paged.key_blocks = key_pointers.data();
     paged.value_blocks = value_pointers.data();
     paged.block_rows = kBlockRows;
-    paged.block_column = column;
+    paged.block_column = paged.value_block_column = column;
     paged.key_stride = paged.value_stride = width;
     // Outputs of FlashAttention and AttentionWithWeights, contiguous and paged.
     const std::vector<float> untouched(c.num_queries * in.OutputStride(), kUntouched);

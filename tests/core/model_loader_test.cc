@@ -1,12 +1,13 @@
 // model_loader_test.cc: LoadModel / ParseModel on the conformance and example
-// models, on each layout and kind built here, and on every way a model file
-// can be wrong.
+// models, on each layout and kind built here (Hugging Face's with the config
+// keys it reads), and on every way a model file can be wrong.
 #include "core/model/model_loader.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "core/model/layer_config.h"
 #include "tests/support/files.h"
 #include "tests/support/safetensors_builder.h"
 
@@ -165,11 +167,15 @@ TEST(ModelLoaderTest, LoadsEveryExampleModelWithTheSizesItsNameGives) {
     absl::StatusOr<Model> model = LoadModel(file);
     ASSERT_TRUE(model.ok()) << model.status();
     switch (model->kind) {
-      case Kind::kMultiHead:
+      case Kind::kMultiHead: {
         EXPECT_THAT(name, StartsWith("mh_"));
         EXPECT_EQ(model->output_size, NumberAfter(name, "_e"));
         EXPECT_EQ(model->num_heads, NumberAfter(name, "_h"));
+        // `_kv`: the key/value heads of a grouped model; without it, one per head.
+        const int64_t kv_heads = NumberAfter(name, "_kv");
+        EXPECT_EQ(KvHeads(*model), kv_heads > 0 ? kv_heads : model->num_heads);
         break;
+      }
       case Kind::kAdditive:
         EXPECT_THAT(name, StartsWith("additive_"));
         EXPECT_EQ(model->w_q.rows(), NumberAfter(name, "_h"));
@@ -610,6 +616,405 @@ TEST(ModelLoaderTest, RejectsCorruptedConformanceModel) {
     ASSERT_FALSE(model.ok()) << "byte " << position << " inverted";
     EXPECT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument);
   }
+}
+
+// ---- Hugging Face's layout: q/k/v/o_proj with the config in the metadata ----
+
+// A Llama-shaped config: hidden 16, 4 query heads of 4 columns over 2 kv heads.
+nlohmann::json HfConfig() {
+  return {{"model_type", "llama"}, {"hidden_size", 16}, {"num_attention_heads", 4},
+          {"num_key_value_heads", 2}, {"head_dim", 4}, {"max_position_embeddings", 2048}};
+}
+
+// The projections of a layer with hidden 16 whose queries have `query_width`
+// = H hd rows and keys and values `kv_width` = H_kv hd, each with distinct
+// values; by default HfConfig()'s (4 heads, 2 kv heads, head_dim 4).
+std::vector<TensorBytes> HfTensors(int64_t query_width = 16, int64_t kv_width = 8) {
+  return {Weight("q_proj.weight", {query_width, 16}), Weight("k_proj.weight", {kv_width, 16}, 1000),
+          Weight("v_proj.weight", {kv_width, 16}, 2000), Weight("o_proj.weight", {16, query_width}, 3000)};
+}
+
+// The metadata of a layer with `config`, plus `extra` keys.
+Metadata HfMetadata(const nlohmann::json& config, const Metadata& extra = {}) {
+  Metadata metadata = {{"kind", "multi_head"}, {"config", config.dump()}};
+  metadata.insert(extra.begin(), extra.end());
+  return metadata;
+}
+
+absl::StatusOr<Model> ParseHf(const nlohmann::json& config, const Metadata& extra = {},
+                              const std::vector<TensorBytes>& tensors = HfTensors()) {
+  return Parse("hf", tensors, HfMetadata(config, extra));
+}
+
+// The sliding window the layer `layer_index` of `config` gets; -1 if it does
+// not load.
+int64_t WindowOf(const nlohmann::json& config, int64_t layer_index) {
+  absl::StatusOr<Model> model = ParseHf(config, {{"layer_index", std::to_string(layer_index)}});
+  EXPECT_TRUE(model.ok()) << model.status();
+  return model.ok() ? model->terms.sliding_window : -1;
+}
+
+// `config` with `changes` merged in (a null value removes the key).
+nlohmann::json With(nlohmann::json config, const nlohmann::json& changes) {
+  config.merge_patch(changes);
+  return config;
+}
+
+TEST(ModelLoaderTest, LoadsHfLayerWithGroupedHeadsAndDefaultRotary) {
+  absl::StatusOr<Model> model = ParseHf(HfConfig());
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->kind, Kind::kMultiHead);
+  EXPECT_EQ(model->num_heads, 4);
+  EXPECT_EQ(model->num_kv_heads, 2);
+  EXPECT_EQ(model->head_size, 4);
+  EXPECT_EQ(model->query_size, 16);
+  EXPECT_EQ(model->key_size, 16);
+  EXPECT_EQ(model->value_size, 16);
+  EXPECT_EQ(model->output_size, 16);
+  ExpectMatrix(model->w_q, 16, 16, Sequence(256));
+  ExpectMatrix(model->w_k, 8, 16, Sequence(128, 1000));
+  ExpectMatrix(model->w_v, 8, 16, Sequence(128, 2000));
+  ExpectMatrix(model->w_o, 16, 16, Sequence(256, 3000));
+  // Llama has no biases: each is zero.
+  ExpectVector(model->b_q, std::vector<float>(16, 0.0f));
+  ExpectVector(model->b_k, std::vector<float>(8, 0.0f));
+  ExpectVector(model->b_v, std::vector<float>(8, 0.0f));
+  ExpectVector(model->b_o, std::vector<float>(16, 0.0f));
+  const LayerTerms& terms = model->terms;
+  EXPECT_EQ(terms.rotary.type, "default");
+  EXPECT_EQ(terms.rotary.dims, 4);
+  EXPECT_FALSE(terms.rotary.interleaved);
+  EXPECT_EQ(terms.rotary.theta, 10000.0);
+  EXPECT_EQ(terms.rotary.attention_factor, 1.0);
+  ASSERT_EQ(terms.rotary.inv_freq.size(), 2u);
+  EXPECT_DOUBLE_EQ(terms.rotary.inv_freq[0], 1.0);
+  EXPECT_DOUBLE_EQ(terms.rotary.inv_freq[1], 0.01);  // 10000^(-2/4)
+  EXPECT_EQ(terms.sliding_window, 0);
+  EXPECT_EQ(terms.softcap, 0.0f);
+  EXPECT_EQ(terms.scale, 0.0f);  // 1/sqrt(head_dim)
+  EXPECT_EQ(terms.norm_eps, 1e-6);
+  EXPECT_TRUE(terms.q_norm.empty());
+  EXPECT_TRUE(terms.k_norm.empty());
+  EXPECT_TRUE(terms.sinks.empty());
+  EXPECT_TRUE(terms.alibi_slopes.empty());
+}
+
+// Without head_dim, a head is hidden_size / num_attention_heads; kv heads
+// default to the query heads.
+TEST(ModelLoaderTest, HfLayerSizesDefaultFromHiddenSize) {
+  const nlohmann::json config = With(HfConfig(), {{"head_dim", nullptr}, {"num_key_value_heads", nullptr}});
+  absl::StatusOr<Model> model = ParseHf(config, {}, HfTensors(16, 16));
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->num_kv_heads, 4);
+  EXPECT_EQ(model->head_size, 4);
+}
+
+// Each projection's bias is optional on its own (Qwen 2: q, k and v only);
+// one absent is zero. qk-norm weights per head or over the projection, and
+// sinks per head, are taken as given.
+TEST(ModelLoaderTest, LoadsHfOptionalTensorsEachOnItsOwn) {
+  std::vector<TensorBytes> tensors = HfTensors();
+  tensors.push_back(Weight("q_proj.bias", {16}, 100));
+  tensors.push_back(Weight("k_proj.bias", {8}, 200));
+  tensors.push_back(Weight("v_proj.bias", {8}, 300));
+  absl::StatusOr<Model> qwen2 = ParseHf(HfConfig(), {}, tensors);
+  ASSERT_TRUE(qwen2.ok()) << qwen2.status();
+  ExpectVector(qwen2->b_q, Sequence(16, 100));
+  ExpectVector(qwen2->b_k, Sequence(8, 200));
+  ExpectVector(qwen2->b_v, Sequence(8, 300));
+  ExpectVector(qwen2->b_o, std::vector<float>(16, 0.0f));
+
+  tensors = HfTensors();
+  tensors.push_back(Weight("o_proj.bias", {16}, 400));
+  tensors.push_back(Weight("q_norm.weight", {4}, 10));
+  tensors.push_back(Weight("k_norm.weight", {4}, 20));
+  tensors.push_back(Weight("sinks", {4}, -2));
+  absl::StatusOr<Model> per_head = ParseHf(HfConfig(), {}, tensors);
+  ASSERT_TRUE(per_head.ok()) << per_head.status();
+  ExpectVector(per_head->b_q, std::vector<float>(16, 0.0f));
+  ExpectVector(per_head->b_o, Sequence(16, 400));
+  EXPECT_EQ(per_head->terms.q_norm, Sequence(4, 10));
+  EXPECT_EQ(per_head->terms.k_norm, Sequence(4, 20));
+  EXPECT_EQ(per_head->terms.sinks, Sequence(4, -2));
+
+  tensors = HfTensors();
+  tensors.push_back(Weight("q_norm.weight", {16}, 10));
+  tensors.push_back(Weight("k_norm.weight", {8}, 20));
+  absl::StatusOr<Model> flat = ParseHf(With(HfConfig(), {{"rms_norm_eps", 1e-5}}), {}, tensors);
+  ASSERT_TRUE(flat.ok()) << flat.status();
+  EXPECT_EQ(flat->terms.q_norm, Sequence(16, 10));
+  EXPECT_EQ(flat->terms.k_norm, Sequence(8, 20));
+  EXPECT_EQ(flat->terms.norm_eps, 1e-5);
+}
+
+TEST(ModelLoaderTest, HfWindowOnEveryLayerByDefault) {
+  const nlohmann::json mistral = With(HfConfig(), {{"model_type", "mistral"}, {"sliding_window", 4}});
+  for (int64_t layer : {0, 1, 5, 31}) EXPECT_EQ(WindowOf(mistral, layer), 4) << layer;
+  // Mistral v0.2 and later write "sliding_window": null: no window.
+  EXPECT_EQ(WindowOf(With(mistral, {{"sliding_window", nullptr}}), 3), 0);
+  EXPECT_EQ(WindowOf(HfConfig(), 3), 0);
+  // No layer_index: layer 0.
+  absl::StatusOr<Model> model = ParseHf(mistral);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->terms.sliding_window, 4);
+}
+
+TEST(ModelLoaderTest, HfWindowOnQwenLayersFromMaxWindowLayers) {
+  for (const char* type : {"qwen2", "qwen3", "qwen2_moe"}) {
+    SCOPED_TRACE(type);
+    const nlohmann::json qwen = With(HfConfig(), {{"model_type", type},
+                                                  {"sliding_window", 8},
+                                                  {"use_sliding_window", true},
+                                                  {"max_window_layers", 2}});
+    EXPECT_EQ(WindowOf(qwen, 0), 0);
+    EXPECT_EQ(WindowOf(qwen, 1), 0);
+    EXPECT_EQ(WindowOf(qwen, 2), 8);
+    EXPECT_EQ(WindowOf(qwen, 7), 8);
+    // Qwen's released configs carry a sliding_window with the flag off.
+    const nlohmann::json off = With(qwen, {{"use_sliding_window", false}});
+    EXPECT_EQ(WindowOf(off, 2), 0);
+    EXPECT_EQ(WindowOf(With(qwen, {{"use_sliding_window", nullptr}}), 2), 0);
+  }
+}
+
+TEST(ModelLoaderTest, HfWindowOnGemma2EvenLayers) {
+  const nlohmann::json gemma2 = With(HfConfig(), {{"model_type", "gemma2"}, {"sliding_window", 4}});
+  EXPECT_EQ(WindowOf(gemma2, 0), 4);
+  EXPECT_EQ(WindowOf(gemma2, 1), 0);
+  EXPECT_EQ(WindowOf(gemma2, 2), 4);
+  EXPECT_EQ(WindowOf(gemma2, 25), 0);
+}
+
+// layer_types, where the config has it, decides for every model type.
+TEST(ModelLoaderTest, HfWindowFromLayerTypes) {
+  const nlohmann::json types = {"sliding_attention", "full_attention", "full_attention",
+                                "sliding_attention"};
+  for (const char* type : {"gpt_oss", "gemma2", "qwen3", "mistral"}) {
+    SCOPED_TRACE(type);
+    const nlohmann::json config = With(HfConfig(), {{"model_type", type},
+                                                    {"sliding_window", 6},
+                                                    {"use_sliding_window", false},
+                                                    {"layer_types", types}});
+    EXPECT_EQ(WindowOf(config, 0), 6);
+    EXPECT_EQ(WindowOf(config, 1), 0);
+    EXPECT_EQ(WindowOf(config, 2), 0);
+    EXPECT_EQ(WindowOf(config, 3), 6);
+  }
+}
+
+TEST(ModelLoaderTest, HfScaleFromQueryPreAttnScalarAndSoftcap) {
+  absl::StatusOr<Model> gemma2 = ParseHf(With(HfConfig(), {{"model_type", "gemma2"},
+                                                           {"query_pre_attn_scalar", 256},
+                                                           {"attn_logit_softcapping", 50.0}}));
+  ASSERT_TRUE(gemma2.ok()) << gemma2.status();
+  EXPECT_EQ(gemma2->terms.scale, 1.0f / 16);
+  EXPECT_EQ(gemma2->terms.softcap, 50.0f);
+  // Gemma 2's attn_logit_softcapping may be null: no soft-cap.
+  absl::StatusOr<Model> uncapped =
+      ParseHf(With(HfConfig(), {{"query_pre_attn_scalar", 2}, {"attn_logit_softcapping", nullptr}}));
+  ASSERT_TRUE(uncapped.ok()) << uncapped.status();
+  EXPECT_FLOAT_EQ(uncapped->terms.scale, 1.0f / std::sqrt(2.0f));
+  EXPECT_EQ(uncapped->terms.softcap, 0.0f);
+}
+
+// transformers v5 writes rope_parameters (with rope_theta inside) where v4
+// wrote rope_theta and rope_scaling: both give the same rotary.
+TEST(ModelLoaderTest, HfRopeParametersEqualRopeScaling) {
+  const nlohmann::json llama3 = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                                 {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 64}};
+  const nlohmann::json yarn = {{"rope_type", "yarn"}, {"factor", 32.0}, {"beta_fast", 32.0},
+                               {"beta_slow", 1.0}, {"original_max_position_embeddings", 4096},
+                               {"truncate", false}};
+  const nlohmann::json linear = {{"rope_type", "linear"}, {"factor", 4.0}};
+  for (const nlohmann::json& scaling : {llama3, yarn, linear, nlohmann::json{{"rope_type", "default"}}}) {
+    SCOPED_TRACE(scaling.dump());
+    const nlohmann::json base = With(HfConfig(), {{"head_dim", 4}, {"max_position_embeddings", 131072}});
+    const nlohmann::json v4 = With(base, {{"rope_theta", 500000.0}, {"rope_scaling", scaling}});
+    const nlohmann::json v5 = With(base, {{"rope_parameters", With(scaling, {{"rope_theta", 500000.0}})}});
+    absl::StatusOr<Model> old_form = ParseHf(v4);
+    absl::StatusOr<Model> new_form = ParseHf(v5);
+    ASSERT_TRUE(old_form.ok()) << old_form.status();
+    ASSERT_TRUE(new_form.ok()) << new_form.status();
+    const RotaryEmbedding& a = old_form->terms.rotary;
+    const RotaryEmbedding& b = new_form->terms.rotary;
+    EXPECT_EQ(a.type, scaling["rope_type"].get<std::string>());
+    EXPECT_EQ(a.type, b.type);
+    EXPECT_EQ(a.theta, 500000.0);
+    EXPECT_EQ(b.theta, 500000.0);
+    EXPECT_EQ(a.dims, b.dims);
+    EXPECT_EQ(a.inv_freq, b.inv_freq);
+    EXPECT_EQ(a.attention_factor, b.attention_factor);
+  }
+  // Scaling changes the frequencies (or the test above compares nothing).
+  absl::StatusOr<Model> plain = ParseHf(With(HfConfig(), {{"rope_theta", 500000.0}}));
+  absl::StatusOr<Model> scaled =
+      ParseHf(With(HfConfig(), {{"rope_theta", 500000.0}, {"rope_scaling", linear}}));
+  ASSERT_TRUE(plain.ok() && scaled.ok());
+  EXPECT_DOUBLE_EQ(scaled->terms.rotary.inv_freq[1], plain->terms.rotary.inv_freq[1] / 4);
+}
+
+// v5's rope_parameters per layer type: the layer's own entry.
+TEST(ModelLoaderTest, HfRopeParametersPerLayerType) {
+  const nlohmann::json config = With(
+      HfConfig(), {{"sliding_window", 4},
+                   {"layer_types", nlohmann::json::array({"sliding_attention", "full_attention"})},
+                   {"rope_parameters",
+                    {{"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10000.0}}},
+                     {"full_attention",
+                      {{"rope_type", "linear"}, {"factor", 8.0}, {"rope_theta", 1000000.0}}}}}});
+  absl::StatusOr<Model> local = ParseHf(config, {{"layer_index", "0"}});
+  absl::StatusOr<Model> global = ParseHf(config, {{"layer_index", "1"}});
+  ASSERT_TRUE(local.ok()) << local.status();
+  ASSERT_TRUE(global.ok()) << global.status();
+  EXPECT_EQ(local->terms.rotary.type, "default");
+  EXPECT_EQ(local->terms.rotary.theta, 10000.0);
+  EXPECT_EQ(local->terms.sliding_window, 4);
+  EXPECT_EQ(global->terms.rotary.type, "linear");
+  EXPECT_EQ(global->terms.rotary.theta, 1000000.0);
+  EXPECT_EQ(global->terms.sliding_window, 0);
+}
+
+TEST(ModelLoaderTest, HfMetadataFlagsAndAgreeingNumHeads) {
+  absl::StatusOr<Model> model = ParseHf(
+      With(HfConfig(), {{"partial_rotary_factor", 0.5}}),
+      {{"rope_interleaved", "true"}, {"num_heads", "4"}, {"layer_index", "3"}, {"format", "pt"}});
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_TRUE(model->terms.rotary.interleaved);
+  EXPECT_EQ(model->terms.rotary.dims, 2);
+  absl::StatusOr<Model> alibi = ParseHf(HfConfig(), {{"alibi", "true"}});
+  ASSERT_TRUE(alibi.ok()) << alibi.status();
+  EXPECT_EQ(alibi->terms.alibi_slopes, AlibiSlopes(4));
+  EXPECT_EQ(alibi->terms.rotary.dims, 0);
+}
+
+TEST(ModelLoaderTest, RejectsHfRopeTheEngineDoesNotCompute) {
+  for (const char* type : {"dynamic", "longrope", "su", "ntk"}) {
+    const std::string expected =
+        "rope_type\" is \"" + std::string(type) + "\", expected default, linear, llama3 or yarn";
+    ExpectInvalid(ParseHf(With(HfConfig(), {{"rope_scaling", {{"rope_type", type}, {"factor", 2.0}}}})),
+                  "hf", "config \"rope_scaling." + expected);
+    // transformers v4's older key "type", and v5's rope_parameters, each
+    // named as the config spells it.
+    ExpectInvalid(ParseHf(With(HfConfig(), {{"rope_scaling", {{"type", type}, {"factor", 2.0}}}})), "hf",
+                  "config \"rope_scaling.type\" is \"" + std::string(type) + "\", expected default");
+    ExpectInvalid(ParseHf(With(HfConfig(), {{"rope_parameters", {{"rope_type", type}, {"factor", 2.0}}}})),
+                  "hf", "config \"rope_parameters." + expected);
+  }
+  ExpectInvalid(ParseHf(With(HfConfig(), {{"rope_scaling", {{"rope_type", "dynamic"}}}})), "hf",
+                "(dynamic and longrope scale with the sequence's length");
+  ExpectInvalid(ParseHf(With(HfConfig(), {{"rope_scaling", {{"rope_type", 3}}}})), "hf",
+                "config \"rope_scaling.rope_type\" is 3, expected default");
+  ExpectInvalid(ParseHf(With(HfConfig(), {{"rope_scaling", "linear"}})), "hf",
+                "config \"rope_scaling\" is \"linear\", expected an object");
+  ExpectInvalid(ParseHf(With(HfConfig(), {{"rope_theta", "big"}})), "hf",
+                "config \"rope_theta\" is \"big\", expected a finite number");
+}
+
+TEST(ModelLoaderTest, RejectsHfHeadsNotAMultipleOfKvHeads) {
+  ExpectInvalid(ParseHf(With(HfConfig(), {{"num_key_value_heads", 3}})), "hf",
+                "config \"num_attention_heads\" 4 is not a multiple of \"num_key_value_heads\" 3");
+  ExpectInvalid(ParseHf(With(HfConfig(), {{"num_key_value_heads", 0}})), "hf",
+                "config \"num_key_value_heads\" is 0, expected an integer >= 1");
+  ExpectInvalid(ParseHf(With(HfConfig(), {{"num_attention_heads", nullptr}})), "hf",
+                "config has no \"num_attention_heads\"");
+  ExpectInvalid(ParseHf(With(HfConfig(), {{"num_attention_heads", "4"}})), "hf",
+                "config \"num_attention_heads\" is \"4\", expected an integer >= 1");
+}
+
+TEST(ModelLoaderTest, RejectsHfTensorsOfTheWrongShape) {
+  const auto replaced = [](const std::string& name, std::vector<int64_t> shape) {
+    std::vector<TensorBytes> tensors;
+    for (TensorBytes& tensor : HfTensors()) {
+      if (tensor.name != name) tensors.push_back(std::move(tensor));
+    }
+    tensors.push_back(Weight(name, std::move(shape)));
+    return tensors;
+  };
+  ExpectInvalid(ParseHf(HfConfig(), {}, replaced("q_proj.weight", {12, 16})), "hf",
+                "tensor 'q_proj.weight' has shape [12, 16], expected [16, hidden]");
+  ExpectInvalid(ParseHf(HfConfig(), {}, replaced("q_proj.weight", {16, 12})), "hf",
+                "tensor 'q_proj.weight' has 12 columns, but config \"hidden_size\" is 16");
+  ExpectInvalid(ParseHf(HfConfig(), {}, replaced("k_proj.weight", {16, 16})), "hf",
+                "tensor 'k_proj.weight' has shape [16, 16], expected [8, 16]");
+  ExpectInvalid(ParseHf(HfConfig(), {}, replaced("v_proj.weight", {8, 15})), "hf",
+                "tensor 'v_proj.weight' has shape [8, 15], expected [8, 16]");
+  ExpectInvalid(ParseHf(HfConfig(), {}, replaced("o_proj.weight", {12, 16})), "hf",
+                "tensor 'o_proj.weight' has shape [12, 16], expected [16, ");
+  ExpectInvalid(ParseHf(HfConfig(), {}, replaced("o_proj.weight", {16, 8})), "hf",
+                "tensor 'o_proj.weight' has 8 columns, expected H * head_dim = 16");
+
+  const auto with = [](std::vector<TensorBytes> extra) {
+    std::vector<TensorBytes> tensors = HfTensors();
+    for (TensorBytes& tensor : extra) tensors.push_back(std::move(tensor));
+    return tensors;
+  };
+  ExpectInvalid(ParseHf(HfConfig(), {}, with({Weight("q_proj.bias", {8})})), "hf",
+                "tensor 'q_proj.bias' has shape [8], expected [16]");
+  ExpectInvalid(ParseHf(HfConfig(), {}, with({Weight("q_norm.weight", {8})})), "hf",
+                "tensor 'q_norm.weight' has shape [8], expected [16] or [4] (one head)");
+  ExpectInvalid(ParseHf(HfConfig(), {}, with({Weight("k_norm.weight", {16})})), "hf",
+                "tensor 'k_norm.weight' has shape [16], expected [8] or [4] (one head)");
+  ExpectInvalid(ParseHf(HfConfig(), {}, with({Weight("q_norm.weight", {4, 4})})), "hf",
+                "tensor 'q_norm.weight' has shape [4, 4], expected [16] or [4] (one head)");
+  ExpectInvalid(ParseHf(HfConfig(), {}, with({Weight("sinks", {2})})), "hf",
+                "tensor 'sinks' has shape [2], expected [4]");
+  ExpectInvalid(ParseHf(HfConfig(), {}, with({Weight("qkv_proj.weight", {32, 16})})), "hf",
+                "unexpected tensor 'qkv_proj.weight' with shape [32, 16] in a Hugging Face multi_head model");
+  ExpectInvalid(ParseHf(HfConfig(), {}, with({Weight("rotary_emb.inv_freq", {2})})), "hf",
+                "unexpected tensor 'rotary_emb.inv_freq'");
+  std::vector<TensorBytes> no_k = HfTensors();
+  no_k.erase(no_k.begin() + 1);
+  ExpectInvalid(ParseHf(HfConfig(), {}, no_k), "hf",
+                "missing tensor 'k_proj.weight' (expected shape [8, 16])");
+}
+
+TEST(ModelLoaderTest, RejectsHfMetadataWithoutAJsonConfig) {
+  ExpectInvalid(Parse("hf", HfTensors(), {{"kind", "multi_head"}}), "hf",
+                "needs __metadata__ \"config\": the model's config.json as a string");
+  // The torch layout's key alone is not enough either.
+  ExpectInvalid(Parse("hf", HfTensors(), {{"kind", "multi_head"}, {"num_heads", "4"}}), "hf",
+                "needs __metadata__ \"config\"");
+  for (const char* text : {"{\"num_attention_heads\": 4", "[4]", "4", "", "null"}) {
+    ExpectInvalid(Parse("hf", HfTensors(), {{"kind", "multi_head"}, {"config", text}}), "hf",
+                  "__metadata__ \"config\" is not a JSON object");
+  }
+}
+
+TEST(ModelLoaderTest, RejectsHfNumHeadsDisagreeingWithTheConfig) {
+  ExpectInvalid(ParseHf(HfConfig(), {{"num_heads", "8"}}), "hf",
+                "__metadata__ \"num_heads\" is 8, but config \"num_attention_heads\" is 4");
+  ExpectInvalid(ParseHf(HfConfig(), {{"num_heads", "four"}}), "hf",
+                "__metadata__ \"num_heads\" is \"four\", expected a decimal integer >= 1");
+}
+
+TEST(ModelLoaderTest, RejectsHfLayerIndexBeyondLayerTypes) {
+  const nlohmann::json config =
+      With(HfConfig(), {{"sliding_window", 4},
+                        {"layer_types", nlohmann::json::array({"sliding_attention", "full_attention"})}});
+  ExpectInvalid(ParseHf(config, {{"layer_index", "2"}}), "hf",
+                "config \"layer_types\" is [\"sliding_attention\",\"full_attention\"], expected an array "
+                "of strings with an entry for layer_index 2");
+  ExpectInvalid(ParseHf(With(config, {{"layer_types", "sliding_attention"}})), "hf",
+                "config \"layer_types\" is \"sliding_attention\", expected an array");
+  ExpectInvalid(ParseHf(config, {{"layer_index", "-1"}}), "hf",
+                "__metadata__ \"layer_index\" is \"-1\", expected a decimal integer >= 0");
+  ExpectInvalid(ParseHf(config, {{"rope_interleaved", "yes"}}), "hf",
+                "__metadata__ \"rope_interleaved\" is \"yes\", expected true or false");
+}
+
+TEST(ModelLoaderTest, RejectsHfOddRotaryDims) {
+  // head_dim 4 * 0.25 = 1, 6 * 0.5 = 3, 5 * 1 = 5: rotary turns pairs.
+  ExpectInvalid(ParseHf(With(HfConfig(), {{"partial_rotary_factor", 0.25}})), "hf",
+                "config: rotary dims head_dim * partial_rotary_factor = 1, expected an even number >= 2");
+  const nlohmann::json six = With(HfConfig(), {{"head_dim", 6}, {"partial_rotary_factor", 0.5}});
+  ExpectInvalid(ParseHf(six, {}, HfTensors(24, 12)), "hf",
+                "rotary dims head_dim * partial_rotary_factor = 3");
+  ExpectInvalid(ParseHf(With(HfConfig(), {{"partial_rotary_factor", 1.5}})), "hf",
+                "config \"partial_rotary_factor\" is 1.5, expected a number in (0, 1]");
+  // ALiBi needs no rotary, so its head_dim may be odd.
+  ExpectInvalid(ParseHf(With(HfConfig(), {{"head_dim", 5}}), {}, HfTensors(20, 10)), "hf",
+                "rotary dims head_dim * partial_rotary_factor = 5");
+  EXPECT_TRUE(ParseHf(With(HfConfig(), {{"head_dim", 5}}), {{"alibi", "true"}}, HfTensors(20, 10)).ok());
 }
 
 }  // namespace

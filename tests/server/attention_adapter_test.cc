@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "absl/status/status.h"
 
 namespace attention::server {
@@ -54,6 +56,86 @@ TEST(ProtoAdapterTest, PresentButEmptyKeysStayPresent) {
   const AttentionRequest request = ToAttentionRequest(proto);
   ASSERT_TRUE(request.keys.has_value());
   EXPECT_TRUE(request.keys->shape.empty());
+}
+
+TEST(ProtoAdapterTest, PositionsWindowAndSoftcapReachTheRequest) {
+  v1::AttendRequest proto = Request();
+  const AttentionRequest plain = ToAttentionRequest(proto);
+  EXPECT_TRUE(plain.position_ids.empty());
+  EXPECT_FALSE(plain.sliding_window.has_value());
+  EXPECT_FALSE(plain.softcap.has_value());
+
+  for (int64_t id : {int64_t{7}, int64_t{1} << 40}) proto.add_position_ids(id);
+  proto.set_sliding_window(3);
+  proto.set_softcap(30.0f);
+  const AttentionRequest request = ToAttentionRequest(proto);
+  ASSERT_EQ(request.position_ids.size(), 2u);
+  EXPECT_EQ(request.position_ids.data(), proto.position_ids().data()) << "viewed, not copied";
+  EXPECT_EQ(request.position_ids[1], int64_t{1} << 40);
+  ASSERT_TRUE(request.sliding_window.has_value());
+  EXPECT_EQ(*request.sliding_window, 3);
+  ASSERT_TRUE(request.softcap.has_value());
+  EXPECT_EQ(*request.softcap, 30.0f);
+}
+
+TEST(ProtoAdapterTest, WindowAndSoftcapKeepTheirPresenceEvenWhenZero) {
+  v1::AttendRequest proto = Request();
+  proto.set_sliding_window(0);
+  proto.set_softcap(0.0f);
+  const AttentionRequest request = ToAttentionRequest(proto);
+  ASSERT_TRUE(request.sliding_window.has_value());
+  EXPECT_EQ(*request.sliding_window, 0);
+  ASSERT_TRUE(request.softcap.has_value());
+  EXPECT_EQ(*request.softcap, 0.0f);
+}
+
+TEST(ProtoAdapterTest, FourDimensionalTensorsPassThroughAsTheyAre) {
+  v1::AttendRequest proto;
+  proto.set_model("dot_product");
+  for (int64_t s : {1, 2, 4, 3}) proto.mutable_queries()->add_shape(s);
+  for (int i = 0; i < 24; ++i) proto.mutable_queries()->add_data(static_cast<float>(i));
+  for (int64_t s : {1, 5, 2, 3}) proto.mutable_keys()->add_shape(s);
+  for (int i = 0; i < 30; ++i) proto.mutable_keys()->add_data(static_cast<float>(i));
+  const AttentionRequest request = ToAttentionRequest(proto);
+  EXPECT_EQ(request.queries.shape, (std::vector<int64_t>{1, 2, 4, 3}));
+  ASSERT_TRUE(request.keys.has_value());
+  EXPECT_EQ(request.keys->shape, (std::vector<int64_t>{1, 5, 2, 3}));
+  EXPECT_EQ(request.keys->data.size(), 30u);
+}
+
+TEST(ProtoAdapterTest, OpeningCarriesItsWindowAndSoftcap) {
+  v1::SessionOpen proto;
+  proto.set_model("dot_product");
+  const SessionOpen plain = ToSessionOpen(proto);
+  EXPECT_EQ(plain.sliding_window, 0);
+  EXPECT_EQ(plain.softcap, 0.0f);
+  proto.set_sliding_window(16);
+  proto.set_softcap(30.0f);
+  const SessionOpen open = ToSessionOpen(proto);
+  EXPECT_EQ(open.sliding_window, 16);
+  EXPECT_EQ(open.softcap, 30.0f);
+}
+
+TEST(ProtoAdapterTest, StepKeysAndValuesArePresentOnlyWhenSent) {
+  v1::SessionStep proto;
+  for (int64_t s : {1, 1, 4, 2}) proto.mutable_queries()->add_shape(s);
+  for (int i = 0; i < 8; ++i) proto.mutable_queries()->add_data(static_cast<float>(i));
+  proto.set_return_attention_weights(true);
+  const SessionStep plain = ToSessionStep(proto);
+  EXPECT_EQ(plain.queries.shape, (std::vector<int64_t>{1, 1, 4, 2}));
+  EXPECT_TRUE(plain.return_attention_weights);
+  EXPECT_FALSE(plain.keys.has_value()) << "absent keys: the queries serve";
+  EXPECT_FALSE(plain.values.has_value());
+
+  for (int64_t s : {1, 1, 2, 2}) proto.mutable_keys()->add_shape(s);
+  for (int i = 0; i < 4; ++i) proto.mutable_keys()->add_data(static_cast<float>(i));
+  proto.mutable_values();  // sent, empty: a malformed tensor for ValidateStep to name
+  const SessionStep step = ToSessionStep(proto);
+  ASSERT_TRUE(step.keys.has_value());
+  EXPECT_EQ(step.keys->shape, (std::vector<int64_t>{1, 1, 2, 2}));
+  EXPECT_EQ(step.keys->data.data(), proto.keys().data().data());
+  ASSERT_TRUE(step.values.has_value());
+  EXPECT_TRUE(step.values->shape.empty());
 }
 
 TEST(ProtoAdapterTest, ResponseCarriesOutputAndOnlyAskedForWeights) {
@@ -108,6 +190,52 @@ TEST(ProtoAdapterTest, ModelInfoReportsKindAndSizes) {
   EXPECT_EQ(info.precision(), "fp32");
   model.precision = Precision::kBf16;
   EXPECT_EQ(ToModelInfo(model).precision(), "bf16");
+  // The older layouts: as many kv heads as heads, E / H columns each, no
+  // rotary, window or soft-cap.
+  EXPECT_EQ(info.num_kv_heads(), 4);
+  EXPECT_EQ(info.head_dim(), 4);
+  EXPECT_EQ(info.rope_type(), "");
+  EXPECT_EQ(info.rotary_dim(), 0);
+  EXPECT_EQ(info.sliding_window(), 0);
+  EXPECT_FALSE(info.alibi());
+  EXPECT_EQ(ToModelInfo(DotProductModel()).num_kv_heads(), 0) << "built-ins have no heads";
+}
+
+TEST(ProtoAdapterTest, ModelInfoReportsTheLayersHeadsRotaryAndWindow) {
+  Model model;
+  model.name = "llama";
+  model.kind = Kind::kMultiHead;
+  model.num_heads = 8;
+  model.num_kv_heads = 2;
+  model.head_size = 16;
+  model.query_size = 64;
+  model.output_size = 64;
+  model.terms.rotary.dims = 8;
+  model.terms.rotary.interleaved = true;
+  model.terms.rotary.type = "llama3";
+  model.terms.rotary.theta = 500000;
+  model.terms.sliding_window = 4096;
+  model.terms.softcap = 50;
+  model.terms.sinks = std::vector<float>(8, 0.5f);
+  const v1::ModelInfo info = ToModelInfo(model);
+  EXPECT_EQ(info.num_heads(), 8);
+  EXPECT_EQ(info.num_kv_heads(), 2);
+  EXPECT_EQ(info.head_dim(), 16);
+  EXPECT_EQ(info.rope_type(), "llama3");
+  EXPECT_EQ(info.rope_theta(), 500000);
+  EXPECT_TRUE(info.rope_interleaved());
+  EXPECT_EQ(info.rotary_dim(), 8);
+  EXPECT_EQ(info.sliding_window(), 4096);
+  EXPECT_EQ(info.softcap(), 50);
+  EXPECT_TRUE(info.sinks());
+  EXPECT_FALSE(info.alibi());
+
+  model.terms.rotary = RotaryEmbedding();
+  model.terms.alibi_slopes = std::vector<float>(8, 0.25f);
+  const v1::ModelInfo alibi = ToModelInfo(model);
+  EXPECT_TRUE(alibi.alibi());
+  EXPECT_EQ(alibi.rope_type(), "") << "no rotary";
+  EXPECT_EQ(alibi.rope_theta(), 0);
 }
 
 }  // namespace

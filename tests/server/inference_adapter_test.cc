@@ -139,6 +139,59 @@ TEST(InferenceAdapterTest, ParametersSetCausalScaleAndWeights) {
   EXPECT_TRUE(decoded.returns_output);
 }
 
+TEST(InferenceAdapterTest, PositionIdsOfEitherIntegerTypeBecomeInt64HeldByTheRequest) {
+  // [B, n_q] in raw INT32, [n_q] in typed INT64.
+  inference::ModelInferRequest raw = RawQueries();
+  AddInput(&raw, "position_ids", "INT32", {1, 2});
+  raw.add_raw_input_contents(Bytes(std::vector<int32_t>{1000, -1}));
+  DecodedInferRequest decoded;
+  ASSERT_TRUE(DecodeInferRequest(raw, &decoded).ok());
+  EXPECT_THAT(decoded.position_ids, ElementsAre(1000, -1)) << "validation sees the sign";
+  ASSERT_EQ(decoded.request.position_ids.size(), 2u);
+  EXPECT_EQ(decoded.request.position_ids.data(), decoded.position_ids.data())
+      << "the request views the decoded copy";
+
+  inference::ModelInferRequest typed;
+  InputTensor* queries = AddInput(&typed, "queries", "FP32", {1, 2, 2});
+  for (float v : {1.0f, 2.0f, 3.0f, 4.0f}) queries->mutable_contents()->add_fp32_contents(v);
+  InputTensor* ids = AddInput(&typed, "position_ids", "INT64", {2});
+  for (int64_t id : {int64_t{1} << 33, int64_t{5}}) ids->mutable_contents()->add_int64_contents(id);
+  DecodedInferRequest typed_decoded;
+  ASSERT_TRUE(DecodeInferRequest(typed, &typed_decoded).ok());
+  EXPECT_THAT(typed_decoded.request.position_ids, ElementsAre(int64_t{1} << 33, 5));
+
+  // Grouped heads' queries (B, n_q, H, d): [B, n_q] reads their first two axes.
+  inference::ModelInferRequest grouped;
+  AddInput(&grouped, "queries", "FP32", {2, 3, 4, 1});
+  grouped.add_raw_input_contents(Bytes(std::vector<float>(24, 1.0f)));
+  AddInput(&grouped, "position_ids", "INT64", {2, 3});
+  grouped.add_raw_input_contents(Bytes(std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
+  DecodedInferRequest grouped_decoded;
+  ASSERT_TRUE(DecodeInferRequest(grouped, &grouped_decoded).ok());
+  EXPECT_EQ(grouped_decoded.request.queries.shape, (std::vector<int64_t>{2, 3, 4, 1}));
+  EXPECT_EQ(grouped_decoded.request.position_ids.size(), 6u);
+}
+
+TEST(InferenceAdapterTest, ParametersSetSlidingWindowAndSoftcap) {
+  inference::ModelInferRequest proto = RawQueries();
+  DecodedInferRequest plain;
+  ASSERT_TRUE(DecodeInferRequest(proto, &plain).ok());
+  EXPECT_FALSE(plain.request.sliding_window.has_value());
+  EXPECT_FALSE(plain.request.softcap.has_value());
+
+  (*proto.mutable_parameters())["sliding_window"].set_int64_param(4);
+  (*proto.mutable_parameters())["softcap"].set_double_param(30);
+  DecodedInferRequest decoded;
+  ASSERT_TRUE(DecodeInferRequest(proto, &decoded).ok());
+  ASSERT_TRUE(decoded.request.sliding_window.has_value());
+  EXPECT_EQ(*decoded.request.sliding_window, 4);
+  ASSERT_TRUE(decoded.request.softcap.has_value());
+  EXPECT_EQ(*decoded.request.softcap, 30.0f);
+  EXPECT_TRUE(IsFloatParameter("softcap"));
+  EXPECT_TRUE(IsFloatParameter("scale"));
+  EXPECT_FALSE(IsFloatParameter("sliding_window"));
+}
+
 TEST(InferenceAdapterTest, RequestedOutputsAreExactlyTheNamedOnes) {
   inference::ModelInferRequest proto = RawQueries();
   proto.add_outputs()->set_name("attention_weights");
@@ -178,6 +231,18 @@ TEST(InferenceAdapterTest, ErrorsNameTheTensorOrParameter) {
        {"inputs", "'queries'", "got none"}},
       {"lengths shape", [](auto* p) { AddInput(p, "valid_lens", "INT32", {2, 1}); p->add_raw_input_contents(Bytes(std::vector<int32_t>{1, 1})); },
        {"inputs 'valid_lens'", "expected [1] or [1, 2]", "got [2, 1]"}},
+      {"positions datatype", [](auto* p) { AddInput(p, "position_ids", "FP32", {2}); p->add_raw_input_contents(Bytes(std::vector<float>{0, 1})); },
+       {"inputs 'position_ids'", "expected INT32 or INT64", "got 'FP32'"}},
+      {"positions shape", [](auto* p) { AddInput(p, "position_ids", "INT64", {2, 1}); p->add_raw_input_contents(Bytes(std::vector<int64_t>{0, 1})); },
+       {"inputs 'position_ids'", "expected [2] or [1, 2]", "got [2, 1]"}},
+      {"positions rank", [](auto* p) { AddInput(p, "position_ids", "INT32", {1, 2, 1}); p->add_raw_input_contents(Bytes(std::vector<int32_t>{0, 1})); },
+       {"inputs 'position_ids'", "shape: expected", "got [1, 2, 1]"}},
+      {"positions bytes", [](auto* p) { AddInput(p, "position_ids", "INT64", {2}); p->add_raw_input_contents(Bytes(std::vector<int32_t>{0, 1})); },
+       {"inputs 'position_ids'", "are 8 bytes", "expected 16"}},
+      {"window type", [](auto* p) { (*p->mutable_parameters())["sliding_window"].set_double_param(4); },
+       {"parameters 'sliding_window'", "expected int64_param", "got double_param"}},
+      {"softcap type", [](auto* p) { (*p->mutable_parameters())["softcap"].set_int64_param(30); },
+       {"parameters 'softcap'", "expected double_param", "got int64_param"}},
       {"causal type", [](auto* p) { (*p->mutable_parameters())["causal"].set_int64_param(1); },
        {"parameters 'causal'", "expected bool_param", "got int64_param"}},
       {"scale type", [](auto* p) { (*p->mutable_parameters())["scale"].set_string_param("0.5"); },
@@ -279,6 +344,60 @@ TEST(InferenceAdapterTest, MetadataMarksSizesTheRequestChooses) {
   ASSERT_EQ(config.output_size(), 2);
   EXPECT_THAT(config.output(1).dims(), ElementsAre(-1, -1, -1));
   EXPECT_EQ(config.parameters().at("precision").string_value(), "fp32");
+  EXPECT_FALSE(config.parameters().contains("num_kv_heads")) << "dot_product has no heads";
+}
+
+TEST(InferenceAdapterTest, MetadataAndConfigDescribeTheLayer) {
+  Model layer;
+  layer.name = "qwen";
+  layer.kind = Kind::kMultiHead;
+  layer.num_heads = 4;
+  layer.num_kv_heads = 2;
+  layer.head_size = 16;
+  layer.query_size = 48;
+  layer.output_size = 48;
+  layer.terms.rotary.dims = 16;
+  layer.terms.rotary.type = "yarn";
+  layer.terms.rotary.theta = 1000000;
+  layer.terms.sliding_window = 5;
+  layer.terms.softcap = 30.5f;
+  const inference::ModelMetadataResponse metadata = ToModelMetadata(layer);
+  const auto& properties = metadata.properties();
+  EXPECT_EQ(properties.at("num_heads"), "4");
+  EXPECT_EQ(properties.at("num_kv_heads"), "2");
+  EXPECT_EQ(properties.at("head_dim"), "16");
+  EXPECT_EQ(properties.at("rope_type"), "yarn");
+  EXPECT_EQ(properties.at("rope_theta"), "1000000");
+  EXPECT_EQ(properties.at("rope_interleaved"), "false");
+  EXPECT_EQ(properties.at("rotary_dim"), "16");
+  EXPECT_EQ(properties.at("sliding_window"), "5");
+  EXPECT_EQ(properties.at("softcap"), "30.5");
+  EXPECT_EQ(properties.at("alibi"), "false");
+  // A layer with rotary positions takes them as an optional input.
+  ASSERT_EQ(metadata.inputs_size(), 5);
+  EXPECT_EQ(metadata.inputs(4).name(), "position_ids");
+  EXPECT_EQ(metadata.inputs(4).datatype(), "INT64");
+  const inference::ModelConfig config = ToModelConfig(layer);
+  for (const auto& [name, value] : properties) {
+    if (name == "kind") continue;  // metadata's only
+    ASSERT_TRUE(config.parameters().contains(name)) << name;
+    EXPECT_EQ(config.parameters().at(name).string_value(), value) << name;
+  }
+  ASSERT_EQ(config.input_size(), 5);
+  EXPECT_EQ(config.input(4).data_type(), inference::TYPE_INT64);
+  EXPECT_TRUE(config.input(4).optional());
+
+  // The older layouts read no positions: no such input, no rotary.
+  Model mha = layer;
+  mha.num_kv_heads = 0;
+  mha.head_size = 0;
+  mha.terms = LayerTerms();
+  const inference::ModelMetadataResponse plain = ToModelMetadata(mha);
+  EXPECT_EQ(plain.inputs_size(), 4);
+  EXPECT_EQ(plain.properties().at("num_kv_heads"), "4");
+  EXPECT_EQ(plain.properties().at("head_dim"), "12");
+  EXPECT_EQ(plain.properties().at("rope_type"), "");
+  EXPECT_FALSE(plain.properties().contains("rope_theta"));
 }
 
 // Requests from the network are untrusted: any bytes that parse as a

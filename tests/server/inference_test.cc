@@ -1,7 +1,8 @@
 // server_inference_test.cc: inference.GRPCInferenceService (the Open
 // Inference Protocol) on a real attention-server, through a C++ client
 // generated from proto/inference/grpc_service.proto: every RPC; every
-// conformance case through ModelInfer with raw and with typed inputs; FP16
+// conformance case (the layers' too, with position_ids) through ModelInfer
+// with raw and with typed inputs; FP16
 // and BF16 inputs equal to their FP32 widening; every errors.json entry gets
 // the code Attend gives it; merged batches (ModelInfer and Attend together)
 // answer as alone; ModelStreamInfer's order and errors in place; ServerReady
@@ -21,6 +22,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -110,9 +112,35 @@ inference::ModelInferRequest ToInfer(const v1::AttendRequest& attend, Contents c
       infer.add_raw_input_contents(Bytes(lens));
     }
   }
+  if (!attend.position_ids().empty()) {
+    // Both integer types: INT64 raw, INT32 typed; [B, n_q] when there is one
+    // per query, else [n_q].
+    auto* input = infer.add_inputs();
+    input->set_name("position_ids");
+    const int64_t batch = attend.queries().shape(0), n_q = attend.queries().shape(1);
+    if (attend.position_ids_size() == batch * n_q) {
+      for (int64_t size : {batch, n_q}) input->add_shape(size);
+    } else {
+      input->add_shape(attend.position_ids_size());
+    }
+    if (contents == Contents::kTyped) {
+      input->set_datatype("INT32");
+      for (int64_t id : attend.position_ids()) {
+        input->mutable_contents()->add_int_contents(static_cast<int32_t>(id));
+      }
+    } else {
+      input->set_datatype("INT64");
+      infer.add_raw_input_contents(
+          Bytes(std::vector<int64_t>(attend.position_ids().begin(), attend.position_ids().end())));
+    }
+  }
   auto& parameters = *infer.mutable_parameters();
   if (attend.causal()) parameters["causal"].set_bool_param(true);
   if (attend.has_scale()) parameters["scale"].set_double_param(attend.scale());
+  if (attend.has_sliding_window()) {
+    parameters["sliding_window"].set_int64_param(attend.sliding_window());
+  }
+  if (attend.has_softcap()) parameters["softcap"].set_double_param(attend.softcap());
   if (attend.return_attention_weights()) {
     // Both ways of asking for the weights are exercised.
     if (contents == Contents::kRaw) {
@@ -343,20 +371,86 @@ TEST_F(ServerInferenceTest, EveryRpcAnswers) {
 
 TEST_F(ServerInferenceTest, EveryConformanceCaseRawAndTyped) {
   Start();
-  const std::vector<Case> cases = LoadConformanceCases();
+  std::vector<Case> cases = LoadConformanceCases();
   ASSERT_THAT(cases, Not(IsEmpty()));
+  // The layers' cases too: their positions as a position_ids input.
+  const std::vector<Case> layers = LoadLayerCases();
+  ASSERT_THAT(layers, Not(IsEmpty()));
+  cases.insert(cases.end(), layers.begin(), layers.end());
   for (Contents contents : {Contents::kRaw, Contents::kTyped}) {
     for (const Case& c : cases) {
       const InferReply reply = Infer(*infer_, ToInfer(c.request, contents));
       ASSERT_TRUE(reply.status.ok()) << c.name << ": " << CodeName(reply.status.error_code())
                                      << " " << reply.status.error_message();
-      EXPECT_EQ(reply.response.id(), c.name);
+      EXPECT_EQ(reply.response.id(), c.request.request_id()) << c.name;
       EXPECT_EQ(reply.response.model_name(), c.request.model());
-      ASSERT_EQ(reply.response.outputs_size(), 2) << c.name;
+      const bool weights = c.request.return_attention_weights();
+      ASSERT_EQ(reply.response.outputs_size(), weights ? 2 : 1) << c.name;
       ExpectNear(FindOutput(reply.response, "output"), c.expected["output"], c, "output");
-      ExpectNear(FindOutput(reply.response, "attention_weights"), c.expected["attention_weights"],
-                 c, "attention_weights");
+      if (weights) {
+        ExpectNear(FindOutput(reply.response, "attention_weights"),
+                   c.expected["attention_weights"], c, "attention_weights");
+      }
     }
+  }
+  EXPECT_EQ(Stop(), 0) << server_->Log();
+}
+
+// position_ids reach the engine through ModelInfer as through Attend, in
+// both shapes and both integer types: the layer cases with positions whose
+// distances change a rotary layer's answer (their own are shifts, which
+// rotary does not see) answer as Attend does, and not as without them.
+TEST_F(ServerInferenceTest, PositionIdsMeanWhatAttendsDo) {
+  Start();
+  for (const PositionsCase& positions : RotaryPositionsCases(*attend_)) {
+    const Case& c = positions.c;
+    for (bool per_query : {true, false}) {
+      const v1::AttendRequest request = WithSpreadPositions(c.request, per_query);
+      v1::AttendResponse attended;
+      ASSERT_TRUE(AttendWithin(*attend_, kCallTimeout, request, &attended).ok()) << c.name;
+      EXPECT_GT(LargestDifference(attended.output().data(), positions.without.output().data()),
+                1e-3)
+          << c.name;
+      for (Contents contents : {Contents::kRaw, Contents::kTyped}) {
+        const InferReply reply = Infer(*infer_, ToInfer(request, contents));
+        ASSERT_TRUE(reply.status.ok()) << c.name << ": " << reply.status.error_message();
+        ExpectSame(FindOutput(reply.response, "output"), attended.output(), c.name);
+      }
+    }
+  }
+  EXPECT_EQ(Stop(), 0) << server_->Log();
+}
+
+// dot_product over grouped heads: 4-D inputs and the sliding_window and
+// softcap parameters mean through ModelInfer what they mean through Attend,
+// and they change the answer.
+TEST_F(ServerInferenceTest, GroupedHeadsWindowAndSoftcapAsForAttend) {
+  Start();
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  v1::AttendRequest request;
+  request.set_model("dot_product");
+  request.set_causal(true);
+  const auto fill = [&](v1::Tensor* tensor, std::vector<int64_t> shape) {
+    int64_t count = 1;
+    for (int64_t size : shape) tensor->add_shape(size), count *= size;
+    for (int64_t i = 0; i < count; ++i) tensor->add_data(normal(rng));
+  };
+  fill(request.mutable_queries(), {2, 5, 4, 8});
+  fill(request.mutable_keys(), {2, 5, 2, 8});
+  fill(request.mutable_values(), {2, 5, 2, 3});
+  v1::AttendResponse plain;
+  ASSERT_TRUE(AttendWithin(*attend_, kCallTimeout, request, &plain).ok());
+  request.set_sliding_window(2);
+  request.set_softcap(1.5f);
+  v1::AttendResponse attended;
+  const grpc::Status status = AttendWithin(*attend_, kCallTimeout, request, &attended);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_GT(LargestDifference(plain.output().data(), attended.output().data()), 1e-3);
+  for (Contents contents : {Contents::kRaw, Contents::kTyped}) {
+    const InferReply reply = Infer(*infer_, ToInfer(request, contents));
+    ASSERT_TRUE(reply.status.ok()) << reply.status.error_message();
+    ExpectSame(FindOutput(reply.response, "output"), attended.output(), "grouped heads");
   }
   EXPECT_EQ(Stop(), 0) << server_->Log();
 }

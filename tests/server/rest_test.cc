@@ -89,9 +89,22 @@ RestRequest ToRest(const v1::AttendRequest& attend, Form form) {
     add("valid_lens", "INT32", {attend.valid_lens_size()}, json(lens), lens.data(),
         lens.size() * sizeof(int32_t));
   }
+  if (!attend.position_ids().empty()) {
+    // Both integer types: INT64 as JSON, INT32 as binary; [B, n_q] when
+    // there is one per query, else [n_q].
+    std::vector<int64_t> shape = {attend.position_ids_size()};
+    const int64_t batch = attend.queries().shape(0), n_q = attend.queries().shape(1);
+    if (attend.position_ids_size() == batch * n_q) shape = {batch, n_q};
+    const std::vector<int64_t> ids(attend.position_ids().begin(), attend.position_ids().end());
+    const std::vector<int32_t> narrow(ids.begin(), ids.end());
+    add("position_ids", form == Form::kJson ? "INT64" : "INT32", shape, json(ids), narrow.data(),
+        narrow.size() * sizeof(int32_t));
+  }
   json parameters = json::object();
   if (attend.causal()) parameters["causal"] = true;
   if (attend.has_scale()) parameters["scale"] = attend.scale();
+  if (attend.has_sliding_window()) parameters["sliding_window"] = attend.sliding_window();
+  if (attend.has_softcap()) parameters["softcap"] = attend.softcap();
   if (attend.return_attention_weights()) parameters["return_attention_weights"] = true;
   if (form == Form::kBinary) parameters["binary_data_output"] = true;
   if (!parameters.empty()) request["parameters"] = parameters;
@@ -180,8 +193,12 @@ class ServerRestTest : public ::testing::Test {
 
 TEST_F(ServerRestTest, EveryConformanceCaseAsJsonAndAsBinary) {
   Start();
-  const std::vector<ConformanceCase> cases = LoadConformanceCases();
+  std::vector<ConformanceCase> cases = LoadConformanceCases();
   ASSERT_FALSE(cases.empty());
+  // The layers' cases too: their positions as a position_ids input.
+  const std::vector<ConformanceCase> layers = LoadLayerCases();
+  ASSERT_FALSE(layers.empty());
+  cases.insert(cases.end(), layers.begin(), layers.end());
   for (Form form : {Form::kJson, Form::kBinary}) {
     for (const ConformanceCase& c : cases) {
       const HttpResult result = Infer(c.request, form);
@@ -192,6 +209,32 @@ TEST_F(ServerRestTest, EveryConformanceCaseAsJsonAndAsBinary) {
       ExpectNear(outputs["output"], c.expected["output"], c, "output");
       if (c.request.return_attention_weights()) {
         ExpectNear(outputs["attention_weights"], c.expected["attention_weights"], c, "weights");
+      }
+    }
+  }
+  EXPECT_EQ(server_->Stop(), 0) << server_->Log();
+}
+
+// position_ids reach the engine over REST as through Attend, in both forms
+// (INT64 JSON, INT32 binary) and both shapes: positions whose distances
+// change a rotary layer's answer (the cases' own are shifts, which rotary
+// does not see) give Attend's answer, not the one without them.
+TEST_F(ServerRestTest, PositionIdsMeanWhatAttendsDo) {
+  Start();
+  auto stub = server_->Stub();
+  for (const PositionsCase& positions : RotaryPositionsCases(*stub)) {
+    const ConformanceCase& c = positions.c;
+    for (bool per_query : {true, false}) {
+      const v1::AttendRequest request = WithSpreadPositions(c.request, per_query);
+      v1::AttendResponse attended;
+      ASSERT_TRUE(AttendWithin(*stub, std::chrono::seconds(60), request, &attended).ok())
+          << c.name;
+      for (Form form : {Form::kJson, Form::kBinary}) {
+        const HttpResult result = Infer(request, form);
+        ASSERT_EQ(result.status, 200) << c.name << ": " << result.body << result.error;
+        const std::vector<float> output = ReadOutputs(result)["output"].data;
+        EXPECT_LE(LargestDifference(output, attended.output().data()), 1e-5) << c.name;
+        EXPECT_GT(LargestDifference(output, positions.without.output().data()), 1e-3) << c.name;
       }
     }
   }
@@ -235,6 +278,30 @@ TEST_F(ServerRestTest, HealthMetadataConfigStatisticsAndRepository) {
     EXPECT_EQ(m["inputs"][0]["name"], "queries");
     EXPECT_TRUE(m["inputs"][0]["shape"][0].is_number_integer()) << "shapes are numbers";
   }
+  // A layer's metadata and config say what ListModels says of it.
+  grpc::ClientContext context;
+  v1::ListModelsResponse models;
+  ASSERT_TRUE(server_->Stub()->ListModels(&context, v1::ListModelsRequest(), &models).ok());
+  int layers = 0;
+  for (const v1::ModelInfo& info : models.models()) {
+    if (info.rope_type().empty() && !info.alibi()) continue;
+    ++layers;
+    const json m = json::parse(Call("GET", "/v2/models/" + info.name()).body);
+    const json c = json::parse(Call("GET", "/v2/models/" + info.name() + "/config").body);
+    const std::map<std::string, std::string> expected = {
+        {"num_heads", std::to_string(info.num_heads())},
+        {"num_kv_heads", std::to_string(info.num_kv_heads())},
+        {"head_dim", std::to_string(info.head_dim())},
+        {"rope_type", info.rope_type()},
+        {"sliding_window", std::to_string(info.sliding_window())},
+        {"alibi", info.alibi() ? "true" : "false"}};
+    for (const auto& [name, value] : expected) {
+      EXPECT_EQ(m["properties"][name], value) << info.name() << " " << name << ": " << m.dump();
+      EXPECT_EQ(c["parameters"][name]["string_value"], value) << info.name() << " " << name;
+    }
+    EXPECT_EQ(m["inputs"].back()["name"], "position_ids") << info.name();
+  }
+  EXPECT_GT(layers, 0) << "the conformance repository has the layers";
   EXPECT_EQ(Call("GET", "/v2/models/mh_torch_small/versions/7").status, 404);
   EXPECT_EQ(Call("GET", "/v2/models/no_such_model").status, 404);
   EXPECT_EQ(Call("GET", "/v2/models/dot_product/ready").status, 200);
@@ -351,6 +418,31 @@ TEST_F(ServerRestTest, BadRequestsGetTheirStatusAndNameTheField) {
        {},
        400,
        "parameters 'causal': expected bool_param"},
+      {"position_ids datatype",
+       "{\"inputs\": [{" + queries + R"(, "data": [1, 2, 3, 4]},
+                      {"name": "position_ids", "datatype": "FP32", "shape": [2], "data": [0, 1]}]})",
+       {},
+       400,
+       "inputs 'position_ids': datatype: expected INT32 or INT64, got 'FP32'"},
+      {"position_ids for a model that reads none",
+       "{\"inputs\": [{" + queries + R"(, "data": [1, 2, 3, 4]},
+                      {"name": "position_ids", "datatype": "INT64", "shape": [2], "data": [0, 1]}]})",
+       {},
+       400,
+       "position_ids: model 'dot_product' has neither rotary positions nor ALiBi"},
+      {"sliding_window not an integer",
+       "{\"inputs\": [{" + queries +
+           R"(, "data": [1, 2, 3, 4]}], "parameters": {"sliding_window": 2.5}})",
+       {},
+       400,
+       "parameters 'sliding_window': expected int64_param, got double_param"},
+      // A whole number is a float parameter's value like any other, so the
+      // engine, not the decoding, refuses this one.
+      {"softcap negative, as an integer",
+       "{\"inputs\": [{" + queries + R"(, "data": [1, 2, 3, 4]}], "parameters": {"softcap": -1}})",
+       {},
+       400,
+       "softcap: expected a finite value >= 0 (0: none), got -1"},
       {"compressed", "{}", {{"Content-Encoding", "gzip"}}, 415, "'gzip' is not supported"},
       {"body too large", std::string(200000, ' '), {}, 413, "body is larger"},
       {"header too large", "{}", {{"X-Padding", std::string(20000, 'x')}}, 431, "header block"},

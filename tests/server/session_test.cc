@@ -8,8 +8,10 @@
 // RESOURCE_EXHAUSTED naming them and other sessions go on; idle expiry;
 // a session keeps its version across a reload; SIGTERM with sessions open
 // gives only OK and UNAVAILABLE, and the steps of Triton sequences sent as
-// unary calls go on until the sequences end (or the grace period); Triton's sequence parameters through
-// ModelInfer and ModelStreamInfer; memory back in the pool and RSS bounded
+// unary calls go on until the sequences end (or the grace period); Triton's
+// sequence parameters through ModelInfer and ModelStreamInfer; a step's own
+// keys, positions on a sequence, and a window or soft-cap a session does not
+// take, refused naming them; memory back in the pool and RSS bounded
 // over many open/step/close cycles. A long step in pieces (--chunk-work,
 // chunked prefill) answers as in one, lets other sessions' steps be answered
 // between its pieces (the test gate holds each batch), and one whose
@@ -724,6 +726,85 @@ TEST_F(SessionTest, TritonSequencesThroughModelInfer) {
     EXPECT_THAT(after.error_message(), HasSubstr("sequence_start"));
     // Replicas hold their own sequences: the answer names the edge's routing header.
     EXPECT_THAT(after.error_message(), HasSubstr("attention-sequence-id"));
+  }
+}
+
+// What a session does not take is refused naming it, and the session goes
+// on: a step's own keys where the session has no grouped heads (they reach
+// the engine's check through the step message); positions on any request of
+// a Triton sequence (its positions come from its length); a window or a
+// soft-cap on a later request (the sequence keeps its opening's) or on an
+// opening whose model is not dot_product (they reach the session's checks).
+TEST_F(SessionTest, KeysPositionsWindowAndSoftcapASessionDoesNotTakeAreRefusedNamingThem) {
+  StartServer();
+  std::mt19937 rng(21);
+  const v1::Tensor tokens = RandomTensor(1, 3, 16, rng);
+  SessionCall call(*stub_);
+  ASSERT_FALSE(call.Open(SelfOpen("mh_torch_small")).has_error());
+  ASSERT_FALSE(call.Step(Rows(tokens, 0, 2)).has_error());
+  v1::SessionRequest with_keys;
+  *with_keys.mutable_step()->mutable_queries() = Rows(tokens, 2, 3);
+  *with_keys.mutable_step()->mutable_keys() = Rows(tokens, 2, 3);
+  const v1::SessionResponse refused = call.Send(with_keys);
+  EXPECT_EQ(refused.error().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(refused.error().message(), HasSubstr("keys: a step carries its own keys"));
+  EXPECT_EQ(refused.length(), 2);
+  ASSERT_FALSE(call.Step(Rows(tokens, 2, 3)).has_error()) << "the session goes on";
+  EXPECT_TRUE(call.Close().ok());
+
+  // The opening's window reaches the session: refused for multi_head.
+  SessionCall windowed(*stub_);
+  v1::SessionOpen open = SelfOpen("mh_torch_small");
+  open.set_sliding_window(2);
+  const v1::SessionResponse layer_window = windowed.Open(open);
+  EXPECT_EQ(layer_window.error().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(layer_window.error().message(), HasSubstr("sliding_window: only dot_product"));
+  EXPECT_TRUE(windowed.Close().ok());
+
+  auto infer = InferStub(server_->Channel());
+  const auto expect_refused = [&](const inference::ModelInferRequest& request,
+                                  const std::string& message) {
+    inference::ModelInferResponse response;
+    grpc::ClientContext context;
+    const grpc::Status status = infer.ModelInfer(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << message;
+    EXPECT_THAT(status.error_message(), HasSubstr(message));
+  };
+  inference::InferParameter id;
+  id.set_int64_param(9);
+  inference::ModelInferRequest positions =
+      SequenceRequest("mh_torch_small", Rows(tokens, 0, 2), id, true, false);
+  auto* ids = positions.add_inputs();
+  ids->set_name("position_ids");
+  ids->set_datatype("INT64");
+  ids->add_shape(2);
+  const std::vector<int64_t> two = {0, 1};
+  positions.add_raw_input_contents(
+      std::string(reinterpret_cast<const char*>(two.data()), two.size() * sizeof(int64_t)));
+  expect_refused(positions, "inputs 'position_ids': expected none on a sequence request");
+  inference::ModelInferRequest mh_window =
+      SequenceRequest("mh_torch_small", Rows(tokens, 0, 2), id, true, false);
+  (*mh_window.mutable_parameters())["sliding_window"].set_int64_param(2);
+  expect_refused(mh_window, "sliding_window: only dot_product");
+
+  // dot_product takes them at the start, and only there.
+  inference::ModelInferRequest start =
+      SequenceRequest("dot_product", Rows(tokens, 0, 2), id, true, false);
+  (*start.mutable_parameters())["sliding_window"].set_int64_param(1);
+  (*start.mutable_parameters())["softcap"].set_double_param(5);
+  inference::ModelInferResponse started;
+  grpc::ClientContext context;
+  const grpc::Status status = infer.ModelInfer(&context, start, &started);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  for (const std::string parameter : {"sliding_window", "softcap"}) {
+    inference::ModelInferRequest later =
+        SequenceRequest("dot_product", Rows(tokens, 2, 3), id, false, false);
+    if (parameter == "softcap") {
+      (*later.mutable_parameters())[parameter].set_double_param(5);
+    } else {
+      (*later.mutable_parameters())[parameter].set_int64_param(1);
+    }
+    expect_refused(later, "parameters '" + parameter + "' only on the sequence_start request");
   }
 }
 

@@ -43,7 +43,7 @@ v1::AttendRequest GateRequest(int batch, int n, int dim, int seed) {
 
 absl::StatusOr<std::unique_ptr<ServerProcess>> TestGate::StartWithConformanceModels(
     const std::vector<std::string>& flags) const {
-  std::vector<std::string> all = {"--model-repository", (ConformanceDir() / "models").string(),
+  std::vector<std::string> all = {"--model-repository", ConformanceRepository().string(),
                                   "--strict"};
   all.insert(all.end(), flags.begin(), flags.end());
   return ServerProcess::Start(Flags(all));

@@ -33,7 +33,8 @@ class TestGate {
   const std::string& fifo() const { return fifo_; }
   // `flags` with --test-gate-fifo added.
   std::vector<std::string> Flags(std::vector<std::string> flags = {}) const;
-  // A server with this gate, the conformance models (--strict) and `flags`.
+  // A server with this gate, every conformance model (ConformanceRepository,
+  // --strict) and `flags`.
   absl::StatusOr<std::unique_ptr<ServerProcess>> StartWithConformanceModels(
       const std::vector<std::string>& flags) const;
 

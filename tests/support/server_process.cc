@@ -96,6 +96,23 @@ std::filesystem::path ConformanceDir() {
   return std::filesystem::path(ATTENTION_SOURCE_DIR) / "tests" / "conformance";
 }
 
+std::filesystem::path ConformanceRepository() {
+  // Its destructor removes it at exit, after every server of the process
+  // has stopped.
+  static TempDir repository;
+  static const bool filled = [] {
+    for (const std::filesystem::path& models :
+         {ConformanceDir() / "models", ConformanceDir() / "layers" / "models"}) {
+      for (const auto& entry : std::filesystem::directory_iterator(models)) {
+        std::filesystem::copy_file(entry.path(), repository.path() / entry.path().filename());
+      }
+    }
+    return true;
+  }();
+  (void)filled;
+  return repository.path();
+}
+
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     const std::vector<std::string>& flags, const std::map<std::string, std::string>& env) {
   std::unique_ptr<ServerProcess> server(new ServerProcess());

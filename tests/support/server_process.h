@@ -94,8 +94,13 @@ class ServerProcess {
 
 // Path of the attention-server binary of this build.
 std::filesystem::path ServerBinary();
-// The conformance data (cases/, models/, errors.json).
+// The conformance data (cases/, models/, errors.json, and layers/ with its
+// own cases/ and models/).
 std::filesystem::path ConformanceDir();
+// A model repository holding every conformance model: models/ and
+// layers/models/ side by side, as one server serves them (copied once per
+// test process into a temporary directory, removed at exit).
+std::filesystem::path ConformanceRepository();
 
 // The canonical name of a gRPC status code: "OK", "INVALID_ARGUMENT"...
 std::string CodeName(grpc::StatusCode code);

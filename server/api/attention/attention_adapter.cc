@@ -30,6 +30,10 @@ AttentionRequest ToAttentionRequest(const v1::AttendRequest& proto) {
   request.causal = proto.causal();
   request.return_attention_weights = proto.return_attention_weights();
   if (proto.has_scale()) request.scale = proto.scale();
+  request.position_ids =
+      std::span<const int64_t>(proto.position_ids().data(), proto.position_ids().size());
+  if (proto.has_sliding_window()) request.sliding_window = proto.sliding_window();
+  if (proto.has_softcap()) request.softcap = proto.softcap();
   return request;
 }
 
@@ -42,12 +46,18 @@ SessionOpen ToSessionOpen(const v1::SessionOpen& proto) {
   if (proto.has_values()) open.values = View(proto.values());
   open.valid_lens = std::span<const int32_t>(proto.valid_lens().data(), proto.valid_lens().size());
   if (proto.has_scale()) open.scale = proto.scale();
+  open.sliding_window = proto.sliding_window();
+  open.softcap = proto.softcap();
   return open;
 }
 
 SessionStep ToSessionStep(const v1::SessionStep& proto) {
-  return SessionStep{.queries = View(proto.queries()),
-                     .return_attention_weights = proto.return_attention_weights()};
+  SessionStep step;
+  step.queries = View(proto.queries());
+  step.return_attention_weights = proto.return_attention_weights();
+  if (proto.has_keys()) step.keys = View(proto.keys());
+  if (proto.has_values()) step.values = View(proto.values());
+  return step;
 }
 
 void ToSessionResponse(const AttentionResult& result, v1::SessionResponse* response) {
@@ -79,6 +89,21 @@ v1::ModelInfo ToModelInfo(const Model& model) {
   info.set_value_size(model.value_size);
   info.set_output_size(model.output_size);
   info.set_precision(std::string(PrecisionName(model.precision)));
+  if (model.kind == Kind::kMultiHead) {
+    info.set_num_kv_heads(KvHeads(model));
+    info.set_head_dim(HeadSize(model));
+  }
+  const LayerTerms& terms = model.terms;
+  if (terms.rotary.dims > 0) {
+    info.set_rope_type(terms.rotary.type);
+    info.set_rope_theta(terms.rotary.theta);
+    info.set_rope_interleaved(terms.rotary.interleaved);
+    info.set_rotary_dim(terms.rotary.dims);
+  }
+  info.set_sliding_window(terms.sliding_window);
+  info.set_softcap(terms.softcap);
+  info.set_alibi(!terms.alibi_slopes.empty());
+  info.set_sinks(!terms.sinks.empty());
   return info;
 }
 

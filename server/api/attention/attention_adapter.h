@@ -25,11 +25,12 @@
 namespace attention::server {
 
 // Views into `proto`. An absent `keys` or `values` message becomes
-// std::nullopt (the self-attention shorthand); `scale` keeps its presence.
+// std::nullopt (the self-attention shorthand); `scale`, `sliding_window` and
+// `softcap` keep their presence; `position_ids` is viewed as it is.
 AttentionRequest ToAttentionRequest(const v1::AttendRequest& proto);
 
 // A session's opening and steps, viewing `proto` likewise. The opening's
-// `batch` 0 means 1.
+// `batch` 0 means 1; a step's absent `keys` or `values` stays std::nullopt.
 SessionOpen ToSessionOpen(const v1::SessionOpen& proto);
 SessionStep ToSessionStep(const v1::SessionStep& proto);
 

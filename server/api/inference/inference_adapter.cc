@@ -4,9 +4,12 @@
 
 #include <algorithm>
 #include <bit>
+#include <charconv>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -85,10 +88,10 @@ absl::StatusOr<InputData> Locate(const InputTensor& input, const std::string* ra
   const DataTypeInfo* type = FindDataType(input.datatype());
   absl::StatusOr<int64_t> count = ElementCount(input);
   if (!count.ok()) return count.status();
-  const bool lens = input.name() == kValidLensInput;
-  if (type == nullptr || IsFloat(type->type) == lens) {
+  const bool integers = input.name() == kValidLensInput || input.name() == kPositionIdsInput;
+  if (type == nullptr || IsFloat(type->type) == integers) {
     return InputError(input.name(), absl::StrCat("datatype: expected ",
-                                                 lens ? "INT32 or INT64" : "FP32, FP16 or BF16",
+                                                 integers ? "INT32 or INT64" : "FP32, FP16 or BF16",
                                                  ", got '", input.datatype(), "'"));
   }
   if (raw != nullptr) {
@@ -173,36 +176,49 @@ int32_t Saturate(int64_t length) {
                                                   std::numeric_limits<int32_t>::max()));
 }
 
-std::vector<int32_t> ToLengths(const InputData& data) {
-  std::vector<int32_t> lengths(static_cast<size_t>(data.count));
+// The values of an INT32 or INT64 input, as int64.
+std::vector<int64_t> ToIntegers(const InputData& data) {
+  std::vector<int64_t> values(static_cast<size_t>(data.count));
   const bool wide = data.type->type == DataType::kInt64;
-  for (size_t i = 0; i < lengths.size(); ++i) {
+  for (size_t i = 0; i < values.size(); ++i) {
     if (data.raw != nullptr) {
       const char* at = data.raw->data() + i * static_cast<size_t>(data.type->bytes);
-      lengths[i] = wide ? Saturate(ReadLittleEndian<int64_t>(at)) : ReadLittleEndian<int32_t>(at);
+      values[i] = wide ? ReadLittleEndian<int64_t>(at) : ReadLittleEndian<int32_t>(at);
     } else {
-      lengths[i] = wide ? Saturate(data.input->contents().int64_contents(static_cast<int>(i)))
-                        : data.input->contents().int_contents(static_cast<int>(i));
+      values[i] = wide ? data.input->contents().int64_contents(static_cast<int>(i))
+                       : data.input->contents().int_contents(static_cast<int>(i));
     }
   }
+  return values;
+}
+
+std::vector<int32_t> ToLengths(const InputData& data) {
+  const std::vector<int64_t> wide = ToIntegers(data);
+  std::vector<int32_t> lengths(wide.size());
+  std::transform(wide.begin(), wide.end(), lengths.begin(), Saturate);
   return lengths;
 }
 
-// valid_lens of shape [B] or [B, n_q], the two forms validation tells apart
-// by length once flattened; any other shape would be misread, so it is refused.
-absl::Status CheckLengthShape(const InputTensor& lens, const Tensor& queries) {
-  const auto& shape = lens.shape();
+// A per-query input (valid_lens, position_ids) of shape [x] or [B, n_q]: the
+// two forms validation tells apart by length once flattened, where x is B
+// for valid_lens and n_q for position_ids; any other shape would be misread,
+// so it is refused.
+absl::Status CheckPerQueryShape(const InputTensor& input, const Tensor& queries) {
+  const auto& shape = input.shape();
   if (shape.size() == 1) return absl::OkStatus();
-  if (shape.size() == 2 && queries.shape.size() == 3 && shape[0] == queries.shape[0] &&
+  // queries are (B, n_q, d) or, grouped heads, (B, n_q, H, d).
+  const bool batched = queries.shape.size() >= 3;
+  if (shape.size() == 2 && batched && shape[0] == queries.shape[0] &&
       shape[1] == queries.shape[1]) {
     return absl::OkStatus();
   }
-  std::string expected = "[B] or [B, n_q]";
-  if (queries.shape.size() == 3) {
-    expected = absl::StrCat("[", queries.shape[0], "] or [", queries.shape[0], ", ",
+  const bool lens = input.name() == kValidLensInput;
+  std::string expected = lens ? "[B] or [B, n_q]" : "[n_q] or [B, n_q]";
+  if (batched) {
+    expected = absl::StrCat("[", queries.shape[lens ? 0 : 1], "] or [", queries.shape[0], ", ",
                             queries.shape[1], "]");
   }
-  return InputError(kValidLensInput,
+  return InputError(input.name(),
                     absl::StrCat("shape: expected ", expected, ", got ", ShapeString(shape)));
 }
 
@@ -242,9 +258,13 @@ absl::Status ReadParameters(const inference::ModelInferRequest& proto,
       } else {
         decoded->returns_weights |= parameter.bool_param();
       }
-    } else if (name == kScaleParameter) {
+    } else if (name == kScaleParameter || name == kSoftcapParameter) {
       if (!parameter.has_double_param()) return ParameterError(name, "double_param", parameter);
-      decoded->request.scale = static_cast<float>(parameter.double_param());
+      (name == kScaleParameter ? decoded->request.scale : decoded->request.softcap) =
+          static_cast<float>(parameter.double_param());
+    } else if (name == kSlidingWindowParameter) {
+      if (!parameter.has_int64_param()) return ParameterError(name, "int64_param", parameter);
+      decoded->request.sliding_window = parameter.int64_param();
     }
   }
   return absl::OkStatus();
@@ -322,13 +342,61 @@ struct TensorSpec {
   bool optional;
 };
 
+// Whether `model` reads the tokens' positions (rotary or ALiBi), so that
+// position_ids is one of its inputs.
+bool ReadsPositions(const Model& model) {
+  return model.terms.rotary.dims > 0 || !model.terms.alibi_slopes.empty();
+}
+
 std::vector<TensorSpec> InputSpecs(const Model& model) {
-  return {
+  std::vector<TensorSpec> specs = {
       {kQueriesInput, "FP32", inference::TYPE_FP32, {-1, -1, SizeOrAny(model.query_size)}, false},
       {kKeysInput, "FP32", inference::TYPE_FP32, {-1, -1, SizeOrAny(model.key_size)}, true},
       {kValuesInput, "FP32", inference::TYPE_FP32, {-1, -1, SizeOrAny(model.value_size)}, true},
       {kValidLensInput, "INT32", inference::TYPE_INT32, {-1}, true},
   };
+  if (ReadsPositions(model)) {
+    specs.push_back({kPositionIdsInput, "INT64", inference::TYPE_INT64, {-1, -1}, true});
+  }
+  return specs;
+}
+
+// `value` as the shortest text that reads back as it: whole numbers in
+// full ("1000000", not "1e+06"), as a config.json writes them.
+template <typename T>
+std::string NumberText(T value) {
+  if (value == std::floor(value) && std::abs(value) < T(1e15)) {
+    return absl::StrCat(static_cast<int64_t>(value));
+  }
+  char text[64];
+  const auto written = std::to_chars(text, text + sizeof(text), value);
+  return std::string(text, written.ptr);
+}
+
+// The multi_head layer's shape and terms (docs/api.md section 5.6), as
+// ModelMetadata's properties and ModelConfig's parameters give them: heads,
+// kv heads, head_dim, the rotary positions and the window; nothing for the
+// other kinds, whose sizes the tensor shapes say.
+std::vector<std::pair<std::string, std::string>> LayerProperties(const Model& model) {
+  if (model.kind != Kind::kMultiHead) return {};
+  const LayerTerms& terms = model.terms;
+  std::vector<std::pair<std::string, std::string>> properties = {
+      {"num_heads", absl::StrCat(model.num_heads)},
+      {"num_kv_heads", absl::StrCat(KvHeads(model))},
+      {"head_dim", absl::StrCat(HeadSize(model))},
+      {"sliding_window", absl::StrCat(terms.sliding_window)},
+      {"softcap", NumberText(terms.softcap)},
+      {"alibi", terms.alibi_slopes.empty() ? "false" : "true"},
+      {"sinks", terms.sinks.empty() ? "false" : "true"},
+      {"rope_type", terms.rotary.dims > 0 ? terms.rotary.type : ""},
+  };
+  if (terms.rotary.dims > 0) {
+    properties.insert(properties.end(),
+                      {{"rope_theta", NumberText(terms.rotary.theta)},
+                       {"rope_interleaved", terms.rotary.interleaved ? "true" : "false"},
+                       {"rotary_dim", absl::StrCat(terms.rotary.dims)}});
+  }
+  return properties;
 }
 
 std::vector<TensorSpec> OutputSpecs(const Model& model) {
@@ -342,6 +410,10 @@ std::vector<TensorSpec> OutputSpecs(const Model& model) {
 }
 
 }  // namespace
+
+bool IsFloatParameter(absl::string_view name) {
+  return name == kScaleParameter || name == kSoftcapParameter;
+}
 
 absl::StatusOr<int64_t> ElementCount(const InputTensor& input) {
   constexpr int64_t kMaxElements = int64_t{1} << 40;
@@ -368,16 +440,16 @@ absl::Status DecodeInferRequest(const inference::ModelInferRequest& proto,
         absl::StrCat("raw_input_contents: expected one entry per input (", proto.inputs_size(),
                      "), got ", proto.raw_input_contents_size()));
   }
-  const InputTensor* lens_input = nullptr;
+  std::vector<const InputTensor*> per_query_inputs;
   for (int i = 0; i < proto.inputs_size(); ++i) {
     const InputTensor& input = proto.inputs(i);
     const absl::string_view name = input.name();
     const bool known = name == kQueriesInput || name == kKeysInput || name == kValuesInput ||
-                       name == kValidLensInput;
+                       name == kValidLensInput || name == kPositionIdsInput;
     if (!known) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("inputs[", i, "] '", name, "': expected one of '", kQueriesInput, "', '",
-                       kKeysInput, "', '", kValuesInput, "', '", kValidLensInput, "'"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "inputs[", i, "] '", name, "': expected one of '", kQueriesInput, "', '", kKeysInput,
+          "', '", kValuesInput, "', '", kValidLensInput, "', '", kPositionIdsInput, "'"));
     }
     for (int j = 0; j < i; ++j) {
       if (proto.inputs(j).name() == name) {
@@ -393,9 +465,12 @@ absl::Status DecodeInferRequest(const inference::ModelInferRequest& proto,
       decoded->keys = ToFloatTensor(*data);
     } else if (name == kValuesInput) {
       decoded->values = ToFloatTensor(*data);
-    } else {
+    } else if (name == kValidLensInput) {
       decoded->valid_lens = ToLengths(*data);
-      lens_input = &input;
+      per_query_inputs.push_back(&input);
+    } else {
+      decoded->position_ids = ToIntegers(*data);
+      per_query_inputs.push_back(&input);
     }
   }
   const bool has_queries =
@@ -405,8 +480,8 @@ absl::Status DecodeInferRequest(const inference::ModelInferRequest& proto,
     return absl::InvalidArgumentError(
         absl::StrCat("inputs: expected an input named '", kQueriesInput, "', got none"));
   }
-  if (lens_input != nullptr) {
-    if (absl::Status s = CheckLengthShape(*lens_input, decoded->queries); !s.ok()) return s;
+  for (const InputTensor* input : per_query_inputs) {
+    if (absl::Status s = CheckPerQueryShape(*input, decoded->queries); !s.ok()) return s;
   }
   if (absl::Status s = ReadParameters(proto, decoded); !s.ok()) return s;
   if (absl::Status s = ReadRequestedOutputs(proto, decoded); !s.ok()) return s;
@@ -416,6 +491,7 @@ absl::Status DecodeInferRequest(const inference::ModelInferRequest& proto,
   if (decoded->keys) request.keys = decoded->keys->view();
   if (decoded->values) request.values = decoded->values->view();
   request.valid_lens = decoded->valid_lens;
+  request.position_ids = decoded->position_ids;
   request.return_attention_weights = decoded->returns_weights;
   return absl::OkStatus();
 }
@@ -486,6 +562,9 @@ inference::ModelMetadataResponse ToModelMetadata(const Model& model,
   for (const TensorSpec& spec : OutputSpecs(model)) fill(spec, metadata.add_outputs());
   (*metadata.mutable_properties())["kind"] = std::string(KindName(model.kind));
   (*metadata.mutable_properties())["precision"] = std::string(PrecisionName(model.precision));
+  for (auto& [name, value] : LayerProperties(model)) {
+    (*metadata.mutable_properties())[name] = std::move(value);
+  }
   return metadata;
 }
 
@@ -512,6 +591,9 @@ inference::ModelConfig ToModelConfig(const Model& model) {
   }
   (*config.mutable_parameters())["precision"].set_string_value(
       std::string(PrecisionName(model.precision)));
+  for (auto& [name, value] : LayerProperties(model)) {
+    (*config.mutable_parameters())[name].set_string_value(std::move(value));
+  }
   return config;
 }
 

@@ -37,10 +37,15 @@ namespace attention::server {
 
 // Tensor and parameter names of the protocol binding, a declaration per role.
 inline constexpr char kQueriesInput[] = "queries", kKeysInput[] = "keys", kValuesInput[] = "values",
-                      kValidLensInput[] = "valid_lens";
+                      kValidLensInput[] = "valid_lens", kPositionIdsInput[] = "position_ids";
 inline constexpr char kOutputOutput[] = "output", kWeightsOutput[] = "attention_weights";
 inline constexpr char kCausalParameter[] = "causal", kScaleParameter[] = "scale",
-                      kReturnWeightsParameter[] = "return_attention_weights";
+                      kReturnWeightsParameter[] = "return_attention_weights",
+                      kSlidingWindowParameter[] = "sliding_window", kSoftcapParameter[] = "softcap";
+
+// Whether the binding reads parameter `name` as a double_param, so that
+// REST reads a JSON integer given for it as a number like any other.
+bool IsFloatParameter(absl::string_view name);
 // Triton's sequence parameters (docs/api.md, "Sequences").
 inline constexpr char kSequenceIdParameter[] = "sequence_id",
                       kSequenceStartParameter[] = "sequence_start",
@@ -71,6 +76,7 @@ struct DecodedInferRequest {
   std::optional<Tensor> keys;
   std::optional<Tensor> values;
   std::vector<int32_t> valid_lens;
+  std::vector<int64_t> position_ids;  // INT32 inputs widened
   AttentionRequest request;
   // The outputs the response carries, in this order.
   bool returns_output = true;

@@ -35,10 +35,13 @@ inference::StatisticDuration FromHistogram(prometheus::Histogram& histogram) {
 
 // The session a sequence_start request opens: cross memory when it carries
 // `keys` (with `values` and `valid_lens`), self memory otherwise, whose
-// batch is the queries'; `scale` for every step.
+// batch is the queries'; `scale`, `sliding_window` and `softcap` for every
+// step.
 absl::StatusOr<SessionOpen> ToSequenceOpen(const AttentionRequest& request) {
   SessionOpen open;
   open.scale = request.scale;
+  open.sliding_window = request.sliding_window.value_or(0);
+  open.softcap = request.softcap.value_or(0);
   if (request.keys.has_value()) {
     open.memory = SessionMemory::kCross;
     open.keys = request.keys;
@@ -53,7 +56,9 @@ absl::StatusOr<SessionOpen> ToSequenceOpen(const AttentionRequest& request) {
         "': a self-attention sequence takes only '", kQueriesInput, "'"));
   }
   open.memory = SessionMemory::kSelf;
-  open.batch = request.queries.shape.size() == 3 ? request.queries.shape[0] : 1;
+  // (B, n, d) or, grouped heads, (B, n, H, d); any other rank is refused by
+  // the session's validation.
+  open.batch = request.queries.shape.size() >= 3 ? request.queries.shape[0] : 1;
   return open;
 }
 
@@ -63,11 +68,26 @@ absl::Status CheckSequenceStep(const AttentionRequest& request) {
                       : request.values.has_value() ? kValuesInput
                       : !request.valid_lens.empty() ? kValidLensInput
                                                     : nullptr;
-  if (extra == nullptr && !request.scale.has_value()) return absl::OkStatus();
+  const char* parameter = request.scale.has_value()            ? kScaleParameter
+                          : request.sliding_window.has_value() ? kSlidingWindowParameter
+                          : request.softcap.has_value()        ? kSoftcapParameter
+                                                               : nullptr;
+  if (extra == nullptr && parameter == nullptr) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      extra != nullptr ? absl::StrCat("inputs: '", extra, "'") : "parameters 'scale'",
+      extra != nullptr ? absl::StrCat("inputs: '", extra, "'")
+                       : absl::StrCat("parameters '", parameter, "'"),
       " only on the sequence_start request (the sequence keeps what it opened with); got it "
       "without sequence_start"));
+}
+
+// What no request of a sequence may carry: a session's positions come from
+// its length (docs/api.md section 11), so these would be ignored.
+absl::Status CheckSequencePositions(const AttentionRequest& request) {
+  if (request.position_ids.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "inputs '", kPositionIdsInput,
+      "': expected none on a sequence request (a sequence's positions come from its length), "
+      "got ", request.position_ids.size()));
 }
 
 // "sequence_id 7" or "sequence_id 'abc'", for messages.
@@ -191,6 +211,7 @@ absl::StatusOr<Dispatcher::Step> InferenceOperations::BeginSequenceStep(
   const AttentionRequest& request = decoded.request;
   const std::string key =
       std::visit([&](const auto& id) { return SequenceKey(proto.model_name(), id); }, sequence.id);
+  if (absl::Status s = CheckSequencePositions(request); !s.ok()) return s;
   absl::StatusOr<SessionTable::Handle> handle;
   if (sequence.start) {
     if (!resolved.ok()) return resolved.status();
@@ -210,7 +231,9 @@ absl::StatusOr<Dispatcher::Step> InferenceOperations::BeginSequenceStep(
                           .served = SessionTable::Served(call.handle),
                           .step = SessionStep{.queries = request.queries,
                                               .return_attention_weights =
-                                                  request.return_attention_weights}};
+                                                  request.return_attention_weights,
+                                              .keys = std::nullopt,
+                                              .values = std::nullopt}};
 }
 
 absl::Status InferenceOperations::ServerLive(const CallOrigin&, const inference::ServerLiveRequest&,

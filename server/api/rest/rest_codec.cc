@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "google/protobuf/dynamic_message.h"
 #include "rapidjson/document.h"
 #include "rapidjson/error/en.h"
@@ -71,13 +72,17 @@ absl::Status ParseJson(std::string_view text, rapidjson::Document* document) {
   return absl::OkStatus();
 }
 
-// A JSON parameter as the protocol's typed parameter. Integers given for
-// `scale` are numbers like any other.
+// A JSON parameter as the protocol's typed parameter. Integers given for a
+// float parameter (`scale`, `softcap`) of the request are numbers like any
+// other.
 absl::Status ReadParameter(absl::string_view where, const Value& value,
                            inference::InferParameter* parameter) {
+  absl::string_view name = where;
+  const bool float_parameter =
+      absl::ConsumePrefix(&name, "parameters.") && IsFloatParameter(name);
   if (value.IsBool()) {
     parameter->set_bool_param(value.GetBool());
-  } else if (value.IsInt64() && where != "parameters.scale") {
+  } else if (value.IsInt64() && !float_parameter) {
     parameter->set_int64_param(value.GetInt64());
   } else if (value.IsNumber()) {
     parameter->set_double_param(value.GetDouble());

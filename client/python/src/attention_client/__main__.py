@@ -47,11 +47,15 @@ def parse_args(argv):
     commands.add_parser("models", help="list the models the server can run")
 
     attend = commands.add_parser("attend", help="run a model on arrays from .npy files")
-    attend.add_argument("queries", help=".npy file, (B, n_q, d_q)")
+    attend.add_argument("queries", help=".npy file, (B, n_q, d_q) or (B, n_q, H, d)")
     attend.add_argument("--keys", help=".npy file, (B, n_k, d_k); omitted: the queries")
     attend.add_argument("--values", help=".npy file, (B, n_k, d_v); omitted: the keys")
     attend.add_argument("--model", default="dot_product", help="model name (default %(default)s)")
     attend.add_argument("--valid-lens", help="comma-separated lengths: B, or B*n_q of them")
+    attend.add_argument("--position-ids",
+                        help="comma-separated positions of the queries: n_q, or B*n_q of them")
+    attend.add_argument("--sliding-window", type=int, help="dot_product: the sliding window")
+    attend.add_argument("--softcap", type=float, help="dot_product: the logit soft-cap")
     attend.add_argument("--causal", action="store_true", help="causal mask")
     attend.add_argument("--scale", type=float, help="replaces the model's default scale")
     attend.add_argument("--weights", action="store_true", help="also return the attention weights")
@@ -93,8 +97,11 @@ def run_attend(client, args):
     arrays = {name: np.load(path) for name, path in
               (("queries", args.queries), ("keys", args.keys), ("values", args.values)) if path}
     valid_lens = [int(v) for v in args.valid_lens.split(",")] if args.valid_lens else None
+    positions = [int(v) for v in args.position_ids.split(",")] if args.position_ids else None
     result = client.attend(**arrays, model=args.model, valid_lens=valid_lens, causal=args.causal,
-                           scale=args.scale, return_attention_weights=args.weights)
+                           scale=args.scale, return_attention_weights=args.weights,
+                           position_ids=positions, sliding_window=args.sliding_window,
+                           softcap=args.softcap)
     named = {"output": result.output}
     if result.attention_weights is not None:
         named["attention_weights"] = result.attention_weights

@@ -34,17 +34,20 @@ _OUTPUT, _WEIGHTS = 1, 2
 
 
 class AttendResult(NamedTuple):
-    output: np.ndarray                        # (B, n_q, d_v), or (B, n_q, E) for multi_head
-    attention_weights: Optional[np.ndarray]   # (B, n_q, n_k) / (B, H, n_q, n_k), when asked
+    # (B, n_q, d_v); (B, n_q, E) for multi_head; (B, n_q, H, d_v) for 4-D dot_product
+    output: np.ndarray
+    # (B, n_q, n_k) / (B, H, n_q, n_k), when asked
+    attention_weights: Optional[np.ndarray]
 
 
 def _float32(array, name):
     """`array` (any real dtype, any layout) as C-contiguous little-endian
-    float32: the array itself when it already is one."""
-    array = np.ascontiguousarray(array, dtype=wire.FLOAT32)
-    if array.ndim != 3:
-        raise ValueError(f"{name} must have 3 dimensions (B, n, d); got shape {array.shape}")
-    return array
+    float32: the array itself when it already is one. Any rank goes: the
+    server says which ranks the model takes (3, or 4 for dot_product's
+    grouped heads), naming the tensor."""
+    if np.ndim(array) == 0:  # ascontiguousarray would make it 1-D
+        raise ValueError(f"{name} must be an array (B, n, d) or (B, n, H, d); got a scalar")
+    return np.ascontiguousarray(array, dtype=wire.FLOAT32)
 
 
 def to_tensor(array, name="tensor"):
@@ -187,15 +190,23 @@ class AttentionClient:
 
     def attend(self, queries, keys=None, values=None, *, model="dot_product", valid_lens=None,
                causal=False, scale=None, return_attention_weights=False, request_id="",
-               version=None):
+               version=None, position_ids=None, sliding_window=None, softcap=None):
         """Runs `model` on numpy inputs: queries (B, n_q, d_q), keys (B, n_k, d_k),
         values (B, n_k, d_v); keys omitted = queries, values omitted = keys.
+        dot_product also takes grouped heads as 4-D arrays: queries (B, n_q, H, d),
+        keys (B, n_k, H_kv, d), values (B, n_k, H_kv, d_v).
         valid_lens: None, B values, or (B, n_q) values (one per query).
-        version: the model version to use; None: the newest ready one."""
+        version: the model version to use; None: the newest ready one.
+        position_ids: None (0..n_q-1), n_q values (every example) or (B, n_q)
+          values: the queries' positions for a model with rotary positions or
+          ALiBi (docs/api.md section 5.6).
+        sliding_window, softcap: dot_product only; None or 0: none."""
         request = _request_bytes(queries, keys, values, model=model, valid_lens=valid_lens,
                                  causal=causal, scale=scale,
                                  return_attention_weights=return_attention_weights,
-                                 request_id=request_id, version=version)
+                                 request_id=request_id, version=version,
+                                 position_ids=position_ids, sliding_window=sliding_window,
+                                 softcap=softcap)
         answer = _answer(self._attend_resending_cut_offs(request))
         if isinstance(answer, AttendError):  # only streams carry errors in answers
             raise AttendError(grpc.StatusCode.INTERNAL,
@@ -224,7 +235,8 @@ class AttentionClient:
 
     def session(self, model, *, memory="self", batch=1, keys=None, values=None,
                 valid_lens=None, scale=None, version=None, timeout=None, replay=True,
-                replay_limit_bytes=session_module.REPLAY_LIMIT_BYTES):
+                replay_limit_bytes=session_module.REPLAY_LIMIT_BYTES, sliding_window=None,
+                softcap=None):
         """Opens a decoding session of `model` (docs/api.md section 11) over one
         AttendSession stream and returns its Session, whose step(rows) sends
         only the new rows: the server keeps the keys and values.
@@ -234,6 +246,7 @@ class AttentionClient:
           "cross" (every kind): keys (B, n_k, d_k), values (omitted: keys) and
           valid_lens (None or B values) stay, and steps bring queries.
         scale: replaces the kind's default scale. version: None: the newest.
+        sliding_window, softcap: a dot_product self session's, for every step.
         timeout: seconds for the whole session (default: no limit, since a
           session lives as long as its decoding).
         replay: when the stream breaks (UNAVAILABLE, CANCELLED, UNKNOWN: its server
@@ -249,6 +262,10 @@ class AttentionClient:
             raise ValueError(f"memory must be 'self' or 'cross'; got {memory!r}")
         header = _with_options(pb2.SessionOpen(model=model, memory=session_module.MEMORY[memory],
                                                batch=batch), valid_lens, scale, version)
+        if sliding_window is not None:
+            header.sliding_window = sliding_window
+        if softcap is not None:
+            header.softcap = softcap
         request = session_module.open_request(header, [
             wire.tensor_parts(number, _float32(array, name))
             for name, number, array in (("keys", 5, keys), ("values", 6, values))
@@ -316,7 +333,7 @@ class AttentionClient:
 
 def _request_bytes(queries, keys=None, values=None, *, model="dot_product", valid_lens=None,
                    causal=False, scale=None, return_attention_weights=False, request_id="",
-                   version=None):
+                   version=None, position_ids=None, sliding_window=None, softcap=None):
     """attend's arguments as the bytes of an attention.v1.AttendRequest: the
     small fields from the generated class, then the tensors from the arrays'
     memory (protobuf lets fields come in any order)."""
@@ -326,11 +343,27 @@ def _request_bytes(queries, keys=None, values=None, *, model="dot_product", vali
                                               return_attention_weights=return_attention_weights,
                                               request_id=request_id),
                             valid_lens, scale, version)
+    if position_ids is not None:
+        request.position_ids.extend(_integers(position_ids, "position_ids"))
+    if sliding_window is not None:
+        request.sliding_window = sliding_window
+    if softcap is not None:
+        request.softcap = softcap
     parts = [request.SerializeToString()]
     for (name, number), array in zip(_REQUEST_TENSORS, (queries, keys, values)):
         if array is not None:
             parts += wire.tensor_parts(number, _float32(array, name))
     return b"".join(parts)
+
+
+def _integers(values, name):
+    """`values` (a list or an integer array of any shape) as a flat list of
+    ints; ValueError naming `name` for anything but whole numbers, which the
+    wire's integers would otherwise truncate."""
+    array = np.asarray(values)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} must be integers; got dtype {array.dtype}")
+    return array.ravel().astype(np.int64).tolist()
 
 
 def _with_options(request, valid_lens, scale, version):

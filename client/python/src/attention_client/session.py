@@ -23,9 +23,10 @@ from . import wire
 from .errors import AttendError, SessionLost, status_error
 
 # SessionRequest: open = 1, step = 2; SessionStep: queries = 1,
-# return_attention_weights = 2; SessionResponse: output = 1, attention_weights = 2.
+# return_attention_weights = 2, keys = 3, values = 4; SessionResponse:
+# output = 1, attention_weights = 2.
 _OPEN, _STEP = 1, 2
-_STEP_QUERIES = 1
+_STEP_QUERIES, _STEP_KEYS, _STEP_VALUES = 1, 3, 4
 _OUTPUT, _WEIGHTS = 1, 2
 # SessionMemory by the name session() takes.
 MEMORY = {"self": 0, "cross": 1}
@@ -44,30 +45,32 @@ RETRY_BACKOFF_SECONDS = (0.05, 1.0)
 
 
 class StepResult(NamedTuple):
-    output: np.ndarray                       # (B, n_new, d_v), or (B, n_new, E)
+    output: np.ndarray                       # (B, n_new, d_v), (B, n_new, E) or (B, n_new, H, d_v)
     attention_weights: Optional[np.ndarray]  # (B, [H,] n_new, length), when asked
     length: int                              # tokens the session holds after the step
 
 
 class _Rows:
-    """A self session's rows so far, (B, n, d) float32, in one buffer that
-    grows by doubling, so a step costs one copy of its rows and the replay's
-    prefill is a slice."""
+    """A self session's rows so far, (B, n, d) or (B, n, H, d) float32, in one
+    buffer that grows by doubling along n, so a step costs one copy of its
+    rows and the replay's prefill is a slice."""
 
     def __init__(self):
         self.buffer = None
         self.count = 0
 
     def nbytes(self, extra=None):
-        """Bytes of the rows kept, and of `extra` (B, n, d) rows appended."""
+        """Bytes of the rows kept, and of `extra` rows appended."""
         rows = self.count + (extra.shape[1] if extra is not None else 0)
         sample = self.buffer if self.buffer is not None else extra
-        return 0 if sample is None else rows * sample.shape[0] * sample.shape[2] * 4
+        if sample is None:
+            return 0
+        return rows * sample.shape[0] * int(np.prod(sample.shape[2:])) * 4
 
     def append(self, rows):
         need = self.count + rows.shape[1]
         if self.buffer is None or need > self.buffer.shape[1]:
-            grown = np.empty((rows.shape[0], max(need, 2 * self.count), rows.shape[2]),
+            grown = np.empty((rows.shape[0], max(need, 2 * self.count)) + rows.shape[2:],
                              dtype=wire.FLOAT32)
             if self.buffer is not None:
                 grown[:, :self.count] = self.buffer[:, :self.count]
@@ -83,8 +86,11 @@ class Session:
     """A decoding session; made by AttentionClient.session(). Steps go one
     at a time (each waits for its answer); use it from one thread.
 
-    step(rows): self memory: rows (B, n_new, d_q) are the new tokens,
-      appended and attended causally; cross memory: the step's queries.
+    step(rows, keys=None, values=None): self memory: rows (B, n_new, d_q) are
+      the new tokens, appended and attended causally; cross memory: the
+      step's queries. A dot_product self session over grouped heads takes
+      4-D rows (B, n_new, H, d) and the step's own keys (B, n_new, H_kv, d)
+      and values (B, n_new, H_kv, d_v), appended instead of the rows.
       Returns a StepResult; raises AttendError for a step the server refused
       (the session is as before it and can go on). When the stream breaks
       (UNAVAILABLE, CANCELLED, UNKNOWN) the session is replayed on a new stream and
@@ -106,6 +112,9 @@ class Session:
         self._reopen_timeout = reopen_timeout
         # Cross memory is all in the opening: steps change nothing to replay.
         self._rows = _Rows() if memory == "self" and replay else None
+        # A self session's steps' own keys and values, when they carry them:
+        # the replay's prefill carries them too.
+        self._keys, self._values = _Rows(), _Rows()
         self._unreplayable = None  # why a break can no longer be replayed
         self._forget_past(len(open_request))
         self.replays = 0
@@ -123,19 +132,17 @@ class Session:
     def __exit__(self, *exc):
         self.close()
 
-    def step(self, rows, *, return_attention_weights=False):
-        array = np.ascontiguousarray(rows, dtype=wire.FLOAT32)
-        if array.ndim != 3:
-            raise ValueError(f"rows must have 3 dimensions (B, n_new, d); got shape {array.shape}")
-        answer = self._send(_step_request(array, return_attention_weights))
+    def step(self, rows, *, keys=None, values=None, return_attention_weights=False):
+        array = _step_array(rows, "rows")
+        own = [None if given is None else _step_array(given, name)
+               for name, given in (("keys", keys), ("values", values))]
+        answer = self._send(_step_request(array, return_attention_weights, *own))
         if isinstance(answer, AttendError):
             raise answer
         header, view, tensors = answer
         self.length = header.length
         if self._rows is not None and self._unreplayable is None:
-            self._forget_past(len(self._open_request) + self._rows.nbytes(array))
-            if self._unreplayable is None:
-                self._rows.append(array)
+            self._keep_for_replay(array, *own)
         weights = tensors[_WEIGHTS]
         return StepResult(
             wire.tensor_array(view, tensors[_OUTPUT], "SessionResponse.output"),
@@ -172,14 +179,34 @@ class Session:
         self.model_version = header.model_version
         self.length = header.length
 
-    def _forget_past(self, nbytes):
+    def _keep_for_replay(self, rows, keys, values):
+        """Appends a step's rows (and its own keys and values) to what the
+        replay's prefill sends. A prefill is one step, so steps that differ
+        in which of keys and values they carry cannot be replayed as one."""
+        kept = [(self._rows, rows), (self._keys, keys), (self._values, values)]
+        if self._rows.count and any((part is None) != (store.count == 0)
+                                    for store, part in kept[1:]):
+            self._forget_past(None, "its steps differ in whether they carry keys and values")
+            return
+        self._forget_past(len(self._open_request) +
+                          sum(store.nbytes(part) for store, part in kept))
+        if self._unreplayable is None:
+            for store, part in kept:
+                if part is not None:
+                    store.append(part)
+
+    def _forget_past(self, nbytes, reason=None):
         """Drops what the session keeps for a replay once it needs `nbytes`,
-        more than the limit: a later break then fails, saying why."""
-        if self._replay and nbytes > self._replay_limit_bytes:
-            self._unreplayable = (f"its opening and rows take {nbytes} bytes, more than "
-                                  f"replay_limit_bytes={self._replay_limit_bytes}")
+        more than the limit, or for `reason`: a later break then fails, saying
+        why."""
+        if reason is None and self._replay and nbytes > self._replay_limit_bytes:
+            reason = (f"its opening and rows take {nbytes} bytes, more than "
+                      f"replay_limit_bytes={self._replay_limit_bytes}")
+        if reason is not None:
+            self._unreplayable = reason
             if self._rows is not None:
                 self._rows = _Rows()
+            self._keys, self._values = _Rows(), _Rows()
 
     def _send(self, request):
         """Sends one message; its answer as (header, bytes, tensors), or the
@@ -219,7 +246,10 @@ class Session:
                 opened = self._exchange(self._open_request)
                 refused = opened if isinstance(opened, AttendError) else None
                 if refused is None and self._rows is not None and self._rows.count:
-                    prefill = self._exchange(_step_request(self._rows.all(), False))
+                    prefill = self._exchange(_step_request(
+                        self._rows.all(), False,
+                        *(store.all() if store.count else None
+                          for store in (self._keys, self._values))))
                     refused = prefill if isinstance(prefill, AttendError) else None
                 if refused is not None:
                     if refused.code() in _BREAKS:  # a server draining: another may take it
@@ -270,9 +300,23 @@ class Session:
         return header, view, tensors
 
 
-def _step_request(array, return_attention_weights):
-    """A SessionRequest's bytes stepping with `array` (float32, C-contiguous)."""
+def _step_array(array, name):
+    """A step's tensor as C-contiguous float32, (B, n_new, ...): the server
+    names a rank its model does not take."""
+    array = np.ascontiguousarray(array, dtype=wire.FLOAT32)
+    if array.ndim < 2:
+        raise ValueError(f"{name} must have the dimensions (B, n_new, d) or (B, n_new, H, d); "
+                         f"got shape {array.shape}")
+    return array
+
+
+def _step_request(array, return_attention_weights, keys=None, values=None):
+    """A SessionRequest's bytes stepping with `array` (float32, C-contiguous)
+    and the step's own keys and values when given."""
     step = wire.tensor_parts(_STEP_QUERIES, array)
+    for number, tensor in ((_STEP_KEYS, keys), (_STEP_VALUES, values)):
+        if tensor is not None:
+            step += wire.tensor_parts(number, tensor)
     if return_attention_weights:
         step.insert(0, b"\x10\x01")  # field 2, true
     return b"".join(wire.message_field(_STEP, step))
