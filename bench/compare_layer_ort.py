@@ -389,7 +389,7 @@ def main():
                     rows, ort_version = run_ort(manifest_path, args.ort)
                 else:
                     rows = run_torch(w, inputs, args.min_time)
-                for name, row in rows.items():
+                for name, row in rows.items() if engine != "ort" else ():  # ort_bench.js printed
                     print(f"  {name:<52} {row['ms']:10.2f} ms {row['GFLOPS']:8.2f} GFLOPS", flush=True)
                 entry[engine] = rows
             rounds.append(entry)
