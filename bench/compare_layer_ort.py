@@ -314,8 +314,8 @@ def plot(result, path):
                    "B=1, 2 threads", fontsize=9)
     axis.legend(fontsize=8)
     figure.text(0.01, 0.01, f"{result['machine']}; engine isa {result['isa']}; best of "
-                f"{result['rounds']} alternating rounds; load {result['load_before'][0]:.2f} "
-                f"before; {result['date_utc']} UTC", fontsize=6)
+                f"{result['rounds']} alternating rounds ({result['timings_on_a_busy_host']} timings on a busy "
+                f"host); load {result['load_before'][0]:.2f} before; {result['date_utc']} UTC", fontsize=6)
     figure.tight_layout(rect=(0, 0.03, 1, 1))
     figure.savefig(path, dpi=120)
 
@@ -337,6 +337,73 @@ def main():
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     started = datetime.datetime.now(datetime.timezone.utc)
+
+    def report():
+        """The table of the rounds so far, printed and written (after every round)."""
+        def best(engine, name, key="ms"):
+            values = [entry[engine][name][key] for entry in rounds]
+            return min(values) if key == "ms" else max(values)
+
+        def median(engine, name):
+            return float(np.median([entry[engine][name]["ms"] for entry in rounds]))
+
+        peak = best("ours", GEMM, "GFLOPS")
+        table = []
+        for n in LENGTHS:
+            fp32 = best("ours", f"layer/llama3_8b/prefill/n:{n}")
+            bf16 = best("ours", f"layer/llama3_8b_bf16/prefill/n:{n}")
+            ort_name = f"ort_gqa/layer/llama3_8b/prefill/n:{n}"
+            ort = best("ort", ort_name)
+            pt = best("torch", f"torch/layer/llama3_8b/prefill/n:{n}")
+            flops = layer_flops(n)
+            table.append({
+                "n": n, "flops": flops, "ours_fp32_ms": fp32, "ours_bf16_ms": bf16, "ort_ms": ort,
+                "torch_ms": pt, "ort_over_ours_fp32": ort / fp32, "ort_over_ours_bf16": ort / bf16,
+                "torch_over_ours_fp32": pt / fp32,
+                "ours_fp32_GFLOPS": flops / fp32 * 1e-6, "ours_bf16_GFLOPS": flops / bf16 * 1e-6,
+                "ours_fp32_of_peak": flops / fp32 * 1e-6 / peak,
+                "ours_bf16_of_peak": flops / bf16 * 1e-6 / peak,
+                "ort_of_peak": flops / ort * 1e-6 / peak,
+                "ort_max_abs_diff": max(entry["ort"][ort_name]["max_abs_diff"] for entry in rounds),
+                "torch_max_abs_diff": torch_diffs[n], **sensitivity[n],
+                "median_ms": {"ours_fp32": median("ours", f"layer/llama3_8b/prefill/n:{n}"),
+                              "ours_bf16": median("ours", f"layer/llama3_8b_bf16/prefill/n:{n}"),
+                              "ort": median("ort", ort_name),
+                              "torch": median("torch", f"torch/layer/llama3_8b/prefill/n:{n}")}})
+        result = {
+            "date_utc": started.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
+            "isa": context.get("isa"), "cpu_isa": context.get("cpu_isa"),
+            "blas_core": context.get("blas_core"), "load_before": load_before,
+            "load_after": os.getloadavg(), "command": " ".join(shlex.quote(a) for a in sys.argv),
+            "attention_bench_command": " ".join(shlex.quote(a) for a in command),
+            "onnxruntime_node": ort_version, "torch": torch.__version__, "threads": args.threads,
+            "rounds": len(rounds), "rounds_planned": args.rounds,
+            "timings_on_a_busy_host": sum(entry[e + "_host"]["busy_cpus_before"] >= args.busy_limit
+                                          for entry in rounds for e in ("ours", "ort", "torch")),
+            "busy_limit_cpus": args.busy_limit, "min_time_s": args.min_time, "sgemm_peak_GFLOPS": peak,
+            "tolerance": TOLERANCE, "table": table, "per_round": rounds}
+
+        print(f"\n{result['machine']}; attention-bench isa {result['isa']}; SGEMM peak "
+              f"({GEMM}) {peak:.1f} GFLOPS; load {load_before[0]:.2f} before, "
+              f"{result['load_after'][0]:.2f} after; best of {len(rounds)} rounds, "
+              f"{result['timings_on_a_busy_host']} timings on a busy host")
+        header = (f"{'shape':<34} {'ours fp32':>10} {'ours bf16':>10} {'ORT':>9} {'PyTorch':>9} "
+                  f"{'ORT/ours':>9} {'ORT/bf16':>9} {'fp32/peak':>10} {'bf16/peak':>10} {'ORT diff':>9}")
+        print(header)
+        for row in table:
+            print(f"{'layer/llama3_8b/prefill/n:' + str(row['n']):<34} {row['ours_fp32_ms']:10.1f} "
+                  f"{row['ours_bf16_ms']:10.1f} {row['ort_ms']:9.1f} {row['torch_ms']:9.1f} "
+                  f"{row['ort_over_ours_fp32']:9.2f} {row['ort_over_ours_bf16']:9.2f} "
+                  f"{row['ours_fp32_of_peak']:10.1%} {row['ours_bf16_of_peak']:10.1%} "
+                  f"{row['ort_max_abs_diff']:9.1e}")
+        os.makedirs(os.path.dirname(args.json), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        os.makedirs(os.path.dirname(args.png), exist_ok=True)
+        plot(result, args.png)
+        print(f"wrote {args.json} and {args.png}")
+
     with tempfile.TemporaryDirectory() as scratch:
         directory = args.models or scratch
         os.makedirs(directory, exist_ok=True)
@@ -393,59 +460,9 @@ def main():
                     print(f"  {name:<52} {row['ms']:10.2f} ms {row['GFLOPS']:8.2f} GFLOPS", flush=True)
                 entry[engine] = rows
             rounds.append(entry)
+            report()
 
-    def best(engine, name, key="ms"):
-        values = [entry[engine][name][key] for entry in rounds]
-        return min(values) if key == "ms" else max(values)
 
-    peak = best("ours", GEMM, "GFLOPS")
-    table = []
-    for n in LENGTHS:
-        fp32 = best("ours", f"layer/llama3_8b/prefill/n:{n}")
-        bf16 = best("ours", f"layer/llama3_8b_bf16/prefill/n:{n}")
-        ort_name = f"ort_gqa/layer/llama3_8b/prefill/n:{n}"
-        ort = best("ort", ort_name)
-        pt = best("torch", f"torch/layer/llama3_8b/prefill/n:{n}")
-        flops = layer_flops(n)
-        table.append({
-            "n": n, "flops": flops, "ours_fp32_ms": fp32, "ours_bf16_ms": bf16, "ort_ms": ort,
-            "torch_ms": pt, "ort_over_ours_fp32": ort / fp32, "ort_over_ours_bf16": ort / bf16,
-            "torch_over_ours_fp32": pt / fp32,
-            "ours_fp32_GFLOPS": flops / fp32 * 1e-6, "ours_bf16_GFLOPS": flops / bf16 * 1e-6,
-            "ours_fp32_of_peak": flops / fp32 * 1e-6 / peak,
-            "ours_bf16_of_peak": flops / bf16 * 1e-6 / peak,
-            "ort_of_peak": flops / ort * 1e-6 / peak,
-            "ort_max_abs_diff": max(entry["ort"][ort_name]["max_abs_diff"] for entry in rounds),
-            "torch_max_abs_diff": torch_diffs[n], **sensitivity[n]})
-    result = {
-        "date_utc": started.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
-        "isa": context.get("isa"), "cpu_isa": context.get("cpu_isa"),
-        "blas_core": context.get("blas_core"), "load_before": load_before,
-        "load_after": os.getloadavg(), "command": " ".join(shlex.quote(a) for a in sys.argv),
-        "attention_bench_command": " ".join(shlex.quote(a) for a in command),
-        "onnxruntime_node": ort_version, "torch": torch.__version__, "threads": args.threads,
-        "rounds": args.rounds, "min_time_s": args.min_time, "sgemm_peak_GFLOPS": peak,
-        "tolerance": TOLERANCE, "table": table, "per_round": rounds}
-
-    print(f"\n{result['machine']}; attention-bench isa {result['isa']}; SGEMM peak "
-          f"({GEMM}) {peak:.1f} GFLOPS; load {load_before[0]:.2f} before, "
-          f"{result['load_after'][0]:.2f} after; best of {args.rounds} rounds")
-    header = (f"{'shape':<34} {'ours fp32':>10} {'ours bf16':>10} {'ORT':>9} {'PyTorch':>9} "
-              f"{'ORT/ours':>9} {'ORT/bf16':>9} {'fp32/peak':>10} {'bf16/peak':>10} {'ORT diff':>9}")
-    print(header)
-    for row in table:
-        print(f"{'layer/llama3_8b/prefill/n:' + str(row['n']):<34} {row['ours_fp32_ms']:10.1f} "
-              f"{row['ours_bf16_ms']:10.1f} {row['ort_ms']:9.1f} {row['torch_ms']:9.1f} "
-              f"{row['ort_over_ours_fp32']:9.2f} {row['ort_over_ours_bf16']:9.2f} "
-              f"{row['ours_fp32_of_peak']:10.1%} {row['ours_bf16_of_peak']:10.1%} "
-              f"{row['ort_max_abs_diff']:9.1e}")
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
-    os.makedirs(os.path.dirname(args.png), exist_ok=True)
-    plot(result, args.png)
-    print(f"wrote {args.json} and {args.png}")
 
 
 if __name__ == "__main__":
