@@ -316,8 +316,40 @@ def plot(result, path):
     figure.text(0.01, 0.01, f"{result['machine']}; engine isa {result['isa']}; best of "
                 f"{result['rounds']} alternating rounds ({result['timings_on_a_busy_host']} timings on a busy "
                 f"host); load {result['load_before'][0]:.2f} before; {result['date_utc']} UTC", fontsize=6)
-    figure.tight_layout(rect=(0, 0.03, 1, 1))
+    if result.get("best_figures_under_threads"):
+        figure.text(0.01, 0.035, "Under 0.9 threads' worth of CPU (other load, or an idle thread): "
+                    + "; ".join(result["best_figures_under_threads"]), fontsize=6, color="#d62728")
+    figure.tight_layout(rect=(0, 0.06, 1, 1))
     figure.savefig(path, dpi=120)
+
+
+def annotate(result, threads):
+    """CPUs each figure's process used (CPU seconds per wall second, from
+    GFLOPS / GFLOPS_per_core) and the picks of the table that used fewer than
+    0.9 threads' worth: another process took CPU during them (the host check
+    runs only before a timing), or the code left a thread idle."""
+    low = 0.9 * threads
+    disturbed = []
+    for entry in result["per_round"]:
+        for engine in ("ours", "ort", "torch"):
+            for row in entry[engine].values():
+                row["cpus"] = round(row["GFLOPS"] / row["GFLOPS_per_core"], 2)
+    keys = {"ours_fp32": ("ours", "layer/llama3_8b/prefill/n:{}"),
+            "ours_bf16": ("ours", "layer/llama3_8b_bf16/prefill/n:{}"),
+            "ort": ("ort", "ort_gqa/layer/llama3_8b/prefill/n:{}"),
+            "torch": ("torch", "torch/layer/llama3_8b/prefill/n:{}")}
+    for row in result["table"]:
+        row["cpus_of_best"] = {}
+        for key, (engine, name) in keys.items():
+            picked = min((entry[engine][name.format(row["n"])] for entry in result["per_round"]),
+                         key=lambda r: r["ms"])
+            row["cpus_of_best"][key] = picked["cpus"]
+            if picked["cpus"] < low:
+                disturbed.append(f"{key} n={row['n']}: {picked['cpus']:.2f} CPUs")
+    gemm = max((entry["ours"][GEMM] for entry in result["per_round"]), key=lambda r: r["GFLOPS"])
+    result["sgemm_peak_cpus"] = gemm["cpus"]
+    result["best_figures_under_threads"] = disturbed
+    return disturbed
 
 
 def main():
@@ -333,7 +365,18 @@ def main():
     parser.add_argument("--models", help="folder for the graph and inputs (default: temporary)")
     parser.add_argument("--json", default=os.path.join(REPO, "bench", "results", "layer_ort.json"))
     parser.add_argument("--png", default=os.path.join(REPO, "bench", "figures", "layer_ort.png"))
+    parser.add_argument("--annotate", action="store_true",
+                        help="only add the CPU figures to --json's results and redraw --png")
     args = parser.parse_args()
+    if args.annotate:
+        with open(args.json) as f:
+            result = json.load(f)
+        print("\n".join(annotate(result, result["threads"])) or "every best figure used its threads")
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        plot(result, args.png)
+        return
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     started = datetime.datetime.now(datetime.timezone.utc)
@@ -382,6 +425,7 @@ def main():
                                           for entry in rounds for e in ("ours", "ort", "torch")),
             "busy_limit_cpus": args.busy_limit, "min_time_s": args.min_time, "sgemm_peak_GFLOPS": peak,
             "tolerance": TOLERANCE, "table": table, "per_round": rounds}
+        disturbed = annotate(result, args.threads)
 
         print(f"\n{result['machine']}; attention-bench isa {result['isa']}; SGEMM peak "
               f"({GEMM}) {peak:.1f} GFLOPS; load {load_before[0]:.2f} before, "
@@ -396,6 +440,9 @@ def main():
                   f"{row['ort_over_ours_fp32']:9.2f} {row['ort_over_ours_bf16']:9.2f} "
                   f"{row['ours_fp32_of_peak']:10.1%} {row['ours_bf16_of_peak']:10.1%} "
                   f"{row['ort_max_abs_diff']:9.1e}")
+        if disturbed:
+            print("best figures whose process used under 0.9 threads' worth of CPU: "
+                  + "; ".join(disturbed))
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
