@@ -317,8 +317,9 @@ def plot(result, path):
                 f"{result['rounds']} alternating rounds ({result['timings_on_a_busy_host']} timings on a busy "
                 f"host); load {result['load_before'][0]:.2f} before; {result['date_utc']} UTC", fontsize=6)
     if result.get("best_figures_under_threads"):
-        figure.text(0.01, 0.035, "Under 0.9 threads' worth of CPU (other load, or an idle thread): "
-                    + "; ".join(result["best_figures_under_threads"]), fontsize=6, color="#d62728")
+        figure.text(0.01, 0.035, "Best figures under 0.9 threads' worth of CPU (other load, or an "
+                    "idle thread): " + "; ".join(result["best_figures_under_threads"]),
+                    fontsize=5, color="#d62728")
     figure.tight_layout(rect=(0, 0.06, 1, 1))
     figure.savefig(path, dpi=120)
 
