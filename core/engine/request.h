@@ -19,28 +19,29 @@
 
 namespace attention {
 
+// Every member has a default, so a request may name only what it sets.
 struct AttentionRequest {
   // dot_product also takes grouped heads, all three tensors 4-D: queries
   // (B, n_q, H, d), keys (B, n_k, H_kv, d), values (B, n_k, H_kv, d_v), with H
   // a multiple of H_kv; output (B, n_q, H, d_v).
   TensorView queries;                // (B, n_q, d_q)
-  std::optional<TensorView> keys;    // (B, n_k, d_k); absent: keys = queries
-  std::optional<TensorView> values;  // (B, n_k, d_v); absent: values = keys
+  std::optional<TensorView> keys{};    // (B, n_k, d_k); absent: keys = queries
+  std::optional<TensorView> values{};  // (B, n_k, d_v); absent: values = keys
   // Empty: no length mask; B entries: per example; B*n_q entries: per query.
-  std::span<const int32_t> valid_lens;
+  std::span<const int32_t> valid_lens{};
   bool causal = false;
   bool return_attention_weights = false;
-  std::optional<float> scale;  // replaces the kind's default scale
+  std::optional<float> scale{};  // replaces the kind's default scale
   // The tokens' positions, for models with rotary positions or ALiBi: empty
   // (0..n_q-1), n_q entries (the same for every example) or B*n_q
   // (row-major). Keys omitted take the queries' positions; keys given take
   // 0..n_k-1.
-  std::span<const int64_t> position_ids;
+  std::span<const int64_t> position_ids{};
   // dot_product: key j is allowed for query i only if i - j < sliding_window
   // (unset or 0: no window), and scores are soft-capped to
   // softcap * tanh(s / softcap) (unset or 0: none).
-  std::optional<int64_t> sliding_window;
-  std::optional<float> softcap;
+  std::optional<int64_t> sliding_window{};
+  std::optional<float> softcap{};
 };
 
 // Caps that keep one request from exhausting memory. Defaults suit a server

@@ -84,10 +84,10 @@ struct SessionOpen {
   // cross: keys (B, n_k, d_k) and values (B, n_k, d_v; absent: values =
   // keys), and their valid lengths (empty, or B entries). Read only by
   // Open(): it copies or projects them into the pool.
-  std::optional<TensorView> keys, values;
-  std::span<const int32_t> valid_lens;
+  std::optional<TensorView> keys{}, values{};
+  std::span<const int32_t> valid_lens{};
   // Replaces the kind's default scale, for every step.
-  std::optional<float> scale;
+  std::optional<float> scale{};
   // dot_product self memory: key j is allowed for query i only if
   // i - j < sliding_window, and scores are soft-capped to
   // softcap * tanh(s / softcap), for every step (0: none), as an Attend
@@ -143,7 +143,7 @@ struct SessionStep {
   // A dot_product self session over grouped heads (4-D rows): the step's own
   // keys (B, n_new, H_kv, d) and values (B, n_new, H_kv, d_v), appended
   // instead of the queries; absent: the queries serve, as for 3-D rows.
-  std::optional<TensorView> keys, values;
+  std::optional<TensorView> keys{}, values{};
 };
 
 // A step that passed ValidateStep() for its session. Several sessions'

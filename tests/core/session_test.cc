@@ -181,7 +181,9 @@ AttentionResult RunInPieces(Engine& engine, ValidatedStep& validated, int64_t pi
     engine.RunSteps({&validated, 1}, {&result, 1});
     if (!result.status.ok()) break;
     validated.done_rows += piece > 0 ? std::min(piece, n - validated.done_rows) : n;
-    if (validated.done_rows < n) EXPECT_EQ(validated.session->length(), length);
+    if (validated.done_rows < n) {
+      EXPECT_EQ(validated.session->length(), length);
+    }
   } while (validated.done_rows < n);
   return result;
 }
