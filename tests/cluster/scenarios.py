@@ -92,18 +92,25 @@ def check_kill9(checks, replica_set, slot=2):
     checks.expect(replaced <= 5.0, f"kill -9: replaced within 5 s ({replaced:.2f} s)")
 
 
+def roll(replica_set):
+    """SIGTERM to each replica in turn, the next once the last is replaced;
+    the seconds each replacement took."""
+    times = []
+    for slot in sorted(replica_set.replicas()):
+        victim = replica_set.replicas()[slot]
+        t0 = time.monotonic()
+        os.kill(victim.pid, signal.SIGTERM)
+        replica_set.replacement(slot, victim.pid, seconds=60)
+        times.append(time.monotonic() - t0)
+    return times
+
+
 def check_rolling(checks, replica_set):
     """SIGTERM to each replica in turn, the next once the last is replaced."""
     with Load(replica_set.address) as load:
         time.sleep(2.0)
         start = time.monotonic()
-        times = []
-        for slot in sorted(replica_set.replicas()):
-            victim = replica_set.replicas()[slot]
-            t0 = time.monotonic()
-            os.kill(victim.pid, signal.SIGTERM)
-            replica_set.replacement(slot, victim.pid, seconds=60)
-            times.append(time.monotonic() - t0)
+        times = roll(replica_set)
         time.sleep(2.0)
     report = failures_report(load.calls, start)
     figure("rolling SIGTERM", f"{report['failed']} of {report['calls']} calls failed "
@@ -378,13 +385,7 @@ def check_sequences_rolling(checks, replica_set, threads=6, steps=20, step_secon
                       step_seconds=step_seconds) as load:
         time.sleep(3.0)
         start = time.monotonic()
-        times = []
-        for slot in sorted(replica_set.replicas()):
-            victim = replica_set.replicas()[slot]
-            t0 = time.monotonic()
-            os.kill(victim.pid, signal.SIGTERM)
-            replica_set.replacement(slot, victim.pid, seconds=60)
-            times.append(time.monotonic() - t0)
+        times = roll(replica_set)
         end = time.monotonic()
         time.sleep(1.0)
     began_before = [s for s in load.sequences if s.start < start]

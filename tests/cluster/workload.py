@@ -101,19 +101,10 @@ class Call(NamedTuple):
     details: str = ""  # a failure's details, for the report
 
 
-class Load:
-    """`threads` threads calling Attend (dot_product, B=1, n=4, d=16) in a
-    closed loop through one AttentionClient, hence one HTTP/2 connection to
-    the edge, with the client's default retry policy and `timeout` seconds
-    per call."""
-
-    def __init__(self, address, threads=8, timeout=10.0):
-        self.client = AttentionClient(address, timeout=timeout)
-        self.threads = threads
-        self.calls = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._workers = []
+class ClosedLoop:
+    """`threads` worker threads running `_run(t)` until stopped, as a context
+    manager; `_close()` then frees the load's connection. Subclasses set
+    threads, _stop (an Event) and _workers (a list) in their __init__."""
 
     def __enter__(self):
         for t in range(self.threads):
@@ -130,6 +121,24 @@ class Load:
         for worker in self._workers:
             worker.join(timeout=60)
         self._workers = []
+        self._close()
+
+
+class Load(ClosedLoop):
+    """`threads` threads calling Attend (dot_product, B=1, n=4, d=16) in a
+    closed loop through one AttentionClient, hence one HTTP/2 connection to
+    the edge, with the client's default retry policy and `timeout` seconds
+    per call."""
+
+    def __init__(self, address, threads=8, timeout=10.0):
+        self.client = AttentionClient(address, timeout=timeout)
+        self.threads = threads
+        self.calls = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._workers = []
+
+    def _close(self):
         self.client.close()
 
     def _run(self, t):
@@ -286,7 +295,7 @@ class Sequence(NamedTuple):
     refused: list         # (step, code, message)
 
 
-class SequenceLoad:
+class SequenceLoad(ClosedLoop):
     """`threads` threads each opening a Triton sequence of `steps` unary
     ModelInfer steps `step_seconds` apart (with the header), then the next,
     back to back, over one channel, until stopped; every sequence recorded."""
@@ -301,21 +310,7 @@ class SequenceLoad:
         self._workers = []
         self._next_id = int.from_bytes(os.urandom(6), "little") + 1
 
-    def __enter__(self):
-        for t in range(self.threads):
-            worker = threading.Thread(target=self._run, args=(t,), daemon=True)
-            worker.start()
-            self._workers.append(worker)
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
-    def stop(self):
-        self._stop.set()
-        for worker in self._workers:
-            worker.join(timeout=60)
-        self._workers = []
+    def _close(self):
         self.channel.close()
 
     def _run(self, t):
