@@ -116,6 +116,10 @@ REQUESTS = {
     "wrong-size-for-model": request(t([1, 1, 3], [1.0] * 3), model="bilinear_small"),
     "multi-head-values-wrong-size": request(t([1, 1, 8], [1.0] * 8), model="mh_torch_kvdim",
                                             values=t([1, 1, 1], [1.0])),
+    "positions-for-a-model-without-them": request(t([1, 2, 2], [1.0] * 4), position_ids=[0, 1]),
+    "window-negative": request(t([1, 2, 2], [1.0] * 4), sliding_window=-1),
+    "softcap-infinite": request(t([1, 2, 2], [1.0] * 4), softcap="Infinity"),
+    "softcap-for-a-layer": request(t([1, 1, 8], [1.0] * 8), model="mh_torch_kvdim", softcap=30.0),
 }
 
 

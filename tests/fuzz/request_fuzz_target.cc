@@ -34,8 +34,9 @@ constexpr Limits kFuzzLimits{.max_request_elements = 1 << 14};
 constexpr float kModerate = 1e3f;
 
 // Validation errors start with the field they are about.
-constexpr std::string_view kFields[] = {"queries", "keys", "values", "valid_lens", "scale",
-                                        "request"};
+constexpr std::string_view kFields[] = {"queries",      "keys",           "values",
+                                        "valid_lens",   "scale",          "request",
+                                        "position_ids", "sliding_window", "softcap"};
 
 struct TinyModel {
   Model model;
@@ -67,18 +68,25 @@ std::map<std::string, TinyModel> LoadTinyModels() {
 // exactly 0 in float32 (the smallest denormal is exp(-103.3)).
 constexpr double kScoreBoundForZeroMaskedWeight = 9e5;
 
-// Keys query `i` of example `b` may attend to, by the rule of docs/api.md,
-// computed here apart from the engine.
-int64_t AllowedKeys(const AttentionRequest& request, const AttentionDims& dims, int64_t b,
-                    int64_t i) {
-  int64_t bound = dims.num_keys;
+// Keys query `i` of example `b` may attend to, [first, end), by the rule
+// of docs/api.md, computed here apart from the engine: valid lengths and
+// causal bound the end, a sliding window the first.
+struct AllowedRange {
+  int64_t first = 0, end = 0;
+};
+
+AllowedRange AllowedKeys(const AttentionRequest& request, const AttentionDims& dims, int64_t b,
+                         int64_t i) {
+  int64_t end = dims.num_keys;
   const int64_t num_lens = static_cast<int64_t>(request.valid_lens.size());
-  if (num_lens == dims.batch) bound = std::min<int64_t>(bound, request.valid_lens[b]);
+  if (num_lens == dims.batch) end = std::min<int64_t>(end, request.valid_lens[b]);
   if (num_lens != dims.batch && num_lens == dims.batch * dims.num_queries) {
-    bound = std::min<int64_t>(bound, request.valid_lens[b * dims.num_queries + i]);
+    end = std::min<int64_t>(end, request.valid_lens[b * dims.num_queries + i]);
   }
-  if (request.causal) bound = std::min(bound, i + 1);
-  return bound;
+  if (request.causal) end = std::min(end, i + 1);
+  const int64_t window = request.sliding_window.value_or(0);
+  const int64_t first = window > 0 ? std::max<int64_t>(0, i - window + 1) : 0;
+  return {.first = first, .end = end};
 }
 
 // An upper bound of |score| for the weightless kinds; infinity for the rest.
@@ -95,6 +103,22 @@ double ScoreBound(const Model& model, const AttentionRequest& request, const Att
   }
 }
 
+// Row i of head h of example b of (B, H, n_q, n_k) weights: every key
+// outside `allowed` weighs exactly 0.
+void CheckMaskedRow(const Tensor& weights, const AttentionDims& dims, int64_t b, int64_t h,
+                    int64_t i, AllowedRange allowed) {
+  const int64_t row_index = (b * dims.num_heads + h) * dims.num_queries + i;
+  const float* row = weights.data.data() + row_index * dims.num_keys;
+  for (int64_t j = 0; j < dims.num_keys; ++j) {
+    if (j >= allowed.first && j < allowed.end) continue;
+    FUZZ_CHECK(row[j] == 0.0f,
+               "example %lld head %lld query %lld: disallowed key %lld weighs %g (allowed keys: "
+               "[%lld, %lld))",
+               (long long)b, (long long)h, (long long)i, (long long)j, row[j],
+               (long long)allowed.first, (long long)allowed.end);
+  }
+}
+
 // Disallowed keys weigh exactly 0 in every row that has an allowed key and
 // scores far above -1e6, whatever the values (found by fuzzing: a denormal
 // weight times a masked value of 1e37 moved an output by 0.07).
@@ -103,13 +127,10 @@ void CheckMaskedWeightsAreZero(const Model& model, const AttentionRequest& reque
   if (ScoreBound(model, request, dims) >= kScoreBoundForZeroMaskedWeight) return;
   for (int64_t b = 0; b < dims.batch; ++b) {
     for (int64_t i = 0; i < dims.num_queries; ++i) {
-      const int64_t allowed = AllowedKeys(request, dims, b, i);
-      if (allowed == 0) continue;  // uniform over all keys instead
-      const float* row = weights.data.data() + (b * dims.num_queries + i) * dims.num_keys;
-      for (int64_t j = allowed; j < dims.num_keys; ++j) {
-        FUZZ_CHECK(row[j] == 0.0f,
-                   "example %lld query %lld: disallowed key %lld weighs %g (allowed keys: %lld)",
-                   (long long)b, (long long)i, (long long)j, row[j], (long long)allowed);
+      const AllowedRange allowed = AllowedKeys(request, dims, b, i);
+      if (allowed.first >= allowed.end) continue;  // uniform over all keys instead
+      for (int64_t h = 0; h < dims.num_heads; ++h) {
+        CheckMaskedRow(weights, dims, b, h, i, allowed);
       }
     }
   }
