@@ -27,6 +27,7 @@
 #include "core/kernels/blas.h"
 #include "core/kernels/finite.h"
 #include "core/engine/group_scratch.h"
+#include "core/huge_pages.h"
 #include "core/engine/request_stop.h"
 #include "core/engine/runners.h"
 #include "core/thread_pool.h"
@@ -89,7 +90,7 @@ void ShapeResult(const Model& model, const ValidatedRequest& v, AttentionResult&
   result.output.shape = d.grouped ? std::vector<int64_t>{d.batch, d.num_queries, d.num_heads,
                                                          d.value_size}
                                    : std::vector<int64_t>{d.batch, d.num_queries, d.output_size};
-  result.output.data.assign(d.output_elements(), 0.0f);
+  AssignOnHugePages(result.output.data, static_cast<size_t>(d.output_elements()), 0.0f);
   result.status = absl::OkStatus();
   if (!v.request->return_attention_weights) {
     result.attention_weights = {};
@@ -99,7 +100,7 @@ void ShapeResult(const Model& model, const ValidatedRequest& v, AttentionResult&
       model.kind == Kind::kMultiHead || d.grouped
           ? std::vector<int64_t>{d.batch, d.num_heads, d.num_queries, d.num_keys}
           : std::vector<int64_t>{d.batch, d.num_queries, d.num_keys};
-  result.attention_weights.data.assign(d.weight_elements(), 0.0f);
+  AssignOnHugePages(result.attention_weights.data, static_cast<size_t>(d.weight_elements()), 0.0f);
 }
 
 float LargestMagnitude(const TensorView& t) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/engine/engine.h"
+#include "core/huge_pages.h"
 
 namespace attention::internal {
 
@@ -83,7 +84,7 @@ std::array<float*, N> GroupScratch(const std::array<int64_t, N>& sizes, std::vec
   int64_t total = 0;
   for (int64_t size : sizes) total += size;
   std::vector<float>& memory = total <= kKeptScratchFloats ? KeptScratch() : once;
-  if (memory.size() < static_cast<size_t>(total)) memory.resize(total);
+  GrowOnHugePages(memory, static_cast<size_t>(total));
   std::array<float*, N> buffers;
   float* next = memory.data();
   for (size_t i = 0; i < N; ++i) {

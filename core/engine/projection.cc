@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "core/engine/group_scratch.h"
+#include "core/huge_pages.h"
 #include "core/kernels/packed_gemm.h"
 #include "core/thread_pool.h"
 
@@ -216,7 +217,7 @@ int64_t InputPairs::Place(const Projection& p) {
 
 void InputPairs::TakeWords(int64_t total) {
   std::vector<uint32_t>& words = total <= kKeptPairWords ? KeptBuffersOfThread().pairs : once_;
-  if (words.size() < static_cast<size_t>(total)) words.resize(total);
+  GrowOnHugePages(words, static_cast<size_t>(total));
   words_ = words.data();
 }
 
@@ -315,7 +316,7 @@ WidenedWeights::WidenedWeights(const std::vector<Projection>& projections)
   }
   if (weights_.empty()) return;
   const size_t floats = static_cast<size_t>(total) + kWidenedAlignment / sizeof(float);
-  if (kept.size() < floats) kept.resize(floats);
+  GrowOnHugePages(kept, floats);
   float* const base = reinterpret_cast<float*>(
       (reinterpret_cast<uintptr_t>(kept.data()) + kWidenedAlignment - 1) & ~(kWidenedAlignment - 1));
   for (size_t w = 0; w < weights_.size(); ++w) weights_[w].widened = base + offsets[w];

@@ -24,6 +24,7 @@
 #include "core/engine/engine.h"
 #include "core/kernels/finite.h"
 #include "core/engine/group_scratch.h"
+#include "core/huge_pages.h"
 #include "core/engine/positions.h"
 #include "core/kernels/masked_softmax.h"
 #include "core/engine/projection.h"
@@ -119,13 +120,13 @@ void ShapeResult(const Model& model, const AttentionDims& d, bool weights,
   result.output.shape =
       d.grouped ? std::vector<int64_t>{d.batch, d.num_queries, d.num_heads, d.value_size}
                 : std::vector<int64_t>{d.batch, d.num_queries, d.output_size};
-  result.output.data.assign(d.output_elements(), 0.0f);
+  AssignOnHugePages(result.output.data, static_cast<size_t>(d.output_elements()), 0.0f);
   if (!weights) return;
   result.attention_weights.shape =
       model.kind == Kind::kMultiHead || d.grouped
           ? std::vector<int64_t>{d.batch, d.num_heads, d.num_queries, d.num_keys}
           : std::vector<int64_t>{d.batch, d.num_queries, d.num_keys};
-  result.attention_weights.data.assign(d.weight_elements(), 0.0f);
+  AssignOnHugePages(result.attention_weights.data, static_cast<size_t>(d.weight_elements()), 0.0f);
 }
 
 // A dot_product session's first step fixes its rows: one key and value
