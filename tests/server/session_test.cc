@@ -729,6 +729,100 @@ TEST_F(SessionTest, TritonSequencesThroughModelInfer) {
   }
 }
 
+// (B, n, H x d) as (B, n, H, d), and back: grouped tensors sliced by Rows().
+v1::Tensor WithHeads(v1::Tensor tensor, int64_t heads) {
+  const int64_t width = tensor.shape(2);
+  tensor.set_shape(2, heads);
+  tensor.add_shape(width / heads);
+  return tensor;
+}
+v1::Tensor WithoutHeads(v1::Tensor tensor) {
+  const int64_t width = tensor.shape(2) * tensor.shape(3);
+  tensor.mutable_shape()->RemoveLast();
+  tensor.set_shape(2, width);
+  return tensor;
+}
+
+void AddInput(inference::ModelInferRequest& request, const std::string& name,
+              const v1::Tensor& tensor) {
+  auto* input = request.add_inputs();
+  input->set_name(name);
+  input->set_datatype("FP32");
+  for (int64_t size : tensor.shape()) input->add_shape(size);
+  request.add_raw_input_contents(
+      std::string(reinterpret_cast<const char*>(tensor.data().data()), tensor.data_size() * 4));
+}
+
+// An attention offload's decode over the Open Inference Protocol: a
+// dot_product sequence of grouped heads (8 query heads over 2 kv heads)
+// whose every request brings its rows' queries, keys and values, opened with
+// session_memory "self"; each answer equals a causal Attend of the whole
+// prefix. Keys on a sequence opened as cross memory stay refused.
+TEST_F(SessionTest, GroupedSequencesBringTheirOwnKeysAndValuesThroughModelInfer) {
+  StartServer();
+  auto infer = InferStub(server_->Channel());
+  std::mt19937 rng(31);
+  const v1::Tensor queries = RandomTensor(1, 6, 8 * 4, rng);
+  const v1::Tensor keys = RandomTensor(1, 6, 2 * 4, rng), values = RandomTensor(1, 6, 2 * 4, rng);
+  inference::InferParameter id;
+  id.set_string_param("offload");
+  int64_t length = 0;
+  for (int64_t n : {3, 1, 1, 1}) {
+    inference::ModelInferRequest request = SequenceRequest(
+        "dot_product", WithHeads(Rows(queries, length, length + n), 8), id, length == 0, false);
+    AddInput(request, "keys", WithHeads(Rows(keys, length, length + n), 2));
+    AddInput(request, "values", WithHeads(Rows(values, length, length + n), 2));
+    if (length == 0) (*request.mutable_parameters())["session_memory"].set_string_param("self");
+    inference::ModelInferResponse response;
+    grpc::ClientContext context;
+    const grpc::Status status = infer.ModelInfer(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    length += n;
+
+    v1::AttendRequest whole;
+    whole.set_model("dot_product");
+    *whole.mutable_queries() = WithHeads(Rows(queries, 0, length), 8);
+    *whole.mutable_keys() = WithHeads(Rows(keys, 0, length), 2);
+    *whole.mutable_values() = WithHeads(Rows(values, 0, length), 2);
+    whole.set_causal(true);
+    v1::AttendResponse expected;
+    grpc::ClientContext attend_context;
+    ASSERT_TRUE(stub_->Attend(&attend_context, whole, &expected).ok());
+    EXPECT_LE(MaxDifference(WithoutHeads(OutputOf(response)),
+                            Rows(WithoutHeads(expected.output()), length - n, length)),
+              kTolerance)
+        << "at length " << length;
+  }
+
+  inference::InferParameter cross_id;
+  cross_id.set_int64_param(77);
+  const v1::Tensor cross_queries = RandomTensor(1, 2, 8, rng);
+  inference::ModelInferRequest cross =
+      SequenceRequest("dot_product", Rows(cross_queries, 0, 1), cross_id, true, false);
+  AddInput(cross, "keys", keys);
+  inference::ModelInferResponse opened;
+  grpc::ClientContext open_context;
+  const grpc::Status cross_status = infer.ModelInfer(&open_context, cross, &opened);
+  ASSERT_TRUE(cross_status.ok()) << cross_status.error_message();
+  inference::ModelInferRequest later =
+      SequenceRequest("dot_product", Rows(cross_queries, 1, 2), cross_id, false, false);
+  AddInput(later, "keys", Rows(keys, 0, 1));
+  inference::ModelInferResponse refused;
+  grpc::ClientContext later_context;
+  const grpc::Status status = infer.ModelInfer(&later_context, later, &refused);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("inputs: 'keys' only on the sequence_start"));
+
+  inference::ModelInferRequest unknown =
+      SequenceRequest("dot_product", WithHeads(Rows(queries, 0, 1), 8), id, true, false);
+  (*unknown.mutable_parameters())["session_memory"].set_string_param("both");
+  grpc::ClientContext unknown_context;
+  const grpc::Status bad = infer.ModelInfer(&unknown_context, unknown, &refused);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(bad.error_message(),
+              HasSubstr("parameters 'session_memory': expected \"self\" or \"cross\", got \"both\""));
+}
+
 // What a session does not take is refused naming it, and the session goes
 // on: a step's own keys where the session has no grouped heads (they reach
 // the engine's check through the step message); positions on any request of

@@ -296,6 +296,19 @@ absl::StatusOr<std::optional<std::variant<int64_t, std::string>>> ReadSequenceId
   }
 }
 
+// session_memory: "self" (every request's rows are appended) or "cross"
+// (keys and values fixed at sequence_start).
+absl::StatusOr<SessionMemory> ReadSessionMemory(const inference::InferParameter& parameter) {
+  if (!parameter.has_string_param()) {
+    return ParameterError(kSessionMemoryParameter, "string_param", parameter);
+  }
+  if (parameter.string_param() == "self") return SessionMemory::kSelf;
+  if (parameter.string_param() == "cross") return SessionMemory::kCross;
+  return absl::InvalidArgumentError(absl::StrCat("parameters '", kSessionMemoryParameter,
+                                                 "': expected \"self\" or \"cross\", got \"",
+                                                 Printable(parameter.string_param()), "\""));
+}
+
 // An empty list means the default output only; a list means exactly those.
 absl::Status ReadRequestedOutputs(const inference::ModelInferRequest& proto,
                                   DecodedInferRequest* decoded) {
@@ -509,7 +522,16 @@ absl::StatusOr<std::optional<SequenceParameters>> ReadSequenceParameters(
     } else if (name == kSequenceStartParameter || name == kSequenceEndParameter) {
       if (!parameter.has_bool_param()) return ParameterError(name, "bool_param", parameter);
       (name == kSequenceStartParameter ? sequence.start : sequence.end) = parameter.bool_param();
+    } else if (name == kSessionMemoryParameter) {
+      absl::StatusOr<SessionMemory> memory = ReadSessionMemory(parameter);
+      if (!memory.ok()) return memory.status();
+      sequence.memory = *memory;
     }
+  }
+  if (sequence.memory.has_value() && !sequence.start) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameters '", kSessionMemoryParameter, "': expected only with '",
+                     kSequenceStartParameter, "' (a sequence keeps the memory it opened with)"));
   }
   if (!id.has_value()) {
     if (sequence.start || sequence.end) {

@@ -30,6 +30,7 @@
 #include "core/engine/engine.h"
 #include "core/model/model.h"
 #include "core/engine/request.h"
+#include "core/sessions/session.h"
 #include "core/tensor.h"
 #include "inference/grpc_service.pb.h"
 
@@ -49,19 +50,24 @@ bool IsFloatParameter(absl::string_view name);
 // Triton's sequence parameters (docs/api.md, "Sequences").
 inline constexpr char kSequenceIdParameter[] = "sequence_id",
                       kSequenceStartParameter[] = "sequence_start",
-                      kSequenceEndParameter[] = "sequence_end";
+                      kSequenceEndParameter[] = "sequence_end",
+                      kSessionMemoryParameter[] = "session_memory";
 
 // A request's place in a sequence.
 struct SequenceParameters {
   std::variant<int64_t, std::string> id;
   bool start = false;
   bool end = false;
+  // session_memory "self" or "cross" (sequence_start only); absent: cross
+  // when the request carries keys, else self.
+  std::optional<SessionMemory> memory;
 };
 
 // The request's sequence: nullopt when it names none (no sequence_id, or 0
 // or "", which Triton reads as none). INVALID_ARGUMENT naming the parameter
-// when one has the wrong type, or sequence_start or sequence_end come
-// without a sequence_id.
+// when one has the wrong type, session_memory is neither "self" nor
+// "cross" or comes without sequence_start, or sequence_start or
+// sequence_end come without a sequence_id.
 absl::StatusOr<std::optional<SequenceParameters>> ReadSequenceParameters(
     const inference::ModelInferRequest& proto);
 

@@ -37,23 +37,35 @@ inference::StatisticDuration FromHistogram(prometheus::Histogram& histogram) {
 // `keys` (with `values` and `valid_lens`), self memory otherwise, whose
 // batch is the queries'; `scale`, `sliding_window` and `softcap` for every
 // step.
-absl::StatusOr<SessionOpen> ToSequenceOpen(const AttentionRequest& request) {
+absl::StatusOr<SessionOpen> ToSequenceOpen(const AttentionRequest& request,
+                                           std::optional<SessionMemory> memory) {
   SessionOpen open;
   open.scale = request.scale;
   open.sliding_window = request.sliding_window.value_or(0);
   open.softcap = request.softcap.value_or(0);
-  if (request.keys.has_value()) {
+  if (memory.value_or(request.keys.has_value() ? SessionMemory::kCross : SessionMemory::kSelf) ==
+      SessionMemory::kCross) {
+    if (!request.keys.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "inputs: expected '", kKeysInput, "' on a sequence_start with '",
+          kSessionMemoryParameter, "' \"cross\" (the memory every request attends to), got none"));
+    }
     open.memory = SessionMemory::kCross;
     open.keys = request.keys;
     open.values = request.values;
     open.valid_lens = request.valid_lens;
     return open;
   }
-  if (request.values.has_value() || !request.valid_lens.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "inputs: '", request.values.has_value() ? kValuesInput : kValidLensInput,
-        "' on a sequence_start without '", kKeysInput,
-        "': a self-attention sequence takes only '", kQueriesInput, "'"));
+  if (!request.valid_lens.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("inputs: '", kValidLensInput, "' on a self-attention sequence, which takes '",
+                     kQueriesInput, "' (and, over grouped heads, its own '", kKeysInput, "' and '",
+                     kValuesInput, "')"));
+  }
+  if (request.values.has_value() && !request.keys.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("inputs: '", kValuesInput, "' on a sequence_start without '", kKeysInput,
+                     "': a self-attention sequence's rows serve as values unless it brings both"));
   }
   open.memory = SessionMemory::kSelf;
   // (B, n, d) or, grouped heads, (B, n, H, d); any other rank is refused by
@@ -62,12 +74,14 @@ absl::StatusOr<SessionOpen> ToSequenceOpen(const AttentionRequest& request) {
   return open;
 }
 
-// A later request of a sequence brings only its queries.
-absl::Status CheckSequenceStep(const AttentionRequest& request) {
-  const char* extra = request.keys.has_value()     ? kKeysInput
-                      : request.values.has_value() ? kValuesInput
-                      : !request.valid_lens.empty() ? kValidLensInput
-                                                    : nullptr;
+// A later request of a sequence brings its queries, and a self-attention
+// sequence's may bring its rows' own keys and values (grouped heads).
+absl::Status CheckSequenceStep(const AttentionRequest& request, SessionMemory memory) {
+  const bool self = memory == SessionMemory::kSelf;
+  const char* extra = request.keys.has_value() && !self     ? kKeysInput
+                      : request.values.has_value() && !self ? kValuesInput
+                      : !request.valid_lens.empty()         ? kValidLensInput
+                                                            : nullptr;
   const char* parameter = request.scale.has_value()            ? kScaleParameter
                           : request.sliding_window.has_value() ? kSlidingWindowParameter
                           : request.softcap.has_value()        ? kSoftcapParameter
@@ -215,11 +229,10 @@ absl::StatusOr<Dispatcher::Step> InferenceOperations::BeginSequenceStep(
   absl::StatusOr<SessionTable::Handle> handle;
   if (sequence.start) {
     if (!resolved.ok()) return resolved.status();
-    absl::StatusOr<SessionOpen> open = ToSequenceOpen(request);
+    absl::StatusOr<SessionOpen> open = ToSequenceOpen(request, sequence.memory);
     if (!open.ok()) return open.status();
     handle = sessions_->Open(proto.model_name(), *resolved, *open, key, stream_end);
   } else {
-    if (absl::Status s = CheckSequenceStep(request); !s.ok()) return s;
     handle = sessions_->Find(key, SequenceName(sequence));
   }
   if (!handle.ok()) return handle.status();
@@ -227,13 +240,17 @@ absl::StatusOr<Dispatcher::Step> InferenceOperations::BeginSequenceStep(
   if (!session.ok()) return session.status();
   call.handle = *std::move(handle);
   call.stepping = true;
-  return Dispatcher::Step{.session = *session,
-                          .served = SessionTable::Served(call.handle),
-                          .step = SessionStep{.queries = request.queries,
-                                              .return_attention_weights =
-                                                  request.return_attention_weights,
-                                              .keys = std::nullopt,
-                                              .values = std::nullopt}};
+  const bool self = (*session)->memory() == SessionMemory::kSelf;
+  if (!sequence.start) {
+    if (absl::Status s = CheckSequenceStep(request, (*session)->memory()); !s.ok()) return s;
+  }
+  return Dispatcher::Step{
+      .session = *session,
+      .served = SessionTable::Served(call.handle),
+      .step = SessionStep{.queries = request.queries,
+                          .return_attention_weights = request.return_attention_weights,
+                          .keys = self ? request.keys : std::nullopt,
+                          .values = self ? request.values : std::nullopt}};
 }
 
 absl::Status InferenceOperations::ServerLive(const CallOrigin&, const inference::ServerLiveRequest&,
