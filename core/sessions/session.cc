@@ -7,6 +7,7 @@
 #include <cmath>
 #include <new>
 #include <optional>
+#include <random>
 #include <string>
 #include <utility>
 
@@ -628,4 +629,29 @@ int64_t ChunkRows(const ValidatedStep& step, double max_work) {
 
 void AbandonStep(const ValidatedStep& step) { step.session->state_->Rollback(); }
 
+namespace internal {
+
+absl::Status AppendUncomputed(Session& session, int64_t rows, uint32_t seed) {
+  Session::State& state = *session.state_;
+  if (state.memory != SessionMemory::kSelf || state.key_width == 0) {
+    return absl::FailedPreconditionError(
+        "AppendUncomputed: a self session whose first step fixed its rows");
+  }
+  RETURN_IF_ERROR(state.Reserve(state.length + rows));
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (int64_t b = 0; b < state.batch; ++b) {
+    for (int64_t t = state.length; t < state.length + rows; ++t) {
+      float* key = state.keys[b].Row(t, state.key_width);
+      for (int64_t c = 0; c < state.key_width; ++c) key[c] = uniform(rng);
+      if (state.values_are_keys) continue;
+      float* value = state.values[b].Row(t, state.value_width);
+      for (int64_t c = 0; c < state.value_width; ++c) value[c] = uniform(rng);
+    }
+  }
+  state.length += rows;
+  return absl::OkStatus();
+}
+
+}  // namespace internal
 }  // namespace attention

@@ -46,6 +46,11 @@
 
 namespace attention {
 
+class Session;
+namespace internal {
+absl::Status AppendUncomputed(Session& session, int64_t rows, uint32_t seed);
+}  // namespace internal
+
 // Rows of one block: a multiple of the flash kernel's key tile, so a key
 // tile never straddles two blocks.
 inline constexpr int64_t kKvBlockRows = 4 * kFlashKeyTile;
@@ -133,6 +138,7 @@ class Session {
                                                     const Limits& limits);
   friend int64_t ChunkRows(const ValidatedStep& step, double max_work);
   friend void AbandonStep(const ValidatedStep& step);
+  friend absl::Status internal::AppendUncomputed(Session& session, int64_t rows, uint32_t seed);
 };
 
 struct SessionStep {

@@ -121,4 +121,14 @@ class Session::State {
   std::vector<internal::BlockRows> keys, values;  // per example
 };
 
+namespace internal {
+
+// Appends `rows` tokens of random keys and values (uniform in [-1, 1), from
+// `seed`) to every example of a self session whose first step fixed its row
+// widths, with no attention computed for them: for benchmarks of steps at
+// contexts whose prefill would cost minutes of causal attention. The rows
+// are as a step would hold them, so later steps read them as any others.
+absl::Status AppendUncomputed(Session& session, int64_t rows, uint32_t seed);
+
+}  // namespace internal
 }  // namespace attention

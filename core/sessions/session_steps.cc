@@ -415,9 +415,22 @@ void DistanceQueryBias(StepRun& run) {
       -(0.5f * d.scale) * q.rowwise().squaredNorm();
 }
 
+// Whether a one-token step of a dot_product session over grouped heads
+// runs the query heads of a group as one problem of `group` rows over their
+// kv head, as FoldsGroup does for multi_head: the heads of a group are
+// adjacent rows of the token, all with its bound. Not with a window (whose
+// bound moves with the row) or weights asked for (their layout is per head).
+bool FoldsExampleGroup(const Model& model, const StepRun& run) {
+  const AttentionDims& d = run.dims();
+  return model.kind == Kind::kDotProduct && d.grouped && d.num_queries == 1 &&
+         d.num_heads > d.num_kv_heads && run.state->sliding_window == 0 &&
+         run.result().attention_weights.data.empty();
+}
+
 // The dot-product family: one problem per (step, example, head), on the
 // step's queries (bilinear: mapped by W_k); one head unless the rows are
-// grouped (query head h on kv head h / (H / H_kv)).
+// grouped (query head h on kv head h / (H / H_kv)), or per (step, example,
+// kv head) where FoldsExampleGroup.
 void AddExampleTasks(const Model& model, const StepScratch& s, StepRun& run,
                      std::deque<FlashProblem>& problems, std::vector<AttentionTask>& tasks) {
   const AttentionDims& d = run.dims();
@@ -428,8 +441,9 @@ void AddExampleTasks(const Model& model, const StepScratch& s, StepRun& run,
       mapped ? s.projected + run.first_row * head_size : run.queries().data.data();
   if (model.kind == Kind::kDistance) DistanceQueryBias(run);
   const Session::State& state = *run.state;
+  const bool fold = FoldsExampleGroup(model, run);
   for (int64_t b = 0; b < d.batch; ++b) {
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < heads; h += fold ? group : 1) {
       FlashProblem& p = problems.emplace_back(BaseProblem(run));
       p.queries = queries + (b * d.num_queries * heads + h) * head_size;
       p.query_stride = heads * head_size;
@@ -450,6 +464,13 @@ void AddExampleTasks(const Model& model, const StepScratch& s, StepRun& run,
         p.terms.softcap = state.softcap;
       }
       SetMemory(p, state, b, h / group * d.key_size, h / group * d.value_size);
+      if (fold) {
+        p.num_queries = group;
+        p.query_stride = head_size;
+        p.output_stride = d.value_size;
+        p.bounds.valid_len = p.bounds.valid_lens[0];
+        p.bounds.valid_lens = nullptr;
+      }
       internal::AddTasks(p, internal::WeightsOf(run.result(), b * heads + h, d), tasks);
     }
   }
@@ -532,7 +553,7 @@ void RunAdditiveSteps(ThreadPool& pool, const Model& model, const StepScratch& s
 }
 
 // Every step of one model: the memory read in place from the blocks.
-void RunStepsOf(ThreadPool& pool, const Model& model, std::span<StepRun> runs) {
+void RunStepsOf(ThreadPool& pool, const Model& model, std::span<StepRun> runs, bool split_keys) {
   if (runs.empty()) return;
   std::vector<float> once;
   const StepScratch s = PlanScratch(model, runs, once);
@@ -548,7 +569,7 @@ void RunStepsOf(ThreadPool& pool, const Model& model, std::span<StepRun> runs) {
       AddExampleTasks(model, s, run, problems, tasks);
     }
   }
-  internal::RunAttention(pool, tasks);
+  internal::RunAttention(pool, tasks, split_keys);
   if (model.kind == Kind::kMultiHead) ProjectOutput(pool, model, s, runs);
 }
 
@@ -652,7 +673,7 @@ void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionR
     }
     runs.push_back(std::move(run));
   }
-  RunStepsOf(PoolFor(work), model, runs);
+  RunStepsOf(PoolFor(work), model, runs, split_keys_);
   for (StepRun& run : runs) FinishStep(model, run);
 }
 
