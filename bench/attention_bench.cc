@@ -955,7 +955,11 @@ void RegisterAll() {
   }
 
   for (int threads : {1, 0}) {
-    Register("bandwidth/read/threads:" + std::to_string(threads), ReadBandwidth, threads);
+    // Wall-clock time: the rate of a sum over several threads.
+    benchmark::RegisterBenchmark(("bandwidth/read/threads:" + std::to_string(threads)).c_str(),
+                                 ReadBandwidth, threads)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
   }
   struct LongShape {
     int64_t heads, kv_heads;
