@@ -17,7 +17,6 @@
 #define HWY_TARGET_INCLUDE "core/kernels/flash_tile.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Highway's headers come after foreach_target, which re-includes this file per target.
-#include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
@@ -257,30 +256,6 @@ HWY_INLINE void RowScoreKeys(const FlashTile& t, int64_t key, float* scores) {
   }
 }
 
-// Keys a decoding row's kernel asks the memory for ahead of its scores.
-// Its keys (and values) are column slices of wider rows (a kv head's of
-// every kv head's) and blocks end every kKvBlockRows rows, so the hardware
-// prefetchers, which stay within a page, do not run ahead of them.
-constexpr int64_t kPrefetchKeys = 16;
-
-// While the row kernel scores keys [key, key + 4): the lines of key rows
-// kPrefetchKeys later (before `end`, the call's keys) and of these keys'
-// value rows, which the tile's P V reads after its scores.
-HWY_INLINE void PrefetchRows(const FlashTile& t, int64_t key, int64_t end) {
-  constexpr int64_t kLineFloats = 16;
-  const bool values_apart = t.values != t.keys || t.value_stride != t.key_stride;
-  for (int64_t r = 0; r < 4; ++r) {
-    if (key + kPrefetchKeys + r < end) {
-      const float* k = t.keys + (key + kPrefetchKeys + r - t.key_base) * t.key_stride;
-      for (int64_t c = 0; c < t.head_size; c += kLineFloats) hwy::Prefetch(k + c);
-    }
-    if (values_apart) {
-      const float* v = t.values + (key + r - t.key_base) * t.value_stride;
-      for (int64_t c = 0; c < t.value_size; c += kLineFloats) hwy::Prefetch(v + c);
-    }
-  }
-}
-
 // acc[col..] = rescale acc + sum_j p_j v_j[col..] over C vectors of value
 // columns, for the one query row; the first key tile starts from zero.
 template <int C>
@@ -343,14 +318,9 @@ void FlashRowImpl(const FlashTile& t) {
     // Eight keys at a time: eight independent chains of FMAs cover their
     // latency on two ports.
     for (; j + 8 <= keys; j += 8) {
-      PrefetchRows(t, key + j, t.key_end);
-      PrefetchRows(t, key + j + 4, t.key_end);
       RowScoreKeys<8>(t, key + j, scores + j);
     }
-    for (; j + 4 <= keys; j += 4) {
-      PrefetchRows(t, key + j, t.key_end);
-      RowScoreKeys<4>(t, key + j, scores + j);
-    }
+    for (; j + 4 <= keys; j += 4) RowScoreKeys<4>(t, key + j, scores + j);
     for (; j < keys; ++j) RowScoreKeys<1>(t, key + j, scores + j);
     const int64_t padded = (keys + n - 1) / n * n;
     for (; j < padded; ++j) scores[j] = kLowest;  // weigh exp(lowest - max) = 0
