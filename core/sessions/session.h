@@ -16,7 +16,8 @@
 //
 // Memory lives in blocks of kKvBlockRows rows from a KvBlockPool, as vLLM's
 // paged KV cache keeps it, so a session wastes at most one block per example
-// and per tensor; the kernels read the blocks in place. A step that fails
+// and per tensor; a block holds its rows head-major (each kv head's slices
+// of the rows together), and the kernels read the blocks in place. A step that fails
 // (validation, the pool full, a limit, a stop) leaves its session exactly as
 // it was before the step.
 //

@@ -167,18 +167,20 @@ absl::Status BeginStep(StepRun& run) {
   return status;
 }
 
-// Keys and values of example b, read in place from the session's blocks
-// from columns `key_column` and `value_column` on.
-void SetMemory(FlashProblem& p, const Session::State& state, int64_t b, int64_t key_column,
-               int64_t value_column) {
+// Keys and values of example b's kv head `kv_head` (0 for rows of one
+// head), read in place from the session's head-major blocks: the head's
+// slices begin at its sub-block and follow each other (BlockRows::Head).
+void SetMemory(FlashProblem& p, const Session::State& state, int64_t b, int64_t kv_head) {
+  const int64_t heads = state.row_heads();
+  const int64_t key_slice = state.key_width / heads, value_slice = state.value_width / heads;
   p.key_blocks = state.keys[b].blocks.data();
   p.value_blocks = (state.values_are_keys ? state.keys : state.values)[b].blocks.data();
   p.block_rows = kKvBlockRows;
   p.first_held_key = state.first_held_row();
-  p.block_column = key_column;
-  p.value_block_column = value_column;
-  p.key_stride = state.key_width;
-  p.value_stride = state.value_width;
+  p.block_column = kv_head * kKvBlockRows * key_slice;
+  p.value_block_column = kv_head * kKvBlockRows * value_slice;
+  p.key_stride = key_slice;
+  p.value_stride = value_slice;
 }
 
 // The bounds of example b: causal from the session's length (self), or its
@@ -325,11 +327,11 @@ void Append(const StepRun& run, const float* keys, const float* values, int64_t 
   const int64_t n = run.dims().num_queries, before = state.length + run.piece.offset;
   for (int64_t b = 0; b < state.batch; ++b) {
     for (int64_t i = 0; i < n; ++i) {
-      std::copy_n(keys + (b * n + i) * key_stride, state.key_width,
-                  state.keys[b].Row(before + i, state.key_width));
+      state.keys[b].Put(before + i, state.key_width, state.row_heads(),
+                        keys + (b * n + i) * key_stride);
       if (state.values_are_keys) continue;
-      std::copy_n(values + (b * n + i) * value_stride, state.value_width,
-                  state.values[b].Row(before + i, state.value_width));
+      state.values[b].Put(before + i, state.value_width, state.row_heads(),
+                          values + (b * n + i) * value_stride);
     }
   }
 }
@@ -392,7 +394,7 @@ void AddHeadTasks(const Model& model, const StepScratch& s, StepRun& run,
       p.bounds.first_query = run.state->length + run.piece.offset;
       p.terms = internal::HeadTerms(model.terms, h);
       p.precision = model.precision;
-      SetMemory(p, *run.state, b, h / group * head_size, h / group * head_size);
+      SetMemory(p, *run.state, b, h / group);
       if (fold) {
         // The group's heads are adjacent columns of the token's row: rows
         // of head_size, all with the token's bound.
@@ -463,7 +465,7 @@ void AddExampleTasks(const Model& model, const StepScratch& s, StepRun& run,
         p.bounds.first_query = state.length + run.piece.offset;
         p.terms.softcap = state.softcap;
       }
-      SetMemory(p, state, b, h / group * d.key_size, h / group * d.value_size);
+      SetMemory(p, state, b, h / group);
       if (fold) {
         p.num_queries = group;
         p.query_stride = head_size;
