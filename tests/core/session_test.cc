@@ -770,7 +770,9 @@ TEST(SelfSession, SplitKeysMatchUnsplitSteps) {
         AttentionResult& result = answers[e].emplace_back();
         engines[e]->RunSteps({&*validated, 1}, {&result, 1});
         ASSERT_TRUE(result.status.ok()) << result.status;
-        if (t == 0) ASSERT_TRUE(internal::AppendUncomputed(**session, kContext, 7).ok());
+        if (t == 0) {
+          ASSERT_TRUE(internal::AppendUncomputed(**session, kContext, 7).ok());
+        }
       }
     }
     for (int t = 0; t < 3; ++t) {
