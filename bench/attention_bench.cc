@@ -40,6 +40,23 @@
 //       (continuous batching) against sessions:1. Every round reads every
 //       session's keys and values (2 E floats a token), so the longer the
 //       prompt, the more memory traffic bounds the rounds.
+//   bandwidth/read/threads:T  a STREAM-like sum over 1 GiB of floats, on one
+//       thread or on every thread of the engine's pool (T = 0): GBps, the
+//       read bandwidth the long decodes below are held against.
+//   decode/long/dot_product/B:1/H:h/H_kv:k/d:128/values:v/context:N  one
+//       one-token step after another of a dot_product self session over
+//       grouped heads (4-D rows) holding N tokens: H:32/H_kv:8/values:1 is a
+//       Llama-like layer's attention (GQA 4:1, keys and values apart),
+//       H:8/H_kv:8/values:0 rows that are their own keys and values. The
+//       context is filled without computing its prefill
+//       (internal::AppendUncomputed). bytes_per_step counts the keys and
+//       values a step reads, read_GBps them over the step's time, of_probe
+//       that over bandwidth/read/threads:0 measured in the same run; .../split:0
+//       the same on an engine that keeps each problem's keys in one task
+//       (EngineOptions::split_keys).
+//   decode/long/llama3_8b/context:N  the same for the Hugging Face layer of
+//       layer/llama3_8b (multi_head, rotary, 32 heads over 8 kv heads):
+//       bytes_per_step also counts its fp32 projection weights, read once.
 //   projection/M:m/E:e/gemm:packed|packed_bf16|blas  one projection
 //       out = in W^T + b of m rows, W e x e, on one thread: over the weights
 //       packed at load (core/kernels/packed_gemm.h) in fp32 or bf16, or through Eigen
@@ -67,6 +84,8 @@
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <random>
 #include <span>
 #include <string>
@@ -80,6 +99,7 @@
 #include "core/kernels/packed_gemm.h"
 #include "core/engine/request.h"
 #include "core/sessions/session.h"
+#include "core/sessions/session_state.h"
 #include "core/thread_pool.h"
 
 namespace attention {
@@ -102,6 +122,13 @@ Engine& SharedEngine() {
 // cases' threads:1: what the engine's parallelism over its threads gives.
 Engine& OneThreadEngine() {
   static Engine engine(EngineOptions{.num_threads = 1});
+  return engine;
+}
+
+// An engine that computes every attention problem's keys in one task (no
+// split-K), the other side of SharedEngine's for the decode/long/ cases.
+Engine& UnsplitEngine() {
+  static Engine engine(EngineOptions{.split_keys = false});
   return engine;
 }
 
@@ -343,6 +370,147 @@ void LayerDecode(benchmark::State& state, int64_t context, Precision precision) 
       weights * (precision == Precision::kBf16 ? 2.0 : 4.0);
   stopwatch.Report(state, 4.0 * context * QueryWidth(*model) + 2.0 * weights);
   state.counters["read_GBps"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The read-bandwidth probe: one sum over kProbeFloats floats (1 GiB), cut
+// into pieces summed over a pool's threads, and its GB/s.
+constexpr int64_t kProbeFloats = int64_t{1} << 28;
+constexpr int64_t kProbePieces = 64;
+
+const std::vector<float>& ProbeData() {
+  static const std::vector<float> data(kProbeFloats, 1.0f);
+  return data;
+}
+
+double SumOnce(ThreadPool& pool) {
+  const std::vector<float>& data = ProbeData();
+  std::vector<double> sums(kProbePieces);
+  const int64_t piece = kProbeFloats / kProbePieces;
+  pool.ParallelFor(kProbePieces, [&](int64_t i) {
+    sums[i] = Eigen::Map<const Eigen::ArrayXf>(data.data() + i * piece, piece).sum();
+  });
+  double total = 0;
+  for (double sum : sums) total += sum;
+  return total;
+}
+
+// The best of five sums' GB/s on `threads` threads (0: one per hardware
+// thread, as the engine's pool), measured once per run.
+double ProbeGBps(int threads) {
+  static std::map<int, double> measured;
+  if (const auto it = measured.find(threads); it != measured.end()) return it->second;
+  ThreadPool pool(threads);
+  benchmark::DoNotOptimize(SumOnce(pool));  // the pages touched, the threads awake
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(SumOnce(pool));
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, kProbeFloats * sizeof(float) * 1e-9 / seconds);
+  }
+  return measured[threads] = best;
+}
+
+void ReadBandwidth(benchmark::State& state, int threads) {
+  ThreadPool pool(threads);
+  benchmark::DoNotOptimize(SumOnce(pool));
+  for (auto _ : state) benchmark::DoNotOptimize(SumOnce(pool));
+  state.counters["GBps"] = benchmark::Counter(kProbeFloats * sizeof(float) * 1e-9,
+                                              benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["threads"] = pool.num_threads();
+}
+
+// One-token steps of `session` on `engine` (the first `warm` untimed), with
+// bytes_per_step, read_GBps and of_probe as the decode/long/ cases report them.
+void TimeLongSteps(benchmark::State& state, Engine& engine, Session& session,
+                   const std::function<SessionStep()>& next, double bytes) {
+  const double probe = ProbeGBps(0);
+  for (int i = 0; i < 2; ++i) {
+    const SessionStep step = next();
+    absl::StatusOr<ValidatedStep> validated = ValidateStep(session, step, Limits{0, 0, 0});
+    AttentionResult result;
+    if (validated.ok()) engine.RunSteps({&*validated, 1}, {&result, 1});
+  }
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    const SessionStep step = next();
+    absl::StatusOr<ValidatedStep> validated = ValidateStep(session, step, Limits{0, 0, 0});
+    AttentionResult result;
+    if (validated.ok()) engine.RunSteps({&*validated, 1}, {&result, 1});
+    if (!validated.ok() || !result.status.ok()) {
+      state.SkipWithError(std::string((validated.ok() ? result.status : validated.status()).message()).c_str());
+      return;
+    }
+    benchmark::DoNotOptimize(result.output.data.data());
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double read_gbps = bytes * static_cast<double>(state.iterations()) * 1e-9 / seconds;
+  state.counters["bytes_per_step"] = bytes;
+  state.counters["read_GBps"] = read_gbps;
+  state.counters["probe_GBps"] = probe;
+  state.counters["of_probe"] = read_gbps / probe;
+}
+
+// Steps timed per decode/long/ case; each adds a token, negligible beside N.
+constexpr int64_t kLongDecodeSteps = 32;
+
+void LongDecodeDotProduct(benchmark::State& state, int64_t heads, int64_t kv_heads,
+                          bool separate_values, int64_t context, bool split) {
+  constexpr int64_t kHeadSize = 128;
+  std::mt19937 rng(kSeed);
+  const auto model = std::make_shared<const Model>(DotProductModel());
+  const std::vector<float> queries = RandomData(heads * kHeadSize, rng);
+  const std::vector<float> keys = RandomData(kv_heads * kHeadSize, rng);
+  KvBlockPool pool(int64_t{1} << 34);
+  absl::StatusOr<std::unique_ptr<Session>> session =
+      Session::Open(model, pool, {.memory = SessionMemory::kSelf});
+  const auto next = [&] {
+    SessionStep step{.queries = {{1, 1, heads, kHeadSize}, queries},
+                     .keys = TensorView{{1, 1, kv_heads, kHeadSize}, keys}};
+    if (separate_values) step.values = TensorView{{1, 1, kv_heads, kHeadSize}, keys};
+    return step;
+  };
+  Engine& engine = split ? SharedEngine() : UnsplitEngine();
+  absl::Status status = session.status();
+  if (status.ok()) {
+    const SessionStep first = next();
+    absl::StatusOr<ValidatedStep> validated = ValidateStep(**session, first, Limits{0, 0, 0});
+    AttentionResult result;
+    if (validated.ok()) engine.RunSteps({&*validated, 1}, {&result, 1});
+    status = validated.ok() ? result.status : validated.status();
+  }
+  if (status.ok()) status = internal::AppendUncomputed(**session, context - 1, kSeed);
+  if (!status.ok()) {
+    state.SkipWithError(std::string(status.message()).c_str());
+    return;
+  }
+  const double bytes = static_cast<double>(context) * kv_heads * kHeadSize * sizeof(float) *
+                       (separate_values ? 2.0 : 1.0);
+  TimeLongSteps(state, engine, **session, next, bytes);
+}
+
+void LongDecodeLayer(benchmark::State& state, int64_t context, bool split) {
+  std::mt19937 rng(kSeed);
+  const auto model = std::make_shared<const Model>(LayerModel(Precision::kFp32, rng));
+  const int64_t hidden = model->output_size;
+  const std::vector<float> token = RandomData(hidden, rng);
+  KvBlockPool pool(int64_t{1} << 34);
+  absl::StatusOr<std::unique_ptr<Session>> session =
+      Session::Open(model, pool, {.memory = SessionMemory::kSelf});
+  const auto next = [&] { return SessionStep{.queries = {{1, 1, hidden}, token}}; };
+  Engine& engine = split ? SharedEngine() : UnsplitEngine();
+  absl::Status status = session.status();
+  if (status.ok()) status = internal::AppendUncomputed(**session, context, kSeed);
+  if (!status.ok()) {
+    state.SkipWithError(std::string(status.message()).c_str());
+    return;
+  }
+  const double weights = static_cast<double>(hidden) *
+                         (2.0 * QueryWidth(*model) + 2.0 * KvWidth(*model));
+  const double bytes = (2.0 * context * KvWidth(*model) + weights) * sizeof(float);
+  TimeLongSteps(state, engine, **session, next, bytes);
 }
 
 void MultiHead(benchmark::State& state, Shape s, bool masked, Precision precision) {
@@ -784,6 +952,46 @@ void RegisterAll() {
         ->Iterations(kLayerDecodeSteps)
         ->ComputeStatistics("min", Min)
         ->ComputeStatistics("max", Max);
+  }
+
+  for (int threads : {1, 0}) {
+    // Wall-clock time: the rate of a sum over several threads.
+    benchmark::RegisterBenchmark(("bandwidth/read/threads:" + std::to_string(threads)).c_str(),
+                                 ReadBandwidth, threads)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  }
+  struct LongShape {
+    int64_t heads, kv_heads;
+    bool values;
+  };
+  for (const LongShape& shape : {LongShape{32, 8, true}, LongShape{8, 8, false}}) {
+    for (int64_t context : {4096, 16384, 65536}) {
+      for (bool split : {true, false}) {
+        const std::string name =
+            "decode/long/dot_product/B:1/H:" + std::to_string(shape.heads) +
+            "/H_kv:" + std::to_string(shape.kv_heads) + "/d:128/values:" +
+            (shape.values ? "1" : "0") + "/context:" + std::to_string(context) +
+            (split ? "" : "/split:0");
+        benchmark::RegisterBenchmark(name.c_str(), LongDecodeDotProduct, shape.heads,
+                                     shape.kv_heads, shape.values, context, split)
+            ->Unit(benchmark::kMillisecond)
+            ->Iterations(kLongDecodeSteps)
+            ->ComputeStatistics("min", Min)
+            ->ComputeStatistics("max", Max);
+      }
+    }
+  }
+  for (int64_t context : {4096, 16384, 65536}) {
+    for (bool split : {true, false}) {
+      const std::string name = "decode/long/llama3_8b/context:" + std::to_string(context) +
+                               (split ? "" : "/split:0");
+      benchmark::RegisterBenchmark(name.c_str(), LongDecodeLayer, context, split)
+          ->Unit(benchmark::kMillisecond)
+          ->Iterations(kLongDecodeSteps)
+          ->ComputeStatistics("min", Min)
+          ->ComputeStatistics("max", Max);
+    }
   }
 
   constexpr int64_t kMemoryBatch = 8, kMemoryLength = 16384, kMemorySize = 64;

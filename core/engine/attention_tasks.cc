@@ -2,6 +2,7 @@
 #include "core/engine/attention_tasks.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "core/thread_pool.h"
 
@@ -66,22 +67,117 @@ std::vector<AttentionTask> MergeTiles(const std::vector<AttentionTask>& tasks, i
   return merged;
 }
 
+void RunTask(const AttentionTask& task) {
+  // A stopped problem's RequestStop remembers why; nothing to do here.
+  if (task.weights) {
+    AttentionWithWeights(*task.problem, task.begin, task.end, task.weights,
+                         task.problem->num_keys);
+  } else {
+    FlashAttention(*task.problem, task.begin, task.end);
+  }
+}
+
 void RunEach(ThreadPool& pool, const std::vector<AttentionTask>& tasks) {
-  pool.ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
-    const AttentionTask& task = tasks[i];
-    // A stopped problem's RequestStop remembers why; nothing to do here.
-    if (task.weights) {
-      AttentionWithWeights(*task.problem, task.begin, task.end, task.weights,
-                           task.problem->num_keys);
-    } else {
-      FlashAttention(*task.problem, task.begin, task.end);
+  pool.ParallelFor(static_cast<int64_t>(tasks.size()),
+                   [&](int64_t i) { RunTask(tasks[i]); });
+}
+
+// One unit of work of a split run: a whole task (parts 0), or range
+// `range` of a task's keys [key_begin, key_end) into the task's parts.
+struct Piece {
+  int64_t task;
+  int64_t key_begin = 0, key_end = 0;
+  int64_t range = 0, ranges = 0;
+};
+
+// Keys [lo, hi) that some row of `task` allows.
+std::pair<int64_t, int64_t> KeysOf(const AttentionTask& task) {
+  const FlashProblem& p = *task.problem;
+  int64_t lo = p.num_keys, hi = 0;
+  for (int64_t i = task.begin; i < task.end; ++i) {
+    lo = std::min(lo, p.bounds.First(i));
+    hi = std::max(hi, p.AllowedKeys(i));
+  }
+  return {std::min(lo, hi), hi};
+}
+
+// RunAttention with split_keys, for fewer tasks than the pool keeps busy.
+void RunSplit(ThreadPool& pool, const std::vector<AttentionTask>& tasks, int64_t want) {
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  const int64_t ranges_per_task = (want + count - 1) / count;
+  std::vector<Piece> pieces;
+  std::vector<int64_t> first_part(count, 0);  // of the task's parts in `parts`
+  int64_t part_floats = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    const AttentionTask& task = tasks[t];
+    const auto [lo, hi] = KeysOf(task);
+    const int64_t ranges = std::min(ranges_per_task, (hi - lo) / kMinSplitKeys);
+    if (task.weights != nullptr || ranges < 2 || !SplitsKeys(*task.problem)) {
+      pieces.push_back({t});
+      continue;
     }
+    // Ranges of whole key tiles, so each begins where the unsplit kernel
+    // would begin a tile.
+    const int64_t length = ((hi - lo + ranges - 1) / ranges + kFlashKeyTile - 1) / kFlashKeyTile *
+                           kFlashKeyTile;
+    first_part[t] = part_floats;
+    const int64_t rows = task.end - task.begin;
+    int64_t used = 0;
+    for (int64_t begin = lo; begin < hi; begin += length, ++used) {
+      pieces.push_back({t, begin, std::min(hi, begin + length), used, 0});
+    }
+    for (int64_t i = static_cast<int64_t>(pieces.size()) - used; i < static_cast<int64_t>(pieces.size()); ++i) {
+      pieces[i].ranges = used;
+    }
+    part_floats += used * rows * (2 + task.problem->value_size);
+  }
+  std::vector<float> floats(part_floats);
+  // Part `range` of task t: its rows' max, sum and accumulator.
+  const auto part = [&](const Piece& piece) {
+    const AttentionTask& task = tasks[piece.task];
+    const int64_t rows = task.end - task.begin;
+    float* base = floats.data() + first_part[piece.task] +
+                  piece.range * rows * (2 + task.problem->value_size);
+    return KeyRangePart{base, base + rows, base + 2 * rows};
+  };
+  std::vector<char> completed(pieces.size(), 1);
+  pool.ParallelFor(static_cast<int64_t>(pieces.size()), [&](int64_t i) {
+    const Piece& piece = pieces[i];
+    const AttentionTask& task = tasks[piece.task];
+    if (piece.ranges == 0) {
+      RunTask(task);
+      return;
+    }
+    completed[i] = FlashAttentionOverKeys(*task.problem, task.begin, task.end, piece.key_begin,
+                                          piece.key_end, part(piece));
   });
+  // Each split task's parts merged, unless a range stopped (its problem's
+  // RequestStop remembers why).
+  for (size_t i = 0; i < pieces.size();) {
+    const Piece& piece = pieces[i];
+    if (piece.ranges == 0) {
+      ++i;
+      continue;
+    }
+    std::vector<KeyRangePart> parts;
+    bool whole = true;
+    for (int64_t r = 0; r < piece.ranges; ++r) {
+      parts.push_back(part(pieces[i + r]));
+      whole = whole && completed[i + r] != 0;
+    }
+    const AttentionTask& task = tasks[piece.task];
+    if (whole) MergeKeyRanges(*task.problem, task.begin, task.end, parts);
+    i += piece.ranges;
+  }
 }
 
 }  // namespace
 
-void RunAttention(ThreadPool& pool, const std::vector<AttentionTask>& tasks) {
+void RunAttention(ThreadPool& pool, const std::vector<AttentionTask>& tasks, bool split_keys) {
+  const int64_t want = kSplitTasksPerThread * pool.num_threads();
+  if (split_keys && pool.num_threads() > 1 && static_cast<int64_t>(tasks.size()) < want) {
+    return RunSplit(pool, tasks, want);
+  }
   const int64_t tiles =
       static_cast<int64_t>(tasks.size()) / (kTasksPerThread * pool.num_threads());
   if (tiles < 2) return RunEach(pool, tasks);

@@ -35,7 +35,21 @@ void AddTasks(const FlashProblem& problem, float* weights, std::vector<Attention
 // Runs the tasks over the pool. Where there are many more tasks than
 // threads, adjacent query tiles of a problem whose keys the kernel pairs per
 // call (PairsKeysPerCall: bf16 on the avx512_bf16 path) run as one task.
-void RunAttention(ThreadPool& pool, const std::vector<AttentionTask>& tasks);
+// With `split_keys`, where there are fewer tasks than kSplitTasksPerThread
+// per thread, a task without weights over at least 2 kMinSplitKeys keys
+// is cut into ranges of its keys (FlashAttentionOverKeys), as many as bring
+// the tasks to that count, each range at least kMinSplitKeys long; the
+// ranges' parts are merged (MergeKeyRanges) once every range is done.
+void RunAttention(ThreadPool& pool, const std::vector<AttentionTask>& tasks,
+                  bool split_keys = false);
+
+// Tasks per thread below which split_keys cuts keys: enough for the
+// dynamic hand-out to even out ranges that run slower than others on a
+// shared machine.
+inline constexpr int64_t kSplitTasksPerThread = 4;
+// Fewest keys of a range: a range's fixed costs (the query tile's set-up,
+// its share written and merged) stay well under a percent of its keys'.
+inline constexpr int64_t kMinSplitKeys = 1024;
 
 }  // namespace internal
 }  // namespace attention

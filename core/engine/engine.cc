@@ -138,7 +138,8 @@ Engine::Engine(EngineOptions options)
       serial_(std::make_unique<ThreadPool>(1)),
       scratch_(std::make_unique<internal::ScratchPool>()),
       max_group_floats_(options.max_group_floats > 0 ? options.max_group_floats : kGroupFloats),
-      serial_work_(options.serial_work != 0 ? options.serial_work : kSerialWork) {
+      serial_work_(options.serial_work != 0 ? options.serial_work : kSerialWork),
+      split_keys_(options.split_keys) {
   RunBlasOnCallingThread();
 }
 

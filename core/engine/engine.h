@@ -81,6 +81,12 @@ struct EngineOptions {
   // costs more CPU than a single-token step computes. 0 = the default
   // (engine.cc, kSerialWork); negative: every group uses the whole pool.
   double serial_work = 0;
+  // A session step whose attention has fewer tasks than the pool's threads
+  // can keep busy cuts each long problem's keys into ranges computed on
+  // several threads and merged (split-K, attention_tasks.h), so one
+  // session's long context is read by every thread. false: each problem's
+  // keys in one task (for comparison).
+  bool split_keys = true;
 };
 
 class Engine {
@@ -124,6 +130,7 @@ class Engine {
   std::unique_ptr<internal::ScratchPool> scratch_;
   int64_t max_group_floats_;
   double serial_work_;
+  bool split_keys_;
 };
 
 }  // namespace attention

@@ -323,10 +323,39 @@ void PairKeysAndValues(const FlashProblem& p, const FlashTilePath& path, int64_t
   }
 }
 
-bool FlashQueryTile(const FlashProblem& p, const FlashTilePath& path, int64_t row, int64_t rows,
-                    Scratch& scratch) {
-  const int64_t dv = p.value_size;
-  FlashTile tile;
+// Most rows a tile runs row by row on the path's one-row kernel: a
+// decoding step's token, or a grouped-query group of them (flash_tile.h's
+// lane kernel would compute a whole group of 16 or 32 lanes for them).
+constexpr int64_t kRowwiseRows = 8;
+// Keys each row of a row-by-row tile visits before the next row's turn: the
+// keys and values of one block, which stay in L2 for the other rows, so the
+// rows share one read of them from memory.
+constexpr int64_t kRowwiseKeys = 4 * kFlashKeyTile;
+
+// Whether a tile of `rows` rows runs row by row on the path's one-row kernel.
+bool Rowwise(const FlashTilePath& path, int64_t rows) {
+  return rows <= kRowwiseRows && path.row_kernel != nullptr;
+}
+
+// Row r of a row-by-row tile as a tile of its own: its scaled query,
+// output, max, sum and flag (FlashTilePath::row_kernel's layout).
+FlashTile RowTile(const FlashTile& tile, int64_t r) {
+  FlashTile row = tile;
+  row.queries_t = tile.queries_t + r * tile.head_size;
+  row.accumulator_t = tile.accumulator_t + r * tile.value_size;
+  row.row_max = tile.row_max + r;
+  row.row_sum = tile.row_sum + r;
+  row.rescale = tile.rescale + r;
+  row.bounds = tile.bounds + r;
+  row.rows = 1;
+  return row;
+}
+
+// The tile of rows [row, row + rows) of `p` set up for the path's kernel:
+// each lane's bound, the scaled queries, the keys, values and scratch.
+// Returns the tile's largest bound (the keys it visits).
+int64_t PrepareTile(const FlashProblem& p, const FlashTilePath& path, int64_t row, int64_t rows,
+                    Scratch& scratch, FlashTile& tile) {
   float* bounds = scratch.lanes.data();
   tile.bounds = bounds;
   tile.row_max = bounds + kFlashQueryTile;
@@ -349,11 +378,17 @@ bool FlashQueryTile(const FlashProblem& p, const FlashTilePath& path, int64_t ro
     }
   }
   std::fill(bounds + rows, bounds + lanes, 0.0f);
-  const bool one_row = rows == 1 && path.row_kernel != nullptr;
-  if (one_row) {
-    const float* query = p.queries + row * p.query_stride;
-    float* scaled = scratch.queries_t.data();
-    for (int64_t c = 0; c < p.head_size; ++c) scaled[c] = p.scale * query[c];
+  if (Rowwise(path, rows)) {
+    // Each row's scale * q as a row, and an empty share (the lowest max, a
+    // zero sum and output) for a row whose keys do not begin at 0.
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* query = p.queries + (row + r) * p.query_stride;
+      float* scaled = scratch.queries_t.data() + r * p.head_size;
+      for (int64_t c = 0; c < p.head_size; ++c) scaled[c] = p.scale * query[c];
+    }
+    std::fill_n(tile.row_max, rows, std::numeric_limits<float>::lowest());
+    std::fill_n(tile.row_sum, rows, 0.0f);
+    std::fill_n(scratch.accumulator.data(), rows * p.value_size, 0.0f);
   } else {
     path.load_queries(p.queries + row * p.query_stride, p.query_stride, rows, p.head_size, p.scale,
                       scratch.queries_t.data());
@@ -365,29 +400,80 @@ bool FlashQueryTile(const FlashProblem& p, const FlashTilePath& path, int64_t ro
   tile.key_stride = p.key_stride;
   tile.value_stride = p.value_stride;
   tile.head_size = p.head_size;
-  tile.value_size = dv;
+  tile.value_size = p.value_size;
   tile.rows = rows;
   tile.min_bound = min_bound;
   tile.accumulator_t = scratch.accumulator.data();
   tile.scores = scratch.scores.data();
   tile.key_pairs = scratch.key_pairs.data();
   tile.value_pairs = scratch.value_pairs.data();
-  // Without a WorkStop, one call over every key, as the kernel always ran.
-  const int64_t chunk = p.stop != nullptr ? KeysPerPoll(p) : std::max<int64_t>(key_end, 1);
-  tile.key_begin = 0;
+  return key_end;
+}
+
+// VisitKeys for a row-by-row tile: kRowwiseKeys keys (or a paged problem's
+// block) at a time, each row over those of them it allows (the one-row kernel visits allowed keys only).
+bool VisitRows(const FlashProblem& p, const FlashTilePath& path, const FlashTile& tile,
+               int64_t begin, int64_t end) {
+  const int64_t poll = p.stop != nullptr ? KeysPerPoll(p) : end;
+  int64_t since_poll = 0;
+  // A paged problem's keys a block at a time: a row's kernel call reads one.
+  const int64_t step = p.paged() ? p.block_rows : kRowwiseKeys;
+  for (int64_t first = begin; first < end;) {
+    const int64_t last = std::min(end, (first / step + 1) * step);
+    for (int64_t r = 0; r < tile.rows; ++r) {
+      FlashTile row = RowTile(tile, r);
+      row.key_begin = first;
+      row.key_end = std::min(last, static_cast<int64_t>(tile.bounds[r]));
+      if (row.key_begin >= row.key_end) continue;
+      if (p.paged()) PointAtBlock(p, row);
+      path.row_kernel(row);
+    }
+    since_poll += (last - first) * tile.rows;
+    first = last;
+    if (since_poll >= poll && first < end) {
+      if (p.Stopped()) return false;
+      since_poll = 0;
+    }
+  }
+  return true;
+}
+
+// The tile's kernel over keys [begin, end), continuing the running max, sum
+// and output of the keys before `begin` (none when it is 0). Without a
+// WorkStop, one call over every key; with one, a chunk between polls.
+// False when the problem's WorkStop stopped it.
+bool VisitKeys(const FlashProblem& p, const FlashTilePath& path, FlashTile& tile, int64_t begin,
+               int64_t end) {
+  if (Rowwise(path, tile.rows)) return VisitRows(p, path, tile, begin, end);
+  const int64_t chunk = p.stop != nullptr ? KeysPerPoll(p) : std::max<int64_t>(end - begin, 1);
+  const auto kernel = path.kernel;
+  tile.key_begin = begin;
   do {
-    tile.key_end = std::min(key_end, tile.key_begin + chunk);
+    tile.key_end = std::min(end, tile.key_begin + chunk);
     if (p.paged()) PointAtBlock(p, tile);
-    (one_row ? path.row_kernel : path.kernel)(tile);
+    kernel(tile);
     tile.key_begin = tile.key_end;
-  } while (tile.key_begin < key_end && !p.Stopped());
-  if (tile.key_begin < key_end) return false;
+  } while (tile.key_begin < end && !p.Stopped());
+  return tile.key_begin >= end;
+}
+
+bool FlashQueryTile(const FlashProblem& p, const FlashTilePath& path, int64_t row, int64_t rows,
+                    Scratch& scratch) {
+  const int64_t dv = p.value_size;
+  FlashTile tile;
+  const int64_t key_end = PrepareTile(p, path, row, rows, scratch, tile);
+  const float* bounds = tile.bounds;
+  const bool rowwise = Rowwise(path, rows);
+  if (!VisitKeys(p, path, tile, 0, key_end)) return false;
 
   // Every row normalised, out_i = acc_i / l_i (if any key was visited);
   // the rows below that need another answer overwrite theirs.
   const float* nonfinite = tile.rescale;  // NaN where a row overflowed (store_output)
-  if (key_end > 0 && one_row) {
-    StoreRow(tile, p.output + row * p.output_stride);
+  if (key_end > 0 && rowwise) {
+    for (int64_t r = 0; r < rows; ++r) {
+      tile.rescale[r] = 0.0f;
+      if (bounds[r] > 0) StoreRow(RowTile(tile, r), p.output + (row + r) * p.output_stride);
+    }
   } else if (key_end > 0) {
     path.store_output(tile, p.output + row * p.output_stride, p.output_stride);
   }
@@ -439,7 +525,110 @@ bool FlashQueryTile(const FlashProblem& p, const FlashTilePath& path, int64_t ro
   return true;
 }
 
+// FlashAttentionOverKeys on the path's kernel: the tile starts from an
+// empty share (the lowest max, a zero sum and output), so a range that
+// begins past key 0 continues from nothing, and its share is copied out
+// of the kernel's lanes.
+bool TileOverKeys(const FlashProblem& p, const FlashTilePath& path, int64_t row, int64_t rows,
+                  int64_t key_begin, int64_t key_end, const KeyRangePart& part,
+                  Scratch& scratch) {
+  FlashTile tile;
+  const int64_t end = std::min(key_end, PrepareTile(p, path, row, rows, scratch, tile));
+  const bool rowwise = Rowwise(path, rows);
+  if (!rowwise) {
+    std::fill_n(tile.row_max, kFlashQueryTile, std::numeric_limits<float>::lowest());
+    std::fill_n(tile.row_sum, kFlashQueryTile, 0.0f);
+    std::fill_n(tile.accumulator_t, p.value_size * kFlashQueryTile, 0.0f);
+  }
+  if (key_begin < end && !VisitKeys(p, path, tile, key_begin, end)) return false;
+  std::copy_n(tile.row_max, rows, part.max);
+  std::copy_n(tile.row_sum, rows, part.sum);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < p.value_size; ++c) {
+      part.accumulator[r * p.value_size + c] =
+          rowwise ? tile.accumulator_t[r * p.value_size + c]
+                  : tile.accumulator_t[c * kFlashQueryTile + r];
+    }
+  }
+  return true;
+}
+
+// MergeKeyRanges' last step on the path's kernel: out = acc / sum, unless
+// the row needs another answer than its normalised output, which the
+// unsplit kernel then gives it.
+void FinishMerged(const FlashProblem& p, int64_t row, float max, float sum,
+                  const float* accumulator) {
+  const int64_t bound = p.AllowedKeys(row);
+  const float true_max = max + (p.query_bias != nullptr ? p.query_bias[row] : 0.0f);
+  bool answered = bound > 0 && std::isfinite(true_max) && std::isfinite(sum) && sum != 0.0f &&
+                  !(bound < p.num_keys && true_max < kMaskedScore + kMaskedWeightVanishes);
+  float* out = p.output + row * p.output_stride;
+  if (answered) {
+    const float inverse_sum = 1.0f / sum;
+    for (int64_t c = 0; c < p.value_size; ++c) {
+      out[c] = accumulator[c] * inverse_sum;
+      answered = answered && std::isfinite(out[c]);
+    }
+  }
+  if (!answered) FlashAttention(p, row, row + 1);
+}
+
 }  // namespace
+
+bool SplitsKeys(const FlashProblem& problem) { return !PairsKeysPerCall(problem); }
+
+bool FlashAttentionOverKeys(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
+                            int64_t key_begin, int64_t key_end, const KeyRangePart& part) {
+  const int64_t rows = query_end - query_begin;
+  if (problem.has_terms()) {
+    return internal::TermsOverKeys(problem, query_begin, rows, key_begin, key_end, part);
+  }
+  Scratch& scratch = ThreadScratch();
+  scratch.Reserve(problem);
+  const FlashTilePath path = FlashTilePathFor(ActiveIsa(), problem.precision);
+  const bool completed = !problem.Stopped() && TileOverKeys(problem, path, query_begin, rows,
+                                                            key_begin, key_end, part, scratch);
+  scratch.Trim();
+  return completed;
+}
+
+void MergeKeyRanges(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
+                    std::span<const KeyRangePart> parts) {
+  const int64_t rows = query_end - query_begin, dv = problem.value_size;
+  std::vector<float> max(rows), sum(rows), accumulator(rows * dv);
+  for (int64_t r = 0; r < rows; ++r) {
+    // The largest max of the parts that saw an allowed key (an empty
+    // share's is the lowest float or -inf), each share rescaled to it.
+    float m = -std::numeric_limits<float>::infinity();
+    for (const KeyRangePart& part : parts) {
+      // A NaN max (a share that overflowed) makes the row's NaN, so the
+      // row is computed again.
+      if (std::isnan(part.max[r]) || part.max[r] > std::numeric_limits<float>::lowest()) {
+        m = std::isnan(m) ? m : std::isnan(part.max[r]) ? part.max[r] : std::max(m, part.max[r]);
+      }
+    }
+    float l = 0;
+    float* acc = accumulator.data() + r * dv;
+    for (const KeyRangePart& part : parts) {
+      if (!std::isnan(part.max[r]) && !(part.max[r] > std::numeric_limits<float>::lowest())) {
+        continue;
+      }
+      const float factor = std::exp(part.max[r] - m);
+      l += factor * part.sum[r];
+      const float* share = part.accumulator + r * dv;
+      for (int64_t c = 0; c < dv; ++c) acc[c] += factor * share[c];
+    }
+    max[r] = m;
+    sum[r] = l;
+  }
+  if (problem.has_terms()) {
+    internal::TermsFinish(problem, query_begin, rows, max.data(), sum.data(), accumulator.data());
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    FinishMerged(problem, query_begin + r, max[r], sum[r], accumulator.data() + r * dv);
+  }
+}
 
 int64_t KeyBounds::Allowed(int64_t query, int64_t num_keys) const {
   const int64_t length = valid_lens != nullptr ? valid_lens[query] : valid_len;

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 
 #include "core/kernels/packed_weights.h"
 #include "core/kernels/tile_sizes.h"
@@ -173,6 +174,37 @@ bool PairsKeysPerCall(const FlashProblem& problem);
 // `weights` (n_q x n_k, row stride weights_stride), disallowed keys included.
 bool AttentionWithWeights(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
                           float* weights, int64_t weights_stride);
+
+// Split-K (flash-decoding): a problem's keys cut into ranges computed apart,
+// each on its own thread, then merged. A range's share of query row r is
+// the max of its allowed scores among the range's keys (max[r]; the lowest
+// float, or -inf, when it has none), the sum of exp(s - max) (sum[r]) and
+// the unnormalised output sum_j exp(s_j - max) v_j (accumulator, value_size
+// floats a row).
+struct KeyRangePart {
+  float* max = nullptr;
+  float* sum = nullptr;
+  float* accumulator = nullptr;
+};
+
+// Whether a problem may be split: one whose keys FlashAttention would not
+// pair per call (PairsKeysPerCall), which reads them as they are held.
+bool SplitsKeys(const FlashProblem& problem);
+
+// Rows [query_begin, query_end) (at most kFlashQueryTile) of `problem` over
+// its keys [key_begin, key_end) only, into `part`, on the active path's
+// kernel (or flash_terms.cc's for a problem with terms). Returns false
+// when the problem's WorkStop stopped it.
+bool FlashAttentionOverKeys(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
+                            int64_t key_begin, int64_t key_end, const KeyRangePart& part);
+
+// The output of rows [query_begin, query_end) from the parts of ranges
+// that together cover every key: their shares rescaled to the largest max
+// and added (a log-sum-exp combine), then normalised as FlashAttention
+// does; a row that needs FlashAttention's other answers (no allowed key,
+// disallowed keys that weigh, float overflow) is computed again unsplit.
+void MergeKeyRanges(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
+                    std::span<const KeyRangePart> parts);
 
 // Most floats one buffer of a thread's kernel scratch keeps between calls
 // (1 MiB): an oversized problem's larger buffers are freed when it is done,

@@ -114,9 +114,11 @@ struct TileScratch {
   std::vector<float> row_max, row_sum;
 };
 
-// Rows [row, row + rows) on the online path; the rows that need the exact
-// path are recomputed there. False when the problem's WorkStop stopped it.
-bool OnlineTile(const FlashProblem& p, int64_t row, int64_t rows, TileScratch& t) {
+// The online pass of rows [row, row + rows) over the keys they allow within
+// [lo, hi): each row's max, sum of exp(s - max) and unnormalised output in
+// `t`. False when the problem's WorkStop stopped it.
+bool OnlineKeys(const FlashProblem& p, int64_t row, int64_t rows, int64_t lo, int64_t hi,
+                TileScratch& t) {
   int64_t key_begin = p.num_keys, key_end = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t first = p.bounds.First(row + r), bound = p.AllowedKeys(row + r);
@@ -124,6 +126,8 @@ bool OnlineTile(const FlashProblem& p, int64_t row, int64_t rows, TileScratch& t
     key_begin = std::min(key_begin, first);
     key_end = std::max(key_end, bound);
   }
+  key_begin = std::max(key_begin, lo);
+  key_end = std::min(key_end, hi);
   t.accumulator.setZero(rows, p.value_size);
   t.row_max.assign(rows, -std::numeric_limits<float>::infinity());
   t.row_sum.assign(rows, 0.0f);
@@ -161,22 +165,49 @@ bool OnlineTile(const FlashProblem& p, int64_t row, int64_t rows, TileScratch& t
     t.accumulator.noalias() += t.scores * values;
     begin = end;
   }
+  return true;
+}
+
+}  // namespace
+
+void TermsFinish(const FlashProblem& p, int64_t row, int64_t rows, const float* max,
+                 const float* sum, const float* accumulator) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = row + r;
     const int64_t allowed = std::max<int64_t>(0, p.AllowedKeys(i) - p.bounds.First(i));
-    const float m = t.row_max[r];
+    const float m = max[r];
     const float top = p.terms.has_sink ? std::max(m, p.terms.sink) : m;
     const bool masked_keys_weigh = allowed < p.num_keys && top < kMaskedScore + kMaskedWeightVanishes;
-    if (allowed == 0 || masked_keys_weigh || !std::isfinite(m) || !std::isfinite(t.row_sum[r])) {
+    if (allowed == 0 || masked_keys_weigh || !std::isfinite(m) || !std::isfinite(sum[r])) {
       ExactRow(p, i, nullptr);
       continue;
     }
     const float kept = std::exp(m - top);
-    const float sum = t.row_sum[r] * kept + (p.terms.has_sink ? std::exp(p.terms.sink - top) : 0.0f);
+    const float total = sum[r] * kept + (p.terms.has_sink ? std::exp(p.terms.sink - top) : 0.0f);
     Eigen::Map<Eigen::RowVectorXf> output(p.output + i * p.output_stride, p.value_size);
-    output = t.accumulator.row(r) * (kept / sum);
+    output = Eigen::Map<const Eigen::RowVectorXf>(accumulator + r * p.value_size, p.value_size) *
+             (kept / total);
     if (!output.allFinite()) ExactRow(p, i, nullptr);
   }
+}
+
+bool TermsOverKeys(const FlashProblem& p, int64_t row, int64_t rows, int64_t key_begin,
+                   int64_t key_end, const KeyRangePart& part) {
+  thread_local TileScratch scratch;
+  if (!OnlineKeys(p, row, rows, key_begin, key_end, scratch)) return false;
+  std::copy_n(scratch.row_max.begin(), rows, part.max);
+  std::copy_n(scratch.row_sum.begin(), rows, part.sum);
+  std::copy_n(scratch.accumulator.data(), rows * p.value_size, part.accumulator);
+  return true;
+}
+
+namespace {
+
+// Rows [row, row + rows) on the online path; the rows that need the exact
+// path are recomputed there. False when the problem's WorkStop stopped it.
+bool OnlineTile(const FlashProblem& p, int64_t row, int64_t rows, TileScratch& t) {
+  if (!OnlineKeys(p, row, rows, 0, p.num_keys, t)) return false;
+  TermsFinish(p, row, rows, t.row_max.data(), t.row_sum.data(), t.accumulator.data());
   return true;
 }
 

@@ -279,10 +279,14 @@ HWY_INLINE void RowAccumulateColumns(const FlashTile& t, int64_t key, int64_t ke
 }
 
 // The output columns of one key tile for the one query row: vectors of
-// columns four at a time, then one at a time, then single columns.
+// columns eight at a time (eight chains of FMAs, one per key each, so their
+// latency is covered), then four, then one at a time, then single columns.
 HWY_INLINE void RowAccumulate(const FlashTile& t, int64_t key, int64_t keys, float rescale) {
   const int64_t n = static_cast<int64_t>(hn::Lanes(D()));
   int64_t col = 0;
+  for (; col + 8 * n <= t.value_size; col += 8 * n) {
+    RowAccumulateColumns<8>(t, key, keys, rescale, col);
+  }
   for (; col + 4 * n <= t.value_size; col += 4 * n) {
     RowAccumulateColumns<4>(t, key, keys, rescale, col);
   }
@@ -311,6 +315,11 @@ void FlashRowImpl(const FlashTile& t) {
   for (int64_t key = t.key_begin; key < t.key_end; key += kFlashKeyTile) {
     const int64_t keys = t.key_end - key < kFlashKeyTile ? t.key_end - key : kFlashKeyTile;
     int64_t j = 0;
+    // Eight keys at a time: eight independent chains of FMAs cover their
+    // latency on two ports.
+    for (; j + 8 <= keys; j += 8) {
+      RowScoreKeys<8>(t, key + j, scores + j);
+    }
     for (; j + 4 <= keys; j += 4) RowScoreKeys<4>(t, key + j, scores + j);
     for (; j < keys; ++j) RowScoreKeys<1>(t, key + j, scores + j);
     const int64_t padded = (keys + n - 1) / n * n;

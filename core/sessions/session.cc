@@ -7,6 +7,7 @@
 #include <cmath>
 #include <new>
 #include <optional>
+#include <random>
 #include <string>
 #include <utility>
 
@@ -143,6 +144,11 @@ void Session::State::Trim(int64_t rows) {
 int64_t Session::State::window() const {
   if (memory != SessionMemory::kSelf) return 0;
   return model->kind == Kind::kMultiHead ? model->terms.sliding_window : sliding_window;
+}
+
+int64_t Session::State::row_heads() const {
+  if (model->kind == Kind::kMultiHead) return KvHeads(*model);
+  return kv_heads > 0 ? kv_heads : 1;
 }
 
 int64_t Session::State::first_held_row() const {
@@ -300,24 +306,35 @@ absl::Status CheckOpen(const Model& model, const SessionOpen& open, const Limits
                                              : CheckCrossOpen(model, open, limits);
 }
 
-// Example b's n_k rows of `rows` (B, n_k, width) into `memory`'s blocks:
-// projected by `projection` (its in, out and rows are set here), or copied.
+// Example b's n_k rows of `rows` (B, n_k, width) into `memory`'s blocks of
+// rows cut into `heads` (BlockRows): projected by `projection` (its in, out
+// and rows are set here), or copied. Rows of one head go straight into
+// their block; rows of several are projected a block at a time into
+// `rows_of_block` and put head by head.
 void FillBlocks(const TensorView& rows, int64_t b, const internal::Projection* projection,
-                const internal::BlockRows& memory, int64_t memory_width) {
+                const internal::BlockRows& memory, int64_t memory_width, int64_t heads) {
   const int64_t n_k = rows.shape[1], width = rows.shape[2];
+  std::vector<float> rows_of_block;
   for (int64_t first = 0; first < n_k; first += kKvBlockRows) {
     const int64_t count = std::min(kKvBlockRows, n_k - first);
     const float* in = rows.data.data() + (b * n_k + first) * width;
-    float* out = memory.Row(first, memory_width);
-    if (projection == nullptr) {
-      std::copy_n(in, count * width, out);
+    const float* held = in;
+    if (projection != nullptr) {
+      if (heads > 1) rows_of_block.resize(count * memory_width);
+      internal::Projection part = *projection;
+      part.in = in;
+      part.out = heads > 1 ? rows_of_block.data() : memory.Row(first, memory_width);
+      part.rows = count;
+      internal::ProjectAll(part);
+      if (heads == 1) continue;
+      held = rows_of_block.data();
+    } else if (heads == 1) {
+      std::copy_n(in, count * width, memory.Row(first, memory_width));
       continue;
     }
-    internal::Projection part = *projection;
-    part.in = in;
-    part.out = out;
-    part.rows = count;
-    internal::ProjectAll(part);
+    for (int64_t r = 0; r < count; ++r) {
+      memory.Put(first + r, memory_width, heads, held + r * memory_width);
+    }
   }
 }
 
@@ -363,9 +380,9 @@ absl::Status FillCrossMemory(const SessionOpen& open, Session::State& state) {
   RETURN_IF_ERROR(state.Reserve(n_k));
   for (int64_t b = 0; b < state.batch; ++b) {
     FillBlocks(keys, b, projections.keys ? &*projections.keys : nullptr, state.keys[b],
-               state.key_width);
+               state.key_width, state.row_heads());
     FillBlocks(values, b, projections.values ? &*projections.values : nullptr, state.values[b],
-               state.value_width);
+               state.value_width, state.row_heads());
     if (model.kind == Kind::kDistance) {
       state.key_bias.push_back(
           DistanceKeyBias(keys, b, open.scale ? *open.scale : DefaultScale(model, {})));
@@ -628,4 +645,31 @@ int64_t ChunkRows(const ValidatedStep& step, double max_work) {
 
 void AbandonStep(const ValidatedStep& step) { step.session->state_->Rollback(); }
 
+namespace internal {
+
+absl::Status AppendUncomputed(Session& session, int64_t rows, uint32_t seed) {
+  Session::State& state = *session.state_;
+  if (state.memory != SessionMemory::kSelf || state.key_width == 0) {
+    return absl::FailedPreconditionError(
+        "AppendUncomputed: a self session whose first step fixed its rows");
+  }
+  RETURN_IF_ERROR(state.Reserve(state.length + rows));
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> row(std::max(state.key_width, state.value_width));
+  const auto put = [&](const internal::BlockRows& memory, int64_t t, int64_t width) {
+    for (int64_t c = 0; c < width; ++c) row[c] = uniform(rng);
+    memory.Put(t, width, state.row_heads(), row.data());
+  };
+  for (int64_t b = 0; b < state.batch; ++b) {
+    for (int64_t t = state.length; t < state.length + rows; ++t) {
+      put(state.keys[b], t, state.key_width);
+      if (!state.values_are_keys) put(state.values[b], t, state.value_width);
+    }
+  }
+  state.length += rows;
+  return absl::OkStatus();
+}
+
+}  // namespace internal
 }  // namespace attention

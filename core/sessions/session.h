@@ -16,7 +16,8 @@
 //
 // Memory lives in blocks of kKvBlockRows rows from a KvBlockPool, as vLLM's
 // paged KV cache keeps it, so a session wastes at most one block per example
-// and per tensor; the kernels read the blocks in place. A step that fails
+// and per tensor; a block holds its rows head-major (each kv head's slices
+// of the rows together), and the kernels read the blocks in place. A step that fails
 // (validation, the pool full, a limit, a stop) leaves its session exactly as
 // it was before the step.
 //
@@ -45,6 +46,11 @@
 #include "core/kernels/tile_sizes.h"
 
 namespace attention {
+
+class Session;
+namespace internal {
+absl::Status AppendUncomputed(Session& session, int64_t rows, uint32_t seed);
+}  // namespace internal
 
 // Rows of one block: a multiple of the flash kernel's key tile, so a key
 // tile never straddles two blocks.
@@ -133,6 +139,7 @@ class Session {
                                                     const Limits& limits);
   friend int64_t ChunkRows(const ValidatedStep& step, double max_work);
   friend void AbandonStep(const ValidatedStep& step);
+  friend absl::Status internal::AppendUncomputed(Session& session, int64_t rows, uint32_t seed);
 };
 
 struct SessionStep {

@@ -3,6 +3,7 @@
 // validates, session_steps.cc runs the steps).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -43,15 +44,32 @@ class KvBlockPool::Impl {
 namespace internal {
 
 // One example's rows of one tensor of a session's memory: row t is row
-// t % kKvBlockRows of blocks[t / kKvBlockRows].
+// t % kKvBlockRows of blocks[t / kKvBlockRows]. A row of `width` floats is
+// cut into `heads` slices of width / heads (a kv head's), and a block holds
+// its rows head-major, [head][row][width / heads], as vLLM's paged cache
+// does: one head's keys are contiguous within a block, so the task that
+// reads that head streams them. Row-major blocks would put a head's slices
+// a whole row apart, each on a page of its own at 4 KiB rows, where the
+// hardware prefetchers (which stay within a page) never run ahead.
 struct BlockRows {
   std::vector<float*> blocks;
   // Blocks [0, dropped) went back to the pool (null here): their rows are
   // behind every later query's sliding window.
   int64_t dropped = 0;
 
-  float* Row(int64_t t, int64_t width) const {
-    return blocks[t / kKvBlockRows] + (t % kKvBlockRows) * width;
+  // Head h's slice of row t; the block's next rows of that head follow it.
+  float* Head(int64_t t, int64_t width, int64_t heads, int64_t h) const {
+    const int64_t slice = width / heads;
+    return blocks[t / kKvBlockRows] + (h * kKvBlockRows + t % kKvBlockRows) * slice;
+  }
+  // Row t of rows of one head: the block's next rows follow it.
+  float* Row(int64_t t, int64_t width) const { return Head(t, width, 1, 0); }
+  // Row t from `row` (`width` floats), each head's slice into its place.
+  void Put(int64_t t, int64_t width, int64_t heads, const float* row) const {
+    const int64_t slice = width / heads;
+    for (int64_t h = 0; h < heads; ++h) {
+      std::copy_n(row + h * slice, slice, Head(t, width, heads, h));
+    }
   }
 };
 
@@ -112,6 +130,9 @@ class Session::State {
   // first step: H query heads, H_kv kv heads (0: 3-D rows). key_size and
   // value_size are then one head's, key_width = H_kv key_size.
   int64_t heads = 0, kv_heads = 0;
+  // The heads a key or value row of the blocks is cut into (BlockRows):
+  // multi_head's kv heads, a grouped dot_product session's H_kv, else 1.
+  int64_t row_heads() const;
   // dot_product self memory: the window and soft-cap of every step.
   int64_t sliding_window = 0;
   float softcap = 0;
@@ -121,4 +142,14 @@ class Session::State {
   std::vector<internal::BlockRows> keys, values;  // per example
 };
 
+namespace internal {
+
+// Appends `rows` tokens of random keys and values (uniform in [-1, 1), from
+// `seed`) to every example of a self session whose first step fixed its row
+// widths, with no attention computed for them: for benchmarks of steps at
+// contexts whose prefill would cost minutes of causal attention. The rows
+// are as a step would hold them, so later steps read them as any others.
+absl::Status AppendUncomputed(Session& session, int64_t rows, uint32_t seed);
+
+}  // namespace internal
 }  // namespace attention

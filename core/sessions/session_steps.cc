@@ -168,18 +168,20 @@ absl::Status BeginStep(StepRun& run) {
   return status;
 }
 
-// Keys and values of example b, read in place from the session's blocks
-// from columns `key_column` and `value_column` on.
-void SetMemory(FlashProblem& p, const Session::State& state, int64_t b, int64_t key_column,
-               int64_t value_column) {
+// Keys and values of example b's kv head `kv_head` (0 for rows of one
+// head), read in place from the session's head-major blocks: the head's
+// slices begin at its sub-block and follow each other (BlockRows::Head).
+void SetMemory(FlashProblem& p, const Session::State& state, int64_t b, int64_t kv_head) {
+  const int64_t heads = state.row_heads();
+  const int64_t key_slice = state.key_width / heads, value_slice = state.value_width / heads;
   p.key_blocks = state.keys[b].blocks.data();
   p.value_blocks = (state.values_are_keys ? state.keys : state.values)[b].blocks.data();
   p.block_rows = kKvBlockRows;
   p.first_held_key = state.first_held_row();
-  p.block_column = key_column;
-  p.value_block_column = value_column;
-  p.key_stride = state.key_width;
-  p.value_stride = state.value_width;
+  p.block_column = kv_head * kKvBlockRows * key_slice;
+  p.value_block_column = kv_head * kKvBlockRows * value_slice;
+  p.key_stride = key_slice;
+  p.value_stride = value_slice;
 }
 
 // The bounds of example b: causal from the session's length (self), or its
@@ -326,11 +328,11 @@ void Append(const StepRun& run, const float* keys, const float* values, int64_t 
   const int64_t n = run.dims().num_queries, before = state.length + run.piece.offset;
   for (int64_t b = 0; b < state.batch; ++b) {
     for (int64_t i = 0; i < n; ++i) {
-      std::copy_n(keys + (b * n + i) * key_stride, state.key_width,
-                  state.keys[b].Row(before + i, state.key_width));
+      state.keys[b].Put(before + i, state.key_width, state.row_heads(),
+                        keys + (b * n + i) * key_stride);
       if (state.values_are_keys) continue;
-      std::copy_n(values + (b * n + i) * value_stride, state.value_width,
-                  state.values[b].Row(before + i, state.value_width));
+      state.values[b].Put(before + i, state.value_width, state.row_heads(),
+                          values + (b * n + i) * value_stride);
     }
   }
 }
@@ -393,7 +395,7 @@ void AddHeadTasks(const Model& model, const StepScratch& s, StepRun& run,
       p.bounds.first_query = run.state->length + run.piece.offset;
       p.terms = internal::HeadTerms(model.terms, h);
       p.precision = model.precision;
-      SetMemory(p, *run.state, b, h / group * head_size, h / group * head_size);
+      SetMemory(p, *run.state, b, h / group);
       if (fold) {
         // The group's heads are adjacent columns of the token's row: rows
         // of head_size, all with the token's bound.
@@ -416,9 +418,22 @@ void DistanceQueryBias(StepRun& run) {
       -(0.5f * d.scale) * q.rowwise().squaredNorm();
 }
 
+// Whether a one-token step of a dot_product session over grouped heads
+// runs the query heads of a group as one problem of `group` rows over their
+// kv head, as FoldsGroup does for multi_head: the heads of a group are
+// adjacent rows of the token, all with its bound. Not with a window (whose
+// bound moves with the row) or weights asked for (their layout is per head).
+bool FoldsExampleGroup(const Model& model, const StepRun& run) {
+  const AttentionDims& d = run.dims();
+  return model.kind == Kind::kDotProduct && d.grouped && d.num_queries == 1 &&
+         d.num_heads > d.num_kv_heads && run.state->sliding_window == 0 &&
+         run.result().attention_weights.data.empty();
+}
+
 // The dot-product family: one problem per (step, example, head), on the
 // step's queries (bilinear: mapped by W_k); one head unless the rows are
-// grouped (query head h on kv head h / (H / H_kv)).
+// grouped (query head h on kv head h / (H / H_kv)), or per (step, example,
+// kv head) where FoldsExampleGroup.
 void AddExampleTasks(const Model& model, const StepScratch& s, StepRun& run,
                      std::deque<FlashProblem>& problems, std::vector<AttentionTask>& tasks) {
   const AttentionDims& d = run.dims();
@@ -429,8 +444,9 @@ void AddExampleTasks(const Model& model, const StepScratch& s, StepRun& run,
       mapped ? s.projected + run.first_row * head_size : run.queries().data.data();
   if (model.kind == Kind::kDistance) DistanceQueryBias(run);
   const Session::State& state = *run.state;
+  const bool fold = FoldsExampleGroup(model, run);
   for (int64_t b = 0; b < d.batch; ++b) {
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < heads; h += fold ? group : 1) {
       FlashProblem& p = problems.emplace_back(BaseProblem(run));
       p.queries = queries + (b * d.num_queries * heads + h) * head_size;
       p.query_stride = heads * head_size;
@@ -450,7 +466,14 @@ void AddExampleTasks(const Model& model, const StepScratch& s, StepRun& run,
         p.bounds.first_query = state.length + run.piece.offset;
         p.terms.softcap = state.softcap;
       }
-      SetMemory(p, state, b, h / group * d.key_size, h / group * d.value_size);
+      SetMemory(p, state, b, h / group);
+      if (fold) {
+        p.num_queries = group;
+        p.query_stride = head_size;
+        p.output_stride = d.value_size;
+        p.bounds.valid_len = p.bounds.valid_lens[0];
+        p.bounds.valid_lens = nullptr;
+      }
       internal::AddTasks(p, internal::WeightsOf(run.result(), b * heads + h, d), tasks);
     }
   }
@@ -533,7 +556,7 @@ void RunAdditiveSteps(ThreadPool& pool, const Model& model, const StepScratch& s
 }
 
 // Every step of one model: the memory read in place from the blocks.
-void RunStepsOf(ThreadPool& pool, const Model& model, std::span<StepRun> runs) {
+void RunStepsOf(ThreadPool& pool, const Model& model, std::span<StepRun> runs, bool split_keys) {
   if (runs.empty()) return;
   std::vector<float> once;
   const StepScratch s = PlanScratch(model, runs, once);
@@ -549,7 +572,7 @@ void RunStepsOf(ThreadPool& pool, const Model& model, std::span<StepRun> runs) {
       AddExampleTasks(model, s, run, problems, tasks);
     }
   }
-  internal::RunAttention(pool, tasks);
+  internal::RunAttention(pool, tasks, split_keys);
   if (model.kind == Kind::kMultiHead) ProjectOutput(pool, model, s, runs);
 }
 
@@ -653,7 +676,7 @@ void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionR
     }
     runs.push_back(std::move(run));
   }
-  RunStepsOf(PoolFor(work), model, runs);
+  RunStepsOf(PoolFor(work), model, runs, split_keys_);
   for (StepRun& run : runs) FinishStep(model, run);
 }
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <span>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -565,6 +566,126 @@ TEST(FlashKernelTest, OneCallOverQueryTilesMatchesOneCallPerTile) {
     }
     EXPECT_EQ(one_call, per_tile) << "precision " << static_cast<int>(precision);
     for (int64_t t = 0; t < c.value_size; ++t) ASSERT_TRUE(std::isfinite(one_call[t]));
+  }
+}
+
+// Split-K: keys [0, n_k) in ranges of whole key tiles, each through
+// FlashAttentionOverKeys, then MergeKeyRanges; the rows of [begin, end).
+std::vector<float> SplitAttention(const FlashProblem& base, const Inputs& in, int64_t begin,
+                                  int64_t end, std::span<const int64_t> cuts) {
+  std::vector<float> out(in.c.num_queries * in.OutputStride(), kUntouched);
+  FlashProblem p = base;
+  p.output = out.data();
+  const int64_t rows = end - begin, dv = in.c.value_size;
+  std::vector<std::vector<float>> shares;
+  std::vector<KeyRangePart> parts;
+  for (size_t r = 0; r + 1 < cuts.size(); ++r) {
+    std::vector<float>& share = shares.emplace_back(rows * (2 + dv));
+    parts.push_back({share.data(), share.data() + rows, share.data() + 2 * rows});
+  }
+  for (size_t r = 0; r + 1 < cuts.size(); ++r) {
+    EXPECT_TRUE(FlashAttentionOverKeys(p, begin, end, cuts[r], cuts[r + 1], parts[r]));
+  }
+  MergeKeyRanges(p, begin, end, parts);
+  return out;
+}
+
+// A problem's keys split into ranges computed apart and merged give the
+// reference's output, and the unsplit kernel's to float rounding: one row
+// (a decoding token), a grouped-query group of rows and a full query tile,
+// over every mask form, biases, rows whose allowed scores sit near -1e6
+// (computed again unsplit) and rows with no allowed key.
+TEST(FlashKernelTest, SplitKeysMatchUnsplitAndReference) {
+  std::mt19937 rng(31);
+  constexpr int64_t kKeys = 3 * 1024 + 77;
+  const int64_t cuts[] = {0, 1024, 2048, kKeys};
+  for (int64_t rows : {1, 4, 64}) {
+    for (Mask mask : {Mask::kNone, Mask::kPerExample, Mask::kPerQuery}) {
+      for (bool causal : {false, true}) {
+        for (bool near_masked : {false, true}) {
+          Case c{.num_queries = rows,
+                 .num_keys = kKeys,
+                 .head_size = 16,
+                 .value_size = 12,
+                 .mask = mask,
+                 .valid_len = 1500,
+                 .causal = causal,
+                 .query_bias = !near_masked,
+                 .key_bias = true,
+                 .pad = 1};
+          Inputs in = RandomInputs(c, rng);
+          if (causal) {
+            // Causal rows at the end of the keys, as a decoding step's.
+            for (int32_t& l : in.valid_lens) l = static_cast<int32_t>(kKeys);
+          }
+          if (near_masked) {
+            for (float& b : in.key_bias) b += -1e6f;
+          }
+          SCOPED_TRACE(c.Describe());
+          FlashProblem p = in.Problem(nullptr);
+          if (causal) p.bounds = {.valid_lens = nullptr, .valid_len = INT32_MAX, .causal = false};
+          if (causal) p.bounds.valid_len = static_cast<int32_t>(kKeys - rows / 2);
+          std::vector<float> want(c.num_queries * in.OutputStride(), kUntouched);
+          FlashProblem unsplit = p;
+          unsplit.output = want.data();
+          FlashAttention(unsplit, 0, rows);
+          const std::vector<float> got = SplitAttention(p, in, 0, rows, cuts);
+          // Scores near -1e6 are rounded to float's steps there (1/16),
+          // which the double reference does not see: those rows are held
+          // against the unsplit kernel only.
+          if (!causal && !near_masked) {
+            const Reference ref = NaiveAttention(in);
+            ExpectMatrix(got, in.OutputStride(), ref.output, rows, c.value_size, 0, rows,
+                         "split output");
+          }
+          for (int64_t i = 0; i < rows; ++i) {
+            for (int64_t t = 0; t < c.value_size; ++t) {
+              const int64_t at = i * in.OutputStride() + t;
+              ASSERT_NEAR(got[at], want[at], 1e-6 + 1e-5 * std::abs(want[at]))
+                  << "split and unsplit disagree at (" << i << ", " << t << ")";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The same for problems with score terms and windows (flash_terms.cc):
+// soft-capping, a sink, a window that leaves the first ranges empty for
+// some rows, against the unsplit kernel.
+TEST(FlashKernelTest, SplitKeysWithTermsMatchUnsplit) {
+  std::mt19937 rng(37);
+  constexpr int64_t kKeys = 3 * 1024 + 77;
+  const int64_t cuts[] = {0, 1024, 2048, kKeys};
+  for (int64_t rows : {1, 4}) {
+    for (int variant = 0; variant < 3; ++variant) {
+      Case c{.num_queries = rows, .num_keys = kKeys, .head_size = 16, .value_size = 12, .pad = 1};
+      c.scale = 4.0f;
+      Inputs in = RandomInputs(c, rng);
+      FlashProblem p = in.Problem(nullptr);
+      if (variant == 0) p.terms.softcap = 5.0f;
+      if (variant == 1) p.terms = {.alibi_slope = 0, .softcap = 0, .has_sink = true, .sink = 2.0f};
+      if (variant == 2) {
+        p.bounds.window = 1500;
+        p.bounds.first_query = kKeys - rows;
+        p.bounds.valid_len = static_cast<int32_t>(kKeys);
+        p.terms.softcap = 30.0f;
+      }
+      SCOPED_TRACE("variant " + std::to_string(variant) + " rows " + std::to_string(rows));
+      std::vector<float> want(c.num_queries * in.OutputStride(), kUntouched);
+      FlashProblem unsplit = p;
+      unsplit.output = want.data();
+      FlashAttention(unsplit, 0, rows);
+      const std::vector<float> got = SplitAttention(p, in, 0, rows, cuts);
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t t = 0; t < c.value_size; ++t) {
+          const int64_t at = i * in.OutputStride() + t;
+          ASSERT_NEAR(got[at], want[at], 1e-6 + 1e-5 * std::abs(want[at]))
+              << "split and unsplit disagree at (" << i << ", " << t << ")";
+        }
+      }
+    }
   }
 }
 

@@ -723,5 +723,69 @@ TEST(SessionOpen, KeepsItsModelVersion) {
   EXPECT_TRUE(version.expired());
 }
 
+// A one-token step over a long context on an engine that splits its keys
+// (EngineOptions::split_keys) answers as one that does not, to float
+// rounding: 3-D rows, grouped heads folded (4-D, keys and values apart),
+// a window with a soft-cap, and weights asked for (served unsplit).
+TEST(SelfSession, SplitKeysMatchUnsplitSteps) {
+  struct Config {
+    int64_t heads, kv_heads;  // 0: 3-D rows
+    int64_t window;
+    float softcap;
+    bool weights;
+  };
+  constexpr int64_t kSize = 16, kContext = 4500;
+  Engine split(EngineOptions{.num_threads = 2, .serial_work = -1});
+  Engine unsplit(EngineOptions{.num_threads = 2, .serial_work = -1, .split_keys = false});
+  auto model = std::make_shared<const Model>(DotProductModel());
+  std::mt19937 rng(41);
+  for (const Config& config : {Config{0, 0, 0, 0, false}, Config{8, 2, 0, 0, false},
+                               Config{8, 2, 0, 3.0f, false}, Config{0, 0, 2500, 5.0f, false},
+                               Config{8, 2, 0, 0, true}}) {
+    SCOPED_TRACE("heads " + std::to_string(config.heads) + " window " +
+                 std::to_string(config.window) + " weights " + std::to_string(config.weights));
+    const bool grouped = config.heads > 0;
+    const int64_t heads = grouped ? config.heads : 1, kv_heads = grouped ? config.kv_heads : 1;
+    const std::vector<float> queries = RandomData(rng, heads * kSize);
+    const std::vector<float> keys = RandomData(rng, kv_heads * kSize);
+    const std::vector<float> values = RandomData(rng, kv_heads * kSize);
+    SessionStep step{.queries = grouped ? TensorView{{1, 1, heads, kSize}, queries}
+                                        : TensorView{{1, 1, kSize}, queries},
+                     .return_attention_weights = config.weights};
+    if (grouped) {
+      step.keys = TensorView{{1, 1, kv_heads, kSize}, keys};
+      step.values = TensorView{{1, 1, kv_heads, kSize}, values};
+    }
+    KvBlockPool pool(int64_t{1} << 30);
+    std::vector<AttentionResult> answers[2];
+    Engine* engines[2] = {&split, &unsplit};
+    for (int e = 0; e < 2; ++e) {
+      absl::StatusOr<std::unique_ptr<Session>> session = Session::Open(
+          model, pool,
+          {.memory = SessionMemory::kSelf, .sliding_window = config.window, .softcap = config.softcap});
+      ASSERT_TRUE(session.ok()) << session.status();
+      for (int t = 0; t < 3; ++t) {
+        absl::StatusOr<ValidatedStep> validated = ValidateStep(**session, step);
+        ASSERT_TRUE(validated.ok()) << validated.status();
+        AttentionResult& result = answers[e].emplace_back();
+        engines[e]->RunSteps({&*validated, 1}, {&result, 1});
+        ASSERT_TRUE(result.status.ok()) << result.status;
+        if (t == 0) {
+          ASSERT_TRUE(internal::AppendUncomputed(**session, kContext, 7).ok());
+        }
+      }
+    }
+    for (int t = 0; t < 3; ++t) {
+      const std::vector<float>& got = answers[0][t].output.data;
+      const std::vector<float>& want = answers[1][t].output.data;
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_NEAR(got[i], want[i], 1e-6 + 1e-5 * std::abs(want[i])) << "step " << t << " at " << i;
+      }
+      EXPECT_EQ(answers[0][t].attention_weights.data, answers[1][t].attention_weights.data);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attention
