@@ -21,6 +21,11 @@ constexpr absl::Duration kLongestSweepPause = absl::Seconds(1);
 
 absl::Status WhyEnded(SessionEnd reason, const std::string& id, double idle_seconds) {
   switch (reason) {
+    case SessionEnd::kPreempted:
+      return absl::UnavailableError(absl::StrCat(
+          "session ", id, " was preempted: the server's session memory (--session-memory-bytes) "
+          "was full and its blocks went to another session; its keys and values are gone: open "
+          "it again and send its rows as one step"));
     case SessionEnd::kExpired:
       return absl::AbortedError(absl::StrCat("session ", id, " expired after ", idle_seconds,
                                              " s without a step (--session-idle-seconds); its "
@@ -51,6 +56,7 @@ struct SessionTable::Entry {
   absl::Time last_step;
   bool busy = false;
   absl::Status ended;  // OK while open
+  SessionEnd end_reason = SessionEnd::kClosed;  // once ended
 };
 
 std::string_view SessionEndName(SessionEnd reason) {
@@ -65,6 +71,8 @@ std::string_view SessionEndName(SessionEnd reason) {
       return "failed";
     case SessionEnd::kShutdown:
       return "shutdown";
+    case SessionEnd::kPreempted:
+      return "preempted";
   }
   return "closed";
 }
@@ -78,7 +86,13 @@ std::string SequenceKey(std::string_view model, std::string_view id) {
 }
 
 SessionTable::SessionTable(SessionOptions options, Limits limits, ServerMetrics* metrics)
-    : options_(options), limits_(limits), metrics_(metrics), pool_(options.memory_bytes) {
+    : options_(options),
+      limits_(limits),
+      metrics_(metrics),
+      // The pool asks again while the bytes do not fit, so one session a call.
+      pool_(options.memory_bytes,
+            options.preemption ? KvBlockPool::Reclaim([this](int64_t) { return Preempt(); })
+                               : nullptr) {
   UpdateGauges();
   sweeper_ = std::thread([this] {
     NameCurrentThread("session-sweep");
@@ -206,6 +220,7 @@ void SessionTable::Close(const Handle& handle, SessionEnd reason) {
 
 void SessionTable::EndLocked(Handle entry, SessionEnd reason, absl::Status why) {
   entry->ended = std::move(why);
+  entry->end_reason = reason;
   open_.erase(entry->key);
   // A sequence the server ended tells its next request why; one its client
   // ended is simply unknown again.
@@ -228,8 +243,30 @@ void SessionTable::StopOpening() {
   opening_ = false;
 }
 
+bool SessionTable::Preempt() {
+  OnEnd on_end;
+  absl::Status why;
+  {
+    absl::MutexLock lock(&mu_);
+    // A busy session's blocks are the engine's until EndStep: neither its
+    // held bytes nor its end are touched here.
+    Handle victim;
+    for (const auto& [key, entry] : open_) {
+      if (entry->busy || entry->session == nullptr || entry->session->held_bytes() == 0) continue;
+      if (victim == nullptr || entry->last_step < victim->last_step) victim = entry;
+    }
+    if (victim == nullptr) return false;
+    on_end = std::exchange(victim->on_end, nullptr);
+    why = WhyEnded(SessionEnd::kPreempted, victim->id, 0);
+    EndLocked(victim, SessionEnd::kPreempted, why);
+  }
+  if (on_end) on_end(SessionEnd::kPreempted, why);
+  UpdateGauges();
+  return true;
+}
+
 int SessionTable::EndAll() {
-  std::vector<OnEnd> to_call;
+  std::vector<std::pair<OnEnd, absl::Status>> to_call;
   int ended = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -237,12 +274,13 @@ int SessionTable::EndAll() {
     std::vector<Handle> open;
     for (auto& [key, handle] : open_) open.push_back(handle);
     for (const Handle& handle : open) {
-      if (handle->on_end) to_call.push_back(std::exchange(handle->on_end, nullptr));
-      EndLocked(handle, SessionEnd::kShutdown, WhyEnded(SessionEnd::kShutdown, handle->id, 0));
+      absl::Status why = WhyEnded(SessionEnd::kShutdown, handle->id, 0);
+      if (handle->on_end) to_call.emplace_back(std::exchange(handle->on_end, nullptr), why);
+      EndLocked(handle, SessionEnd::kShutdown, std::move(why));
       ++ended;
     }
   }
-  for (OnEnd& on_end : to_call) on_end();
+  for (auto& [on_end, why] : to_call) on_end(SessionEnd::kShutdown, why);
   UpdateGauges();
   return ended;
 }
@@ -286,6 +324,11 @@ bool SessionTable::AwaitNoneOpen(absl::Time deadline) const {
 int64_t SessionTable::Length(const Handle& handle) const {
   absl::MutexLock lock(&mu_);
   return handle->session != nullptr ? handle->session->length() : 0;
+}
+
+bool SessionTable::Preempted(const Handle& handle) const {
+  absl::MutexLock lock(&mu_);
+  return !handle->ended.ok() && handle->end_reason == SessionEnd::kPreempted;
 }
 
 const std::string& SessionTable::Id(const Handle& handle) { return handle->id; }
