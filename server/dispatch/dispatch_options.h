@@ -44,7 +44,7 @@ struct DispatchOptions {
   // no session could be preempted for it, all holding blocks being in a
   // step) waits in its batcher and begins with a later batch, once a session
   // ends or can be preempted, rather than being refused: at most
-  // kLongestBlockWait (execution.cc: 30 s) and while its deadline allows. Set with
+  // kLongestBlockWait (execution.cc: 60 s) and while its deadline allows. Set with
   // --session-preemption on.
   bool steps_wait_for_blocks = false;
   // Mutual TLS: client certificate names (SAN or CN) allowed to call;

@@ -29,7 +29,7 @@ constexpr size_t kAnswerInlineTasks = 1;
 // session ending, or one with no step in flight to preempt); then it is
 // refused RESOURCE_EXHAUSTED. The bound ends a wait no other step can end:
 // every session holding blocks itself waiting for more.
-constexpr absl::Duration kLongestBlockWait = absl::Seconds(30);
+constexpr absl::Duration kLongestBlockWait = absl::Seconds(60);
 
 // A batch of nothing but steps waiting for blocks pauses its batcher thread
 // this long before the next, rather than asking the pool again at once.

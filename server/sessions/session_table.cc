@@ -19,6 +19,12 @@ constexpr size_t kRememberedEnds = 4096;
 // The sweeper wakes this often at most, so expiry is late by at most this.
 constexpr absl::Duration kLongestSweepPause = absl::Seconds(1);
 
+// A session whose step took blocks is not preempted for this many times
+// that step's time after it (a prefill's, a replay's): what preemption
+// costs, the step again, stays within a fifth of a session's time in the
+// pool, however many sessions want the memory.
+constexpr int kResidencyPerStepTime = 4;
+
 absl::Status WhyEnded(SessionEnd reason, const std::string& id, double idle_seconds) {
   switch (reason) {
     case SessionEnd::kPreempted:
@@ -54,6 +60,11 @@ struct SessionTable::Entry {
   std::unique_ptr<Session> session;  // null once freed
   OnEnd on_end;
   absl::Time last_step;
+  // The step in flight: when it began, and the bytes held before it.
+  absl::Time step_began;
+  int64_t held_before_step = 0;
+  // Not preempted before then (kResidencyPerStepTime).
+  absl::Time kept_until = absl::InfinitePast();
   bool busy = false;
   absl::Status ended;  // OK while open
   SessionEnd end_reason = SessionEnd::kClosed;  // once ended
@@ -187,6 +198,8 @@ absl::StatusOr<Session*> SessionTable::BeginStep(const Handle& handle) {
         ": a step is still being computed; send a session's steps one after another"));
   }
   handle->busy = true;
+  handle->step_began = absl::Now();
+  handle->held_before_step = handle->session->held_bytes();
   return handle->session.get();
 }
 
@@ -199,6 +212,10 @@ void SessionTable::EndStep(const Handle& handle, int64_t tokens) {
     if (!handle->ended.ok() && handle->session != nullptr) {
       handle->session.reset();
       freed = true;
+    } else if (handle->session != nullptr &&
+               handle->session->held_bytes() > handle->held_before_step) {
+      handle->kept_until = handle->last_step +
+                           kResidencyPerStepTime * (handle->last_step - handle->step_began);
     }
   }
   if (tokens > 0) {
@@ -250,9 +267,13 @@ bool SessionTable::Preempt() {
     absl::MutexLock lock(&mu_);
     // A busy session's blocks are the engine's until EndStep: neither its
     // held bytes nor its end are touched here.
+    const absl::Time now = absl::Now();
     Handle victim;
     for (const auto& [key, entry] : open_) {
-      if (entry->busy || entry->session == nullptr || entry->session->held_bytes() == 0) continue;
+      if (entry->busy || entry->session == nullptr || now < entry->kept_until ||
+          entry->session->held_bytes() == 0) {
+        continue;
+      }
       if (victim == nullptr || entry->last_step < victim->last_step) victim = entry;
     }
     if (victim == nullptr) return false;

@@ -17,7 +17,9 @@
 // the pool is full, the blocks a new session or a step needs are taken from
 // the session stepped least recently among those with no step queued or
 // running, which ends with UNAVAILABLE; clients that keep their rows replay
-// it (docs/api.md 11.6). The pool asks for them (KvBlockPool::Reclaim) on
+// it (docs/api.md 11.6). A session whose step took blocks is kept for four
+// times that step's time after it, so the memory does not go round faster
+// than the prefills it costs. The pool asks for them (KvBlockPool::Reclaim) on
 // the thread that needs the blocks, with no lock of the table held.
 //
 //   SessionTable table(options, limits, &metrics);
@@ -147,7 +149,8 @@ class SessionTable {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Remember(const std::string& key, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The pool's Reclaim: ends the least recently stepped session that holds
-  // blocks and has no step in flight; false when there is none.
+  // blocks, has no step in flight and is past its kept time; false when
+  // there is none.
   bool Preempt();
   void UpdateGauges() const;
   void SweepLoop();
