@@ -7,10 +7,11 @@
 // one RunSteps get what they get alone; a step refused by the pool, by
 // max_length or by its stop leaves its session as it was; blocks go back to
 // the pool; a full pool asks its reclaim for room, and a session larger than
-// the empty pool is refused without asking. A step computed in pieces (chunked prefill: ValidatedStep::
-// chunk_rows) answers as in one piece, beside other sessions' steps too; a
-// piece stopped, refused or abandoned leaves the session as before the step;
-// ChunkRows cuts pieces within a work budget. Run once per kernel path
+// the empty pool is refused without asking. A step computed in pieces
+// (chunked prefill: ValidatedStep::chunk_rows) answers as in one piece,
+// beside other sessions' steps too; a piece stopped, refused or abandoned
+// leaves the session as before the step; ChunkRows cuts pieces within a
+// work budget. Run once per kernel path
 // (tests/CMakeLists.txt).
 #include "core/sessions/session.h"
 
@@ -437,10 +438,15 @@ TEST(SessionLimits, FullPoolRefusesTheStepAndLeavesTheSessionAsItWas) {
   EXPECT_EQ(pool.used_bytes(), 0);
 }
 
+// Sessions of the reclaim tests: dot_product rows of kReclaimWidth floats,
+// held once as keys and values, a block of kReclaimBlock bytes.
+constexpr int64_t kReclaimWidth = 4;
+constexpr int64_t kReclaimBlock =
+    kKvBlockRows * kReclaimWidth * static_cast<int64_t>(sizeof(float));
+
 TEST(SessionLimits, FullPoolAsksItsReclaimForRoomAndTakesWhatItFrees) {
   std::mt19937 rng(34);
-  const int64_t d = 4;
-  const int64_t block = kKvBlockRows * d * static_cast<int64_t>(sizeof(float));
+  const int64_t d = kReclaimWidth, block = kReclaimBlock;
   const auto model = std::make_shared<Model>(DotProductModel());
   Engine engine;
   // The reclaim ends the oldest session still held, as a server's table would.
@@ -483,8 +489,7 @@ TEST(SessionLimits, FullPoolAsksItsReclaimForRoomAndTakesWhatItFrees) {
 
 TEST(SessionLimits, SessionLargerThanTheEmptyPoolIsRefusedWithoutReclaiming) {
   std::mt19937 rng(35);
-  const int64_t d = 4;
-  const int64_t block = kKvBlockRows * d * static_cast<int64_t>(sizeof(float));
+  const int64_t d = kReclaimWidth, block = kReclaimBlock;
   const auto model = std::make_shared<Model>(DotProductModel());
   Engine engine;
   int asked = 0;

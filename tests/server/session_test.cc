@@ -487,8 +487,9 @@ TEST_F(SessionTest, ANewSessionPreemptsTheLeastRecentlySteppedIdleOne) {
   const v1::SessionResponse kept = newer.Step(Rows(tokens, 8, 9));
   ASSERT_FALSE(kept.has_error()) << kept.error().message();
   EXPECT_EQ(kept.length(), 9);
-  EXPECT_LE(MaxDifference(kept.output(), CausalPrefixAnswer(*stub_, "mh_torch_small", tokens, 9, 1)),
-            kTolerance);
+  EXPECT_LE(
+      MaxDifference(kept.output(), CausalPrefixAnswer(*stub_, "mh_torch_small", tokens, 9, 1)),
+      kTolerance);
   EXPECT_EQ(Preemptions(*server_), 1);
   EXPECT_TRUE(newer.Close().ok());
   EXPECT_TRUE(opening.Close().ok());

@@ -100,7 +100,8 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
           " is open already; a stream holds one session (open another stream)"));
     }
     absl::StatusOr<SessionTable::Handle> handle = sessions_->Open(
-        open.model(), served, ToSessionOpen(open), {}, EndStreamWithSession(link_, /*at_preemption=*/true));
+        open.model(), served, ToSessionOpen(open), {},
+        EndStreamWithSession(link_, /*at_preemption=*/true));
     if (!handle.ok()) return handle.status();
     session_ = *std::move(handle);
     model_ = open.model();
