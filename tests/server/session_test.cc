@@ -7,8 +7,8 @@
 // (--max-sessions, --max-session-length, --session-memory-bytes) refuse with
 // RESOURCE_EXHAUSTED naming them and other sessions go on; a full pool
 // preempts the least recently stepped session with no step in flight (its
-// stream ends UNAVAILABLE, counted), a step waits while every holder is in a
-// step, a session larger than the empty pool is refused naming the sizes,
+// stream ends UNAVAILABLE, counted; a Triton sequence is told at its next
+// request), a step waits while every holder is in a step, a session larger than the empty pool is refused naming the sizes,
 // and --session-preemption off refuses as the pool fills; idle expiry;
 // a session keeps its version across a reload; SIGTERM with sessions open
 // gives only OK and UNAVAILABLE, and the steps of Triton sequences sent as
@@ -909,6 +909,35 @@ TEST_F(SessionTest, TritonSequencesThroughModelInfer) {
     // Replicas hold their own sequences: the answer names the edge's routing header.
     EXPECT_THAT(after.error_message(), HasSubstr("attention-sequence-id"));
   }
+}
+
+TEST_F(SessionTest, APreemptedSequenceIsToldAtItsNextRequest) {
+  StartServer({"--session-memory-bytes", kTwoSmallSessions});
+  auto infer = InferStub(server_->Channel());
+  std::mt19937 rng(45);
+  const v1::Tensor tokens = RandomTensor(1, 6, 16, rng);
+  inference::InferParameter id;
+  id.set_int64_param(7);
+  auto request = [&](int64_t from, int64_t to, bool start) {
+    inference::ModelInferResponse response;
+    grpc::ClientContext context;
+    return infer.ModelInfer(
+        &context, SequenceRequest("mh_torch_small", Rows(tokens, from, to), id, start, false),
+        &response);
+  };
+  ASSERT_TRUE(request(0, 3, true).ok());
+  SessionCall first(*stub_), second(*stub_);
+  for (SessionCall* call : {&first, &second}) {
+    ASSERT_FALSE(call->Open(SelfOpen("mh_torch_small")).has_error());
+    const v1::SessionResponse answer = call->Step(Rows(tokens, 0, 4));
+    ASSERT_FALSE(answer.has_error()) << answer.error().message();
+  }
+  const grpc::Status told = request(3, 4, false);
+  EXPECT_EQ(told.error_code(), grpc::StatusCode::UNAVAILABLE) << told.error_message();
+  EXPECT_THAT(told.error_message(), HasSubstr("preempted"));
+  EXPECT_EQ(Preemptions(*server_), 1);
+  EXPECT_TRUE(first.Close().ok());
+  EXPECT_TRUE(second.Close().ok());
 }
 
 // What a session does not take is refused naming it, and the session goes
