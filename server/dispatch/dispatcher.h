@@ -271,8 +271,9 @@ class Dispatcher {
                                                     std::vector<AttentionResult>& results);
   // Whether a step whose first piece got `result` waits for a later batch:
   // the pool was full, steps_wait_for_blocks is set, and neither its
-  // deadline, its call nor kLongestBlockWait has run out.
-  bool WaitsForBlocks(Task& task, const AttentionResult& result) const;
+  // deadline, its call nor kLongestBlockWait has run out (the first two
+  // then become `result`'s status).
+  bool WaitsForBlocks(Task& task, AttentionResult& result) const;
   // Work units of a session step's next piece: chunk_work, within the
   // request work limit; 0: the whole step.
   double ChunkWork() const;

@@ -183,9 +183,15 @@ std::vector<std::unique_ptr<Dispatcher::Task>> Dispatcher::RunBatch(
   return unfinished;
 }
 
-bool Dispatcher::WaitsForBlocks(Task& task, const AttentionResult& result) const {
+bool Dispatcher::WaitsForBlocks(Task& task, AttentionResult& result) const {
   if (!options_.steps_wait_for_blocks || task.validated_step.done_rows > 0 ||
-      !PoolWasFull(result.status) || !task.StopReason().ok()) {
+      !PoolWasFull(result.status)) {
+    return false;
+  }
+  // A waiting step whose deadline passed or whose call was cancelled is
+  // answered so, as a queued one would be.
+  if (absl::Status stop = task.StopReason(); !stop.ok()) {
+    result.status = std::move(stop);
     return false;
   }
   const absl::Time now = absl::Now();
