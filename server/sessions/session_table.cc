@@ -25,6 +25,13 @@ constexpr absl::Duration kLongestSweepPause = absl::Seconds(1);
 // pool, however many sessions want the memory.
 constexpr int kResidencyPerStepTime = 4;
 
+// After the pool found no session to preempt, every step that ends within
+// this long looks again (EndStep) and preempts the session it can: a step
+// waiting for blocks retries only with its model's next batch, by when the
+// sessions just answered have mostly sent their next step (busy again), so
+// the end of their step is when they can be taken.
+constexpr absl::Duration kWantedFor = absl::Milliseconds(50);
+
 absl::Status WhyEnded(SessionEnd reason, const std::string& id, double idle_seconds) {
   switch (reason) {
     case SessionEnd::kPreempted:
@@ -205,6 +212,9 @@ absl::StatusOr<Session*> SessionTable::BeginStep(const Handle& handle) {
 
 void SessionTable::EndStep(const Handle& handle, int64_t tokens) {
   bool freed = false;
+  OnEnd on_end;
+  absl::Status why;
+  bool preempted = false;
   {
     absl::MutexLock lock(&mu_);
     handle->busy = false;
@@ -217,12 +227,20 @@ void SessionTable::EndStep(const Handle& handle, int64_t tokens) {
       handle->kept_until = handle->last_step +
                            kResidencyPerStepTime * (handle->last_step - handle->step_began);
     }
+    if (handle->last_step < wanted_until_) {
+      if (Handle victim = VictimLocked(handle->last_step); victim != nullptr) {
+        wanted_until_ = absl::InfinitePast();
+        on_end = PreemptLocked(victim, &why);
+        preempted = true;
+      }
+    }
   }
+  if (on_end) on_end(SessionEnd::kPreempted, why);
   if (tokens > 0) {
     handle->counters.steps->Increment();
     handle->counters.tokens->Increment(static_cast<double>(tokens));
   }
-  if (freed || tokens > 0) UpdateGauges();
+  if (freed || tokens > 0 || preempted) UpdateGauges();
 }
 
 void SessionTable::Close(const Handle& handle, SessionEnd reason) {
@@ -260,26 +278,38 @@ void SessionTable::StopOpening() {
   opening_ = false;
 }
 
+SessionTable::Handle SessionTable::VictimLocked(absl::Time now) const {
+  // A busy session's blocks are the engine's until EndStep: neither its
+  // held bytes nor its end are touched here.
+  Handle victim;
+  for (const auto& [key, entry] : open_) {
+    if (entry->busy || entry->session == nullptr || now < entry->kept_until ||
+        entry->session->held_bytes() == 0) {
+      continue;
+    }
+    if (victim == nullptr || entry->last_step < victim->last_step) victim = entry;
+  }
+  return victim;
+}
+
+SessionTable::OnEnd SessionTable::PreemptLocked(const Handle& victim, absl::Status* why) {
+  *why = WhyEnded(SessionEnd::kPreempted, victim->id, 0);
+  EndLocked(victim, SessionEnd::kPreempted, *why);
+  return std::exchange(victim->on_end, nullptr);
+}
+
 bool SessionTable::Preempt() {
   OnEnd on_end;
   absl::Status why;
   {
     absl::MutexLock lock(&mu_);
-    // A busy session's blocks are the engine's until EndStep: neither its
-    // held bytes nor its end are touched here.
     const absl::Time now = absl::Now();
-    Handle victim;
-    for (const auto& [key, entry] : open_) {
-      if (entry->busy || entry->session == nullptr || now < entry->kept_until ||
-          entry->session->held_bytes() == 0) {
-        continue;
-      }
-      if (victim == nullptr || entry->last_step < victim->last_step) victim = entry;
+    Handle victim = VictimLocked(now);
+    if (victim == nullptr) {
+      wanted_until_ = now + kWantedFor;
+      return false;
     }
-    if (victim == nullptr) return false;
-    on_end = std::exchange(victim->on_end, nullptr);
-    why = WhyEnded(SessionEnd::kPreempted, victim->id, 0);
-    EndLocked(victim, SessionEnd::kPreempted, why);
+    on_end = PreemptLocked(victim, &why);
   }
   if (on_end) on_end(SessionEnd::kPreempted, why);
   UpdateGauges();

@@ -150,8 +150,13 @@ class SessionTable {
   void Remember(const std::string& key, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The pool's Reclaim: ends the least recently stepped session that holds
   // blocks, has no step in flight and is past its kept time; false when
-  // there is none.
+  // there is none, and then for kWantedFor every EndStep looks again and
+  // preempts the session it can, whose blocks the waiting step takes.
   bool Preempt();
+  // The session Preempt() ends, if any.
+  Handle VictimLocked(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends `victim` as preempted: why, and the OnEnd to call without mu_.
+  OnEnd PreemptLocked(const Handle& victim, absl::Status* why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGauges() const;
   void SweepLoop();
 
@@ -169,6 +174,8 @@ class SessionTable {
   // Why recently ended sequences ended, so their next request is told; the
   // oldest forgotten beyond kRememberedEnds.
   absl::flat_hash_map<std::string, absl::Status> ended_ ABSL_GUARDED_BY(mu_);
+  // Until when a step wants blocks no session could give it (Preempt).
+  absl::Time wanted_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);
   std::thread sweeper_;
 };
