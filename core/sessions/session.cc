@@ -58,7 +58,7 @@ void KvBlockPool::Impl::MakeRoom() {
 }
 
 absl::Status KvBlockPool::Impl::Allocate(int64_t width, int64_t count,
-                                         std::vector<float*>& blocks) {
+                                         std::vector<float*>& blocks, const Session* asking) {
   if (count <= 0) return absl::OkStatus();
   const int64_t bytes = count * BlockBytes(width);
   for (;;) {
@@ -73,7 +73,7 @@ absl::Status KvBlockPool::Impl::Allocate(int64_t width, int64_t count,
     }
     // Another thread may take the room an ended session gave back before
     // this one looks again: then it asks again, while sessions can be ended.
-    if (reclaim_ == nullptr || !reclaim_(bytes)) {
+    if (reclaim_ == nullptr || !reclaim_(asking, bytes)) {
       absl::Status full = absl::ResourceExhaustedError(
           absl::StrCat("session memory: the pool's capacity of ", capacity_bytes_,
                        " bytes is full (", used, " bytes held by sessions, ", bytes,
@@ -148,9 +148,10 @@ absl::Status Session::State::Reserve(int64_t rows) {
         pool.capacity_bytes(), " bytes"));
   }
   std::vector<float*> new_keys, new_values;
-  RETURN_IF_ERROR(pool.Allocate(key_width, more * batch, new_keys));
+  RETURN_IF_ERROR(pool.Allocate(key_width, more * batch, new_keys, owner));
   if (!values_are_keys) {
-    if (absl::Status status = pool.Allocate(value_width, more * batch, new_values); !status.ok()) {
+    if (absl::Status status = pool.Allocate(value_width, more * batch, new_values, owner);
+        !status.ok()) {
       pool.Release(key_width, new_keys);
       return status;
     }
@@ -437,7 +438,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(std::shared_ptr<const Mod
   return std::unique_ptr<Session>(new Session(std::move(state)));
 }
 
-Session::Session(std::unique_ptr<State> state) : state_(std::move(state)) {}
+Session::Session(std::unique_ptr<State> state) : state_(std::move(state)) { state_->owner = this; }
 
 Session::~Session() = default;
 

@@ -51,19 +51,22 @@ namespace attention {
 // tile never straddles two blocks.
 inline constexpr int64_t kKvBlockRows = 4 * kFlashKeyTile;
 
+class Session;
+
 // Blocks of kKvBlockRows x width floats, for every session of a server, with
 // one byte budget. Thread-safe. Freed blocks are kept for reuse up to the
 // budget, so a server's memory for sessions never exceeds capacity_bytes.
 class KvBlockPool {
  public:
-  // Asked for room when `bytes` more do not fit: ends a session that holds
-  // blocks (its destructor gives them back) and returns true, or returns
-  // false when none can be ended, and the blocks are refused. Called
-  // without the pool's lock, on the thread that asked for the blocks, which
-  // holds their session: the reclaimer must never end that one (a server
-  // ends only sessions with no step in flight, and the one asking either is
-  // in a step or is not open yet).
-  using Reclaim = std::function<bool(int64_t bytes)>;
+  // Asked for room when `bytes` more do not fit for `asking` (null: a
+  // session being opened): ends a session that holds blocks (its destructor
+  // gives them back) and returns true, or returns false when none can be
+  // ended, and the blocks are refused. Called without the pool's lock, on
+  // the thread that asked for the blocks, which holds `asking`: the
+  // reclaimer must never end that one (a server ends only sessions with no
+  // step in flight, and the one asking either is in a step or is not open
+  // yet).
+  using Reclaim = std::function<bool(const Session* asking, int64_t bytes)>;
 
   explicit KvBlockPool(int64_t capacity_bytes, Reclaim reclaim = nullptr);
   ~KvBlockPool();

@@ -29,7 +29,8 @@ class KvBlockPool::Impl {
   // Appends `count` blocks of kKvBlockRows x `width` floats to `blocks`, all
   // or none. When they do not fit, asks the Reclaim for room as long as it
   // ends sessions; then RESOURCE_EXHAUSTED naming the capacity (PoolWasFull).
-  absl::Status Allocate(int64_t width, int64_t count, std::vector<float*>& blocks);
+  absl::Status Allocate(int64_t width, int64_t count, std::vector<float*>& blocks,
+                        const Session* asking);
   void Release(int64_t width, std::span<float* const> blocks);
 
  private:
@@ -100,6 +101,7 @@ class Session::State {
 
   std::shared_ptr<const Model> model;
   KvBlockPool::Impl& pool;
+  const Session* owner = nullptr;  // null until Open() made the Session
   const SessionMemory memory;
   const int64_t batch;
   int64_t length = 0;      // rows per example that steps have committed

@@ -69,6 +69,9 @@ struct SessionTable::Entry {
   absl::Time last_step;
   // The step in flight: when it began, and the bytes held before it.
   absl::Time step_began;
+  // When the pool last found no room for its step (Preempt): the step's
+  // time for kResidencyPerStepTime is counted from then, not its wait.
+  absl::Time refused_at = absl::InfinitePast();
   int64_t held_before_step = 0;
   // Not preempted before then (kResidencyPerStepTime).
   absl::Time kept_until = absl::InfinitePast();
@@ -109,7 +112,9 @@ SessionTable::SessionTable(SessionOptions options, Limits limits, ServerMetrics*
       metrics_(metrics),
       // The pool asks again while the bytes do not fit, so one session a call.
       pool_(options.memory_bytes,
-            options.preemption ? KvBlockPool::Reclaim([this](int64_t) { return Preempt(); })
+            options.preemption ? KvBlockPool::Reclaim([this](const Session* asking, int64_t) {
+              return Preempt(asking);
+            })
                                : nullptr) {
   UpdateGauges();
   sweeper_ = std::thread([this] {
@@ -224,8 +229,8 @@ void SessionTable::EndStep(const Handle& handle, int64_t tokens) {
       freed = true;
     } else if (handle->session != nullptr &&
                handle->session->held_bytes() > handle->held_before_step) {
-      handle->kept_until = handle->last_step +
-                           kResidencyPerStepTime * (handle->last_step - handle->step_began);
+      const absl::Time began = std::max(handle->step_began, handle->refused_at);
+      handle->kept_until = handle->last_step + kResidencyPerStepTime * (handle->last_step - began);
     }
     if (handle->last_step < wanted_until_) {
       if (Handle victim = VictimLocked(handle->last_step); victim != nullptr) {
@@ -298,12 +303,17 @@ SessionTable::OnEnd SessionTable::PreemptLocked(const Handle& victim, absl::Stat
   return std::exchange(victim->on_end, nullptr);
 }
 
-bool SessionTable::Preempt() {
+bool SessionTable::Preempt(const Session* asking) {
   OnEnd on_end;
   absl::Status why;
   {
     absl::MutexLock lock(&mu_);
     const absl::Time now = absl::Now();
+    if (asking != nullptr) {
+      for (const auto& [key, entry] : open_) {
+        if (entry->session.get() == asking) entry->refused_at = now;
+      }
+    }
     Handle victim = VictimLocked(now);
     if (victim == nullptr) {
       wanted_until_ = now + kWantedFor;

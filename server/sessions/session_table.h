@@ -152,7 +152,7 @@ class SessionTable {
   // blocks, has no step in flight and is past its kept time; false when
   // there is none, and then for kWantedFor every EndStep looks again and
   // preempts the session it can, whose blocks the waiting step takes.
-  bool Preempt();
+  bool Preempt(const Session* asking);
   // The session Preempt() ends, if any.
   Handle VictimLocked(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends `victim` as preempted: why, and the OnEnd to call without mu_.

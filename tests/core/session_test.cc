@@ -452,7 +452,8 @@ TEST(SessionLimits, FullPoolAsksItsReclaimForRoomAndTakesWhatItFrees) {
   // The reclaim ends the oldest session still held, as a server's table would.
   std::vector<std::unique_ptr<Session>> held;
   std::vector<int64_t> asked;
-  KvBlockPool pool(2 * block, [&](int64_t bytes) {
+  KvBlockPool pool(2 * block, [&](const Session* asking, int64_t bytes) {
+    EXPECT_NE(asking, nullptr);
     asked.push_back(bytes);
     if (held.empty()) return false;
     held.erase(held.begin());
@@ -493,7 +494,7 @@ TEST(SessionLimits, SessionLargerThanTheEmptyPoolIsRefusedWithoutReclaiming) {
   const auto model = std::make_shared<Model>(DotProductModel());
   Engine engine;
   int asked = 0;
-  KvBlockPool pool(2 * block, [&](int64_t) {
+  KvBlockPool pool(2 * block, [&](const Session*, int64_t) {
     ++asked;
     return false;
   });
