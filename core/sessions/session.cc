@@ -440,6 +440,16 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(std::shared_ptr<const Mod
 
 Session::Session(std::unique_ptr<State> state) : state_(std::move(state)) { state_->owner = this; }
 
+void Session::MarkEnded(absl::Status why) {
+  std::lock_guard lock(state_->ended_mu);
+  state_->ended = std::move(why);
+}
+
+absl::Status Session::ended() const {
+  std::lock_guard lock(state_->ended_mu);
+  return state_->ended;
+}
+
 Session::~Session() = default;
 
 const Model& Session::model() const { return *state_->model; }

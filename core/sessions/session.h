@@ -135,6 +135,11 @@ class Session {
   // Bytes of the pool this session holds. Like length(), not to be read
   // while a step of the session runs; KvBlockPool::used_bytes() may be.
   int64_t held_bytes() const;
+  // Its owner ended it with `why` while a step of it waits for the pool
+  // (PoolWasFull), which is then answered `why` rather than tried again.
+  // Thread-safe, as ended() is; OK until then.
+  void MarkEnded(absl::Status why);
+  absl::Status ended() const;
 
   class State;
 

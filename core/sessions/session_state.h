@@ -128,6 +128,9 @@ class Session::State {
   // distance cross memory: -scale/2 |k|^2 of every key, per example.
   std::vector<std::vector<float>> key_bias;
   std::vector<internal::BlockRows> keys, values;  // per example
+  // Session::MarkEnded's; any thread.
+  mutable std::mutex ended_mu;
+  absl::Status ended;
 };
 
 }  // namespace attention

@@ -189,9 +189,14 @@ bool Dispatcher::WaitsForBlocks(Task& task, AttentionResult& result) const {
     return false;
   }
   // A waiting step whose deadline passed or whose call was cancelled is
-  // answered so, as a queued one would be.
+  // answered so, as a queued one would be; one whose session was ended
+  // meanwhile (preempted for the others waiting) is answered why.
   if (absl::Status stop = task.StopReason(); !stop.ok()) {
     result.status = std::move(stop);
+    return false;
+  }
+  if (absl::Status ended = task.validated_step.session->ended(); !ended.ok()) {
+    result.status = std::move(ended);
     return false;
   }
   const absl::Time now = absl::Now();

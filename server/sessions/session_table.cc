@@ -76,6 +76,8 @@ struct SessionTable::Entry {
   // Not preempted before then (kResidencyPerStepTime).
   absl::Time kept_until = absl::InfinitePast();
   bool busy = false;
+  // Preempted while its step waited for the pool: freed at EndStep.
+  bool preempted_busy = false;
   absl::Status ended;  // OK while open
   SessionEnd end_reason = SessionEnd::kClosed;  // once ended
 };
@@ -227,6 +229,7 @@ void SessionTable::EndStep(const Handle& handle, int64_t tokens) {
     if (!handle->ended.ok() && handle->session != nullptr) {
       handle->session.reset();
       freed = true;
+      if (std::exchange(handle->preempted_busy, false)) --preempted_busy_;
     } else if (handle->session != nullptr &&
                handle->session->held_bytes() > handle->held_before_step) {
       const absl::Time began = std::max(handle->step_began, handle->refused_at);
@@ -306,6 +309,7 @@ SessionTable::OnEnd SessionTable::PreemptLocked(const Handle& victim, absl::Stat
 bool SessionTable::Preempt(const Session* asking) {
   OnEnd on_end;
   absl::Status why;
+  bool freed = false;
   {
     absl::MutexLock lock(&mu_);
     const absl::Time now = absl::Now();
@@ -317,13 +321,40 @@ bool SessionTable::Preempt(const Session* asking) {
     Handle victim = VictimLocked(now);
     if (victim == nullptr) {
       wanted_until_ = now + kWantedFor;
-      return false;
+      victim = StuckLocked(asking);
+      if (victim == nullptr) return false;
+      // Its blocks come back once its waiting step is answered (EndStep):
+      // the steps asking wait for them.
+      on_end = PreemptLocked(victim, &why);
+      victim->session->MarkEnded(why);
+      victim->preempted_busy = true;
+      ++preempted_busy_;
+    } else {
+      on_end = PreemptLocked(victim, &why);
+      freed = true;
     }
-    on_end = PreemptLocked(victim, &why);
   }
   if (on_end) on_end(SessionEnd::kPreempted, why);
   UpdateGauges();
-  return true;
+  return freed;
+}
+
+SessionTable::Handle SessionTable::StuckLocked(const Session* asking) const {
+  if (preempted_busy_ > 0) return nullptr;  // one already gives its blocks back
+  Handle stuck;
+  for (const auto& [key, entry] : open_) {
+    // A busy session holds what it held before its step until the step
+    // takes blocks; a waiting one took none.
+    const bool holds = entry->busy ? entry->held_before_step > 0
+                                   : entry->session != nullptr && entry->session->held_bytes() > 0;
+    if (!holds) continue;
+    const bool waiting = entry->busy && entry->refused_at >= entry->step_began;
+    if (!waiting) return nullptr;  // its step ends, or it is kept for a while
+    if (entry->session.get() != asking && (stuck == nullptr || entry->last_step < stuck->last_step)) {
+      stuck = entry;
+    }
+  }
+  return stuck;
 }
 
 int SessionTable::EndAll() {

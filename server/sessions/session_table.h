@@ -153,6 +153,10 @@ class SessionTable {
   // there is none, and then for kWantedFor every EndStep looks again and
   // preempts the session it can, whose blocks the waiting step takes.
   bool Preempt(const Session* asking);
+  // When no session can be preempted and every one holding memory waits
+  // for more (none can end its step until another gives memory back): the
+  // least recently stepped of them but `asking`, to preempt while it waits.
+  Handle StuckLocked(const Session* asking) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The session Preempt() ends, if any.
   Handle VictimLocked(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends `victim` as preempted: why, and the OnEnd to call without mu_.
@@ -176,6 +180,8 @@ class SessionTable {
   absl::flat_hash_map<std::string, absl::Status> ended_ ABSL_GUARDED_BY(mu_);
   // Until when a step wants blocks no session could give it (Preempt).
   absl::Time wanted_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // Sessions preempted while their step waited, not yet freed (EndStep).
+  int preempted_busy_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);
   std::thread sweeper_;
 };

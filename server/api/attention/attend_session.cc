@@ -136,12 +136,16 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
   }
 
   void Answer(SessionSlot& slot, const absl::Status& status, const AttentionResult* result) {
-    // A step that found its session preempted before it began gets no
-    // answer: the stream ends UNAVAILABLE in its place (the table ends it),
-    // which the clients take for a break, so they replay the session and
-    // send the step again.
-    if (!status.ok() && slot.stepping == nullptr && slot.request.has_step() && session_ &&
-        sessions_->Preempted(session_)) {
+    // A step whose session was preempted before the step began (the
+    // session idle, or its step waiting for memory) gets no answer: the
+    // stream ends UNAVAILABLE in its place (the table ends it), which the
+    // clients take for a break, so they replay the session and send the
+    // step again.
+    if (!status.ok() && slot.request.has_step() && session_ && sessions_->Preempted(session_)) {
+      if (slot.stepping != nullptr) {
+        sessions_->EndStep(session_, 0);
+        slot.stepping = nullptr;
+      }
       chain_.Done();
       return Withdrawn(slot);
     }
