@@ -8,8 +8,10 @@
 // RESOURCE_EXHAUSTED naming them and other sessions go on; a full pool
 // preempts the least recently stepped session with no step in flight (its
 // stream ends UNAVAILABLE, counted; a Triton sequence is told at its next
-// request), a step waits while every holder is in a step, a session larger than the empty pool is refused naming the sizes,
-// and --session-preemption off refuses as the pool fills; idle expiry;
+// request), a step waits while every holder is in a step, sessions that all
+// wait for memory preempt one of them while it waits, a session larger than
+// the empty pool is refused naming the sizes, and --session-preemption off
+// refuses as the pool fills; idle expiry;
 // a session keeps its version across a reload; SIGTERM with sessions open
 // gives only OK and UNAVAILABLE, and the steps of Triton sequences sent as
 // unary calls go on until the sequences end (or the grace period); Triton's
@@ -573,6 +575,49 @@ TEST_F(SessionTest, ASessionWhoseStepIsInFlightIsNeverPreempted) {
   EXPECT_TRUE(waiting.Close().ok());
   // One of the two ended preempted: its Close() gets UNAVAILABLE.
   for (SessionCall* call : {&stepping, &filler}) call->Close();
+}
+
+TEST_F(SessionTest, SessionsThatAllWaitForMemoryPreemptOneOfThemWhileItWaits) {
+  TestGate gate;
+  ASSERT_TRUE(gate.ok());
+  // Two dot_product sessions of d = 8 whose prompts fill a block each fill
+  // 16 KiB: the next token of each needs a block, and neither can end its
+  // step to give one.
+  StartServer({"--session-memory-bytes", "16384"}, &gate);
+  std::mt19937 rng(46);
+  const v1::Tensor tokens = RandomTensor(1, kBlockRows + 1, 8, rng);
+  SessionCall older(*stub_), newer(*stub_);
+  v1::SessionRequest step;
+  v1::SessionResponse answer;
+  for (SessionCall* call : {&older, &newer}) {
+    ASSERT_FALSE(call->Open(SelfOpen("gate")).has_error());
+    *step.mutable_step()->mutable_queries() = Rows(tokens, 0, kBlockRows);
+    ASSERT_TRUE(call->stream().Write(step));
+    ASSERT_TRUE(gate.Release());
+    ASSERT_TRUE(call->stream().Read(&answer));
+    ASSERT_FALSE(answer.has_error()) << answer.error().message();
+  }
+  *step.mutable_step()->mutable_queries() = Rows(tokens, kBlockRows, kBlockRows + 1);
+  ASSERT_TRUE(older.stream().Write(step));
+  ASSERT_TRUE(newer.stream().Write(step));
+  // Both steps in flight (at the gate, or one there and one queued) before
+  // either runs: the two prompts and the two steps.
+  ASSERT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+    return MetricValue(text, "attention_batch_size_count", {{"model", "gate"}}) == 3 &&
+           MetricValue(text, "attention_batch_size_sum", {{"model", "gate"}}).value_or(0) +
+                   MetricValue(text, "attention_queue_depth", {{"model", "gate"}}).value_or(0) ==
+               4;
+  })) << "the steps never reached the gate";
+  ASSERT_TRUE(gate.Release(16));
+  ExpectPreempted(older, Rows(tokens, kBlockRows, kBlockRows + 1));
+  ASSERT_TRUE(newer.stream().Read(&answer));
+  ASSERT_FALSE(answer.has_error()) << answer.error().message();
+  EXPECT_EQ(answer.length(), kBlockRows + 1);
+  EXPECT_LE(MaxDifference(answer.output(),
+                          CausalPrefixAnswer(*stub_, "dot_product", tokens, kBlockRows + 1, 1)),
+            kTolerance);
+  EXPECT_EQ(Preemptions(*server_), 1);
+  EXPECT_TRUE(newer.Close().ok());
 }
 
 TEST_F(SessionTest, WithPreemptionOffAFullPoolRefusesTheStep) {
