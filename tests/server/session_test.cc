@@ -45,6 +45,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "attention.grpc.pb.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -474,11 +476,16 @@ TEST_F(SessionTest, ANewSessionPreemptsTheLeastRecentlySteppedIdleOne) {
   }
   // `newer` steps first, then `older` twice, then `newer` again: `older`
   // is the one stepped least recently, though opened last.
+  const absl::Time first = absl::Now();
   ASSERT_FALSE(newer.Step(Rows(tokens, 0, 4)).has_error());
   ASSERT_FALSE(older.Step(Rows(tokens, 0, 4)).has_error());
   ASSERT_FALSE(older.Step(Rows(tokens, 4, 6)).has_error());
   ASSERT_FALSE(newer.Step(Rows(tokens, 4, 8)).has_error());
   EXPECT_EQ(Preemptions(*server_), 0);
+  // Past the time a session is kept after the step that took its blocks
+  // (four times that step's), so both can be preempted and the choice is
+  // the least recently stepped.
+  absl::SleepFor(5 * (absl::Now() - first));
 
   const v1::SessionResponse opened = opening.Step(Rows(tokens, 0, 10));
   ASSERT_FALSE(opened.has_error()) << opened.error().message();
@@ -571,9 +578,11 @@ TEST_F(SessionTest, ASessionWhoseStepIsInFlightIsNeverPreempted) {
   ASSERT_FALSE(answer.has_error()) << answer.error().message();
   EXPECT_LE(MaxDifference(answer.output(), CausalPrefixAnswer(*stub_, "dot_product", tokens, 3, 3)),
             kTolerance);
-  EXPECT_EQ(Preemptions(*server_), 2);
+  // `idle`, then one of `stepping` and `filler`; which one, and whether
+  // both, depends on whether each is still kept when its step ends.
+  EXPECT_GE(Preemptions(*server_), 2);
   EXPECT_TRUE(waiting.Close().ok());
-  // One of the two ended preempted: its Close() gets UNAVAILABLE.
+  // What ended preempted gets UNAVAILABLE at its Close().
   for (SessionCall* call : {&stepping, &filler}) call->Close();
 }
 
