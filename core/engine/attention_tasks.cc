@@ -122,12 +122,10 @@ void RunSplit(ThreadPool& pool, const std::vector<AttentionTask>& tasks, int64_t
                            kFlashKeyTile;
     first_part[t] = part_floats;
     const int64_t rows = task.end - task.begin;
-    int64_t used = 0;
-    for (int64_t begin = lo; begin < hi; begin += length, ++used) {
-      pieces.push_back({t, begin, std::min(hi, begin + length), used, 0});
-    }
-    for (int64_t i = static_cast<int64_t>(pieces.size()) - used; i < static_cast<int64_t>(pieces.size()); ++i) {
-      pieces[i].ranges = used;
+    const int64_t used = (hi - lo + length - 1) / length;
+    for (int64_t range = 0; range < used; ++range) {
+      const int64_t begin = lo + range * length;
+      pieces.push_back({t, begin, std::min(hi, begin + length), range, used});
     }
     part_floats += used * rows * (2 + task.problem->value_size);
   }
