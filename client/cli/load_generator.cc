@@ -85,7 +85,8 @@ void LoadGenerator::OnAnswer(Clock::time_point latency_from, const absl::Status&
   const bool start_next = options_.rate_rps == 0 && now < measure_until_;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (now >= measure_from_ && now <= measure_until_) {
+    const Clock::time_point counted_at = options_.rate_rps > 0 ? latency_from : now;
+    if (counted_at >= measure_from_ && counted_at <= measure_until_) {
       ++answered_;
       if (status.ok()) {
         latencies_ns_.push_back(

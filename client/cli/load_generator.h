@@ -14,9 +14,11 @@
 //     flight is skipped and counted, so a server that cannot keep up does
 //     not make the client's own memory grow without bound.
 // The first `warmup` is not measured. Calls stop starting after
-// warmup + duration; only answers that arrive inside the measured window
-// count. Run() returns once every started call has ended (each is bounded by
-// the client's deadline).
+// warmup + duration. In the closed loop the answers that arrive inside the
+// measured window count; in the open loop the calls due inside it count,
+// whenever they are answered, so every call due is either answered or
+// skipped even when the client falls behind its schedule. Run() returns once
+// every started call has ended (each is bounded by the client's deadline).
 //
 //   LoadGenerator generator(client, request, {.concurrency = 8});
 //   LoadResult result = generator.Run([](const LoadProgress& p) { ... });
@@ -54,7 +56,8 @@ struct LoadOptions {
 };
 
 struct LoadResult {
-  // Answers inside the measured window, successful or not.
+  // Answers inside the measured window (open loop: answers to the calls due
+  // inside it), successful or not.
   int64_t requests = 0;
   // Of those, the failed ones, and their count per status code.
   int64_t errors = 0;
