@@ -115,6 +115,7 @@ absl::StatusOr<DispatchOptions> ReadDispatchOptions(const ServerConfig& config) 
   options.max_queued_bytes = config.max_queued_bytes;
   options.chunk_work = config.chunk_work;
   options.inline_work = config.inline_work;
+  options.steps_wait_for_blocks = config.sessions.preemption;
   if (!config.auth_token_file.empty()) {
     absl::StatusOr<std::vector<std::string>> tokens = ReadTokenFile(config.auth_token_file);
     if (!tokens.ok()) return tokens.status();

@@ -3,6 +3,7 @@
 #include "client/cpp/session.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -104,8 +105,13 @@ absl::StatusOr<SessionResponse> Session::Step(const SessionStep& step) {
   SessionRequest request;
   *request.mutable_step() = step;
   absl::StatusOr<SessionResponse> answer = Exchange(request);
-  if (!answer.ok()) {
-    if (!options_.replay || !IsBreak(answer.status())) {
+  // The replayed stream may break too before it answers (a server short of
+  // session memory preempts the session again): it is replayed again, until
+  // the client's timeout after the first break.
+  std::optional<absl::Time> give_up;
+  while (!answer.ok()) {
+    if (!give_up) give_up = absl::Now() + client_.timeout();
+    if (!options_.replay || !IsBreak(answer.status()) || absl::Now() > *give_up) {
       over_ = true;
       return answer.status();
     }
@@ -114,10 +120,6 @@ absl::StatusOr<SessionResponse> Session::Step(const SessionStep& step) {
       return replayed;
     }
     answer = Exchange(request);
-    if (!answer.ok()) {
-      over_ = true;
-      return answer.status();
-    }
   }
   length_ = answer->length();
   if (answer->has_error()) return AnswerError(*answer);

@@ -241,13 +241,19 @@ class Session {
   async send(rows, weights, own = { keys: null, values: null }) {
     if (this.closed) throw new Error('the session is closed');
     const request = stepRequest(rows, weights, own.keys, own.values);
+    // The replayed stream may break too before it answers (a server short of
+    // session memory preempts the session again): it is replayed again, until
+    // the client's timeout after the first break.
     let response;
-    try {
-      response = await this.stream.exchange(request);
-    } catch (error) {
-      if (!this.replay || !BREAKS.has(error.code)) throw error;
-      await this.replayOnNewStream(error);
-      response = await this.stream.exchange(request);
+    let giveUp = null;
+    while (!response) {
+      try {
+        response = await this.stream.exchange(request);
+      } catch (error) {
+        if (giveUp === null) giveUp = Date.now() + this.client.timeoutMs;
+        if (!this.replay || !BREAKS.has(error.code) || Date.now() > giveUp) throw error;
+        await this.replayOnNewStream(error);
+      }
     }
     this.length = response.length || 0;
     if (response.error) throw streamError(response);

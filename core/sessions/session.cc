@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "core/engine/projection.h"
@@ -21,6 +22,10 @@ namespace attention {
 namespace {
 
 constexpr std::align_val_t kBlockAlignment{64};
+
+// Marks the refusal of a pool that was full then (PoolWasFull), apart from
+// one too large for the empty pool.
+constexpr absl::string_view kPoolFullPayload = "attention.session-pool-full";
 
 int64_t BlockBytes(int64_t width) {
   return kKvBlockRows * width * static_cast<int64_t>(sizeof(float));
@@ -54,28 +59,45 @@ void KvBlockPool::Impl::MakeRoom() {
 }
 
 absl::Status KvBlockPool::Impl::Allocate(int64_t width, int64_t count,
-                                         std::vector<float*>& blocks) {
+                                         std::vector<float*>& blocks, const Session* asking) {
   if (count <= 0) return absl::OkStatus();
   const int64_t bytes = count * BlockBytes(width);
-  std::lock_guard lock(mu_);
-  if (used_bytes_ + bytes > capacity_bytes_) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("session memory: the pool's capacity of ", capacity_bytes_, " bytes is full (",
-                     used_bytes_, " bytes held by sessions, ", bytes, " more needed)"));
+  for (;;) {
+    int64_t used = 0;
+    {
+      std::lock_guard lock(mu_);
+      if (used_bytes_ + bytes <= capacity_bytes_) {
+        TakeLocked(width, count, blocks);
+        return absl::OkStatus();
+      }
+      used = used_bytes_;
+    }
+    // Another thread may take the room an ended session gave back before
+    // this one looks again: then it asks again, while sessions can be ended.
+    if (reclaim_ == nullptr || !reclaim_(asking, bytes)) {
+      absl::Status full = absl::ResourceExhaustedError(
+          absl::StrCat("session memory: the pool's capacity of ", capacity_bytes_,
+                       " bytes is full (", used, " bytes held by sessions, ", bytes,
+                       " more needed)"));
+      full.SetPayload(kPoolFullPayload, absl::Cord());
+      return full;
+    }
   }
+}
+
+void KvBlockPool::Impl::TakeLocked(int64_t width, int64_t count, std::vector<float*>& blocks) {
   std::vector<float*>& kept = kept_[width];
   const int64_t reused = std::min<int64_t>(count, static_cast<int64_t>(kept.size()));
   blocks.insert(blocks.end(), kept.end() - reused, kept.end());
   kept.resize(kept.size() - reused);
   kept_bytes_ -= reused * BlockBytes(width);
-  used_bytes_ += bytes;
+  used_bytes_ += count * BlockBytes(width);
   // The fresh blocks are in used_bytes_ now: the kept ones give way to them.
   MakeRoom();
   for (int64_t i = reused; i < count; ++i) {
     blocks.push_back(static_cast<float*>(
         ::operator new(static_cast<size_t>(BlockBytes(width)), kBlockAlignment)));
   }
-  return absl::OkStatus();
 }
 
 void KvBlockPool::Impl::Release(int64_t width, std::span<float* const> blocks) {
@@ -88,8 +110,13 @@ void KvBlockPool::Impl::Release(int64_t width, std::span<float* const> blocks) {
   kept.insert(kept.end(), blocks.begin(), blocks.end());
 }
 
-KvBlockPool::KvBlockPool(int64_t capacity_bytes)
-    : impl_(std::make_unique<Impl>(std::max<int64_t>(capacity_bytes, 0))) {}
+KvBlockPool::KvBlockPool(int64_t capacity_bytes, Reclaim reclaim)
+    : impl_(std::make_unique<Impl>(std::max<int64_t>(capacity_bytes, 0), std::move(reclaim))) {}
+
+bool PoolWasFull(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kResourceExhausted &&
+         status.GetPayload(kPoolFullPayload).has_value();
+}
 
 KvBlockPool::~KvBlockPool() = default;
 
@@ -111,10 +138,21 @@ Session::State::~State() { Trim(0); }
 absl::Status Session::State::Reserve(int64_t rows) {
   const int64_t more = internal::BlocksFor(rows) - static_cast<int64_t>(keys[0].blocks.size());
   if (more <= 0) return absl::OkStatus();
+  // A session larger than the whole pool is refused before any other
+  // session is asked to make room for it.
+  const int64_t needed =
+      more * batch * (BlockBytes(key_width) + (values_are_keys ? 0 : BlockBytes(value_width)));
+  if (held_bytes() + needed > pool.capacity_bytes()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session memory: the session would hold ", held_bytes() + needed, " bytes (", rows,
+        " rows of ", batch, " examples), more than the pool's capacity of ",
+        pool.capacity_bytes(), " bytes"));
+  }
   std::vector<float*> new_keys, new_values;
-  RETURN_IF_ERROR(pool.Allocate(key_width, more * batch, new_keys));
+  RETURN_IF_ERROR(pool.Allocate(key_width, more * batch, new_keys, owner));
   if (!values_are_keys) {
-    if (absl::Status status = pool.Allocate(value_width, more * batch, new_values); !status.ok()) {
+    if (absl::Status status = pool.Allocate(value_width, more * batch, new_values, owner);
+        !status.ok()) {
       pool.Release(key_width, new_keys);
       return status;
     }
@@ -417,7 +455,17 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(std::shared_ptr<const Mod
   return std::unique_ptr<Session>(new Session(std::move(state)));
 }
 
-Session::Session(std::unique_ptr<State> state) : state_(std::move(state)) {}
+Session::Session(std::unique_ptr<State> state) : state_(std::move(state)) { state_->owner = this; }
+
+void Session::MarkEnded(absl::Status why) {
+  std::lock_guard lock(state_->ended_mu);
+  state_->ended = std::move(why);
+}
+
+absl::Status Session::ended() const {
+  std::lock_guard lock(state_->ended_mu);
+  return state_->ended;
+}
 
 Session::~Session() = default;
 

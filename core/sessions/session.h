@@ -34,6 +34,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -56,12 +57,24 @@ absl::Status AppendUncomputed(Session& session, int64_t rows, uint32_t seed);
 // tile never straddles two blocks.
 inline constexpr int64_t kKvBlockRows = 4 * kFlashKeyTile;
 
+class Session;
+
 // Blocks of kKvBlockRows x width floats, for every session of a server, with
 // one byte budget. Thread-safe. Freed blocks are kept for reuse up to the
 // budget, so a server's memory for sessions never exceeds capacity_bytes.
 class KvBlockPool {
  public:
-  explicit KvBlockPool(int64_t capacity_bytes);
+  // Asked for room when `bytes` more do not fit for `asking` (null: a
+  // session being opened): ends a session that holds blocks (its destructor
+  // gives them back) and returns true, or returns false when none can be
+  // ended, and the blocks are refused. Called without the pool's lock, on
+  // the thread that asked for the blocks, which holds `asking`: the
+  // reclaimer must never end that one (a server ends only sessions with no
+  // step in flight, and the one asking either is in a step or is not open
+  // yet).
+  using Reclaim = std::function<bool(const Session* asking, int64_t bytes)>;
+
+  explicit KvBlockPool(int64_t capacity_bytes, Reclaim reclaim = nullptr);
   ~KvBlockPool();
   KvBlockPool(const KvBlockPool&) = delete;
   KvBlockPool& operator=(const KvBlockPool&) = delete;
@@ -128,6 +141,11 @@ class Session {
   // Bytes of the pool this session holds. Like length(), not to be read
   // while a step of the session runs; KvBlockPool::used_bytes() may be.
   int64_t held_bytes() const;
+  // Its owner ended it with `why` while a step of it waits for the pool
+  // (PoolWasFull), which is then answered `why` rather than tried again.
+  // Thread-safe, as ended() is; OK until then.
+  void MarkEnded(absl::Status why);
+  absl::Status ended() const;
 
   class State;
 
@@ -207,6 +225,12 @@ absl::StatusOr<ValidatedStep> ValidateStep(Session& session, const SessionStep& 
 // max_work <= 0. Pieces of one step so cut cost about the same work each:
 // fewer rows as the keys before them grow.
 int64_t ChunkRows(const ValidatedStep& step, double max_work);
+
+// Whether `status` refused a step or an opening only because the pool was
+// full then (and its Reclaim, if any, found nothing to end): the same step
+// fits once sessions give blocks back. A session too large for the empty
+// pool is refused RESOURCE_EXHAUSTED too, but not so.
+bool PoolWasFull(const absl::Status& status);
 
 // For a step given up between its pieces (its caller failed): gives back
 // the rows its pieces appended, so the session is as before the step.

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -19,22 +20,29 @@ namespace attention {
 
 class KvBlockPool::Impl {
  public:
-  explicit Impl(int64_t capacity_bytes) : capacity_bytes_(capacity_bytes) {}
+  Impl(int64_t capacity_bytes, Reclaim reclaim)
+      : capacity_bytes_(capacity_bytes), reclaim_(std::move(reclaim)) {}
   ~Impl();
 
   int64_t capacity_bytes() const { return capacity_bytes_; }
   int64_t used_bytes() const;
 
   // Appends `count` blocks of kKvBlockRows x `width` floats to `blocks`, all
-  // or none: RESOURCE_EXHAUSTED naming the capacity when they do not fit.
-  absl::Status Allocate(int64_t width, int64_t count, std::vector<float*>& blocks);
+  // or none. When they do not fit, asks the Reclaim for room as long as it
+  // ends sessions; then RESOURCE_EXHAUSTED naming the capacity (PoolWasFull).
+  absl::Status Allocate(int64_t width, int64_t count, std::vector<float*>& blocks,
+                        const Session* asking);
   void Release(int64_t width, std::span<float* const> blocks);
 
  private:
+  // Moves `count` blocks of `width` into `blocks`, kept ones first; the
+  // caller holds mu_ and checked they fit.
+  void TakeLocked(int64_t width, int64_t count, std::vector<float*>& blocks);
   // Frees kept blocks until held and kept blocks fit in the budget.
   void MakeRoom();
 
   const int64_t capacity_bytes_;
+  const Reclaim reclaim_;  // null: a full pool refuses
   mutable std::mutex mu_;
   int64_t used_bytes_ = 0;                       // held by sessions
   int64_t kept_bytes_ = 0;                       // freed, kept for reuse
@@ -111,6 +119,7 @@ class Session::State {
 
   std::shared_ptr<const Model> model;
   KvBlockPool::Impl& pool;
+  const Session* owner = nullptr;  // null until Open() made the Session
   const SessionMemory memory;
   const int64_t batch;
   int64_t length = 0;      // rows per example that steps have committed
@@ -140,6 +149,9 @@ class Session::State {
   // distance cross memory: -scale/2 |k|^2 of every key, per example.
   std::vector<std::vector<float>> key_bias;
   std::vector<internal::BlockRows> keys, values;  // per example
+  // Session::MarkEnded's; any thread.
+  mutable std::mutex ended_mu;
+  absl::Status ended;
 };
 
 namespace internal {

@@ -157,6 +157,15 @@ void AddSessionFlags(CLI::App& app, ServerConfig* c) {
   Flag(app, "--session-idle-seconds", &c->sessions.idle_seconds,
        "A session with no step for this long is freed and its next step told so (0: never)")
       ->check(CLI::Range(0.0, 1e7));
+  app.add_option_function<std::string>(
+         "--session-preemption",
+         [c](const std::string& value) { c->sessions.preemption = value == "on"; },
+         "'on': when the session memory is full, a new session or a step that needs blocks "
+         "takes them from the session stepped least recently with no step in flight, which ends "
+         "UNAVAILABLE (its client replays it); 'off': it is refused RESOURCE_EXHAUSTED")
+      ->envname(EnvName("--session-preemption"))
+      ->check(CLI::IsMember({"on", "off"}))
+      ->default_str(c->sessions.preemption ? "on" : "off");
 }
 
 // The engine's threads and kernel path.

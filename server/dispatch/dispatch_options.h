@@ -40,6 +40,13 @@ struct DispatchOptions {
   // computes (about 4 us). 0: every request goes through the batcher's thread. 2^16 is
   // the documented default of --inline-work (docs/api.md).
   int64_t inline_work = int64_t{1} << 16;
+  // A step refused only because the session pool was full (PoolWasFull:
+  // no session could be preempted for it, all holding blocks being in a
+  // step) waits in its batcher and begins with a later batch, once a session
+  // ends or can be preempted, rather than being refused: at most
+  // kLongestBlockWait (execution.cc: 60 s) and while its deadline allows. Set with
+  // --session-preemption on.
+  bool steps_wait_for_blocks = false;
   // Mutual TLS: client certificate names (SAN or CN) allowed to call;
   // empty: any certificate the CA signed.
   std::vector<std::string> allowed_client_identities;

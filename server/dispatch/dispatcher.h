@@ -262,12 +262,18 @@ class Dispatcher {
                size_t num_requests, std::span<AttentionResult> results);
   // Moves the steps of `batch` (from index `num_requests` on) with pieces
   // still to compute out of `batch` and `results`, each keeping its result
-  // so far, and returns them. With `status` not OK (the engine failed) the
-  // steps are answered with it instead, their sessions as before the step.
+  // so far, and returns them, with the steps that wait for blocks
+  // (WaitsForBlocks). With `status` not OK (the engine failed) the steps are
+  // answered with it instead, their sessions as before the step.
   std::vector<std::unique_ptr<Task>> TakeUnfinished(const absl::Status& status,
                                                     std::vector<std::unique_ptr<Task>>& batch,
                                                     size_t num_requests,
                                                     std::vector<AttentionResult>& results);
+  // Whether a step whose first piece got `result` waits for a later batch:
+  // the pool was full, steps_wait_for_blocks is set, and neither its
+  // deadline, its call nor kLongestBlockWait has run out (the first two
+  // then become `result`'s status).
+  bool WaitsForBlocks(Task& task, AttentionResult& result) const;
   // Work units of a session step's next piece: chunk_work, within the
   // request work limit; 0: the whole step.
   double ChunkWork() const;

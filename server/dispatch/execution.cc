@@ -25,6 +25,16 @@ namespace {
 // overlap.
 constexpr size_t kAnswerInlineTasks = 1;
 
+// A step waits at most this long for the session pool to make room (a
+// session ending, or one with no step in flight to preempt); then it is
+// refused RESOURCE_EXHAUSTED. The bound ends a wait no other step can end:
+// every session holding blocks itself waiting for more.
+constexpr absl::Duration kLongestBlockWait = absl::Seconds(60);
+
+// A batch of nothing but steps waiting for blocks pauses its batcher thread
+// this long before the next, rather than asking the pool again at once.
+constexpr absl::Duration kBlockWaitPause = absl::Microseconds(500);
+
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
 nlohmann::json Millis(const std::optional<absl::Duration>& d) {
@@ -173,14 +183,43 @@ std::vector<std::unique_ptr<Dispatcher::Task>> Dispatcher::RunBatch(
   return unfinished;
 }
 
+bool Dispatcher::WaitsForBlocks(Task& task, AttentionResult& result) const {
+  if (!options_.steps_wait_for_blocks || task.validated_step.done_rows > 0 ||
+      !PoolWasFull(result.status)) {
+    return false;
+  }
+  // A waiting step whose deadline passed or whose call was cancelled is
+  // answered so, as a queued one would be; one whose session was ended
+  // meanwhile (preempted for the others waiting) is answered why.
+  if (absl::Status stop = task.StopReason(); !stop.ok()) {
+    result.status = std::move(stop);
+    return false;
+  }
+  if (absl::Status ended = task.validated_step.session->ended(); !ended.ok()) {
+    result.status = std::move(ended);
+    return false;
+  }
+  const absl::Time now = absl::Now();
+  if (!task.waits_for_blocks_since) task.waits_for_blocks_since = now;
+  return now - *task.waits_for_blocks_since < kLongestBlockWait;
+}
+
 std::vector<std::unique_ptr<Dispatcher::Task>> Dispatcher::TakeUnfinished(
     const absl::Status& status, std::vector<std::unique_ptr<Task>>& batch, size_t num_requests,
     std::vector<AttentionResult>& results) {
   std::vector<std::unique_ptr<Task>> unfinished;
   size_t kept = num_requests;  // batch[num_requests, kept) are answered now
+  size_t waiting = 0;
   for (size_t i = num_requests; i < batch.size(); ++i) {
     ValidatedStep& step = batch[i]->validated_step;
     if (!status.ok()) AbandonStep(step);  // a failed engine may have left pieces
+    if (status.ok() && WaitsForBlocks(*batch[i], results[i])) {
+      // Nothing of the step began: it begins afresh with a later batch.
+      batch[i]->step_result = {};
+      unfinished.push_back(std::move(batch[i]));
+      ++waiting;
+      continue;
+    }
     const bool more = status.ok() && results[i].status.ok() &&
                       step.done_rows + step.chunk_rows < step.dims.num_queries;
     if (more) {
@@ -195,6 +234,7 @@ std::vector<std::unique_ptr<Dispatcher::Task>> Dispatcher::TakeUnfinished(
     }
     ++kept;
   }
+  if (waiting > 0 && waiting == batch.size()) absl::SleepFor(kBlockWaitPause);
   batch.resize(kept);
   results.resize(kept);
   return unfinished;

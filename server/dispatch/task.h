@@ -67,6 +67,8 @@ struct Dispatcher::Task {
   // A step computed in pieces: its result, gathering the pieces' outputs,
   // kept between the batches that compute them.
   AttentionResult step_result;
+  // A step waiting for the session pool to make room: since when.
+  std::optional<absl::Time> waits_for_blocks_since;
   bool continues_session = false;                  // see Request
   bool continues_sequence = false;                 // see Request
   ModelQueue* queue = nullptr;                     // null: names no served model

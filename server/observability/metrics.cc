@@ -132,7 +132,7 @@ void ServerMetrics::AddSessionMetrics() {
   sessions_opened_ = counter("attention_sessions_opened_total", "Sessions opened, by model");
   sessions_ended_ = counter("attention_sessions_ended_total",
                             "Sessions ended, by reason (closed, expired, replaced, failed, "
-                            "shutdown)");
+                            "shutdown, preempted)");
   session_steps_ = counter("attention_session_steps_total", "Session steps answered OK, by model");
   session_tokens_ = counter("attention_session_tokens_total",
                             "New token rows of the session steps answered OK, by model");

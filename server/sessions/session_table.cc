@@ -19,8 +19,26 @@ constexpr size_t kRememberedEnds = 4096;
 // The sweeper wakes this often at most, so expiry is late by at most this.
 constexpr absl::Duration kLongestSweepPause = absl::Seconds(1);
 
+// A session whose step took blocks is not preempted for this many times
+// that step's time after it (a prefill's, a replay's): what preemption
+// costs, the step again, stays within a fifth of a session's time in the
+// pool, however many sessions want the memory.
+constexpr int kResidencyPerStepTime = 4;
+
+// After the pool found no session to preempt, every step that ends within
+// this long looks again (EndStep) and preempts the session it can: a step
+// waiting for blocks retries only with its model's next batch, by when the
+// sessions just answered have mostly sent their next step (busy again), so
+// the end of their step is when they can be taken.
+constexpr absl::Duration kWantedFor = absl::Milliseconds(50);
+
 absl::Status WhyEnded(SessionEnd reason, const std::string& id, double idle_seconds) {
   switch (reason) {
+    case SessionEnd::kPreempted:
+      return absl::UnavailableError(absl::StrCat(
+          "session ", id, " was preempted: the server's session memory (--session-memory-bytes) "
+          "was full and its blocks went to another session; its keys and values are gone: open "
+          "it again and send its rows as one step"));
     case SessionEnd::kExpired:
       return absl::AbortedError(absl::StrCat("session ", id, " expired after ", idle_seconds,
                                              " s without a step (--session-idle-seconds); its "
@@ -49,8 +67,19 @@ struct SessionTable::Entry {
   std::unique_ptr<Session> session;  // null once freed
   OnEnd on_end;
   absl::Time last_step;
+  // The step in flight: when it began, and the bytes held before it.
+  absl::Time step_began;
+  // When the pool last found no room for its step (Preempt): the step's
+  // time for kResidencyPerStepTime is counted from then, not its wait.
+  absl::Time refused_at = absl::InfinitePast();
+  int64_t held_before_step = 0;
+  // Not preempted before then (kResidencyPerStepTime).
+  absl::Time kept_until = absl::InfinitePast();
   bool busy = false;
+  // Preempted while its step waited for the pool: freed at EndStep.
+  bool preempted_busy = false;
   absl::Status ended;  // OK while open
+  SessionEnd end_reason = SessionEnd::kClosed;  // once ended
 };
 
 std::string_view SessionEndName(SessionEnd reason) {
@@ -65,6 +94,8 @@ std::string_view SessionEndName(SessionEnd reason) {
       return "failed";
     case SessionEnd::kShutdown:
       return "shutdown";
+    case SessionEnd::kPreempted:
+      return "preempted";
   }
   return "closed";
 }
@@ -78,7 +109,15 @@ std::string SequenceKey(std::string_view model, std::string_view id) {
 }
 
 SessionTable::SessionTable(SessionOptions options, Limits limits, ServerMetrics* metrics)
-    : options_(options), limits_(limits), metrics_(metrics), pool_(options.memory_bytes) {
+    : options_(options),
+      limits_(limits),
+      metrics_(metrics),
+      // The pool asks again while the bytes do not fit, so one session a call.
+      pool_(options.memory_bytes,
+            options.preemption ? KvBlockPool::Reclaim([this](const Session* asking, int64_t) {
+              return Preempt(asking);
+            })
+                               : nullptr) {
   UpdateGauges();
   sweeper_ = std::thread([this] {
     NameCurrentThread("session-sweep");
@@ -173,11 +212,16 @@ absl::StatusOr<Session*> SessionTable::BeginStep(const Handle& handle) {
         ": a step is still being computed; send a session's steps one after another"));
   }
   handle->busy = true;
+  handle->step_began = absl::Now();
+  handle->held_before_step = handle->session->held_bytes();
   return handle->session.get();
 }
 
 void SessionTable::EndStep(const Handle& handle, int64_t tokens) {
   bool freed = false;
+  OnEnd on_end;
+  absl::Status why;
+  bool preempted = false;
   {
     absl::MutexLock lock(&mu_);
     handle->busy = false;
@@ -185,13 +229,26 @@ void SessionTable::EndStep(const Handle& handle, int64_t tokens) {
     if (!handle->ended.ok() && handle->session != nullptr) {
       handle->session.reset();
       freed = true;
+      if (std::exchange(handle->preempted_busy, false)) --preempted_busy_;
+    } else if (handle->session != nullptr &&
+               handle->session->held_bytes() > handle->held_before_step) {
+      const absl::Time began = std::max(handle->step_began, handle->refused_at);
+      handle->kept_until = handle->last_step + kResidencyPerStepTime * (handle->last_step - began);
+    }
+    if (handle->last_step < wanted_until_) {
+      if (Handle victim = VictimLocked(handle->last_step); victim != nullptr) {
+        wanted_until_ = absl::InfinitePast();
+        on_end = PreemptLocked(victim, &why);
+        preempted = true;
+      }
     }
   }
+  if (on_end) on_end(SessionEnd::kPreempted, why);
   if (tokens > 0) {
     handle->counters.steps->Increment();
     handle->counters.tokens->Increment(static_cast<double>(tokens));
   }
-  if (freed || tokens > 0) UpdateGauges();
+  if (freed || tokens > 0 || preempted) UpdateGauges();
 }
 
 void SessionTable::Close(const Handle& handle, SessionEnd reason) {
@@ -206,6 +263,7 @@ void SessionTable::Close(const Handle& handle, SessionEnd reason) {
 
 void SessionTable::EndLocked(Handle entry, SessionEnd reason, absl::Status why) {
   entry->ended = std::move(why);
+  entry->end_reason = reason;
   open_.erase(entry->key);
   // A sequence the server ended tells its next request why; one its client
   // ended is simply unknown again.
@@ -228,8 +286,79 @@ void SessionTable::StopOpening() {
   opening_ = false;
 }
 
+SessionTable::Handle SessionTable::VictimLocked(absl::Time now) const {
+  // A busy session's blocks are the engine's until EndStep: neither its
+  // held bytes nor its end are touched here.
+  Handle victim;
+  for (const auto& [key, entry] : open_) {
+    if (entry->busy || entry->session == nullptr || now < entry->kept_until ||
+        entry->session->held_bytes() == 0) {
+      continue;
+    }
+    if (victim == nullptr || entry->last_step < victim->last_step) victim = entry;
+  }
+  return victim;
+}
+
+SessionTable::OnEnd SessionTable::PreemptLocked(const Handle& victim, absl::Status* why) {
+  *why = WhyEnded(SessionEnd::kPreempted, victim->id, 0);
+  EndLocked(victim, SessionEnd::kPreempted, *why);
+  return std::exchange(victim->on_end, nullptr);
+}
+
+bool SessionTable::Preempt(const Session* asking) {
+  OnEnd on_end;
+  absl::Status why;
+  bool freed = false;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    if (asking != nullptr) {
+      for (const auto& [key, entry] : open_) {
+        if (entry->session.get() == asking) entry->refused_at = now;
+      }
+    }
+    Handle victim = VictimLocked(now);
+    if (victim == nullptr) {
+      wanted_until_ = now + kWantedFor;
+      victim = StuckLocked(asking);
+      if (victim == nullptr) return false;
+      // Its blocks come back once its waiting step is answered (EndStep):
+      // the steps asking wait for them.
+      on_end = PreemptLocked(victim, &why);
+      victim->session->MarkEnded(why);
+      victim->preempted_busy = true;
+      ++preempted_busy_;
+    } else {
+      on_end = PreemptLocked(victim, &why);
+      freed = true;
+    }
+  }
+  if (on_end) on_end(SessionEnd::kPreempted, why);
+  UpdateGauges();
+  return freed;
+}
+
+SessionTable::Handle SessionTable::StuckLocked(const Session* asking) const {
+  if (preempted_busy_ > 0) return nullptr;  // one already gives its blocks back
+  Handle stuck;
+  for (const auto& [key, entry] : open_) {
+    // A busy session holds what it held before its step until the step
+    // takes blocks; a waiting one took none.
+    const bool holds = entry->busy ? entry->held_before_step > 0
+                                   : entry->session != nullptr && entry->session->held_bytes() > 0;
+    if (!holds) continue;
+    const bool waiting = entry->busy && entry->refused_at >= entry->step_began;
+    if (!waiting) return nullptr;  // its step ends, or it is kept for a while
+    if (entry->session.get() != asking && (stuck == nullptr || entry->last_step < stuck->last_step)) {
+      stuck = entry;
+    }
+  }
+  return stuck;
+}
+
 int SessionTable::EndAll() {
-  std::vector<OnEnd> to_call;
+  std::vector<std::pair<OnEnd, absl::Status>> to_call;
   int ended = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -237,12 +366,13 @@ int SessionTable::EndAll() {
     std::vector<Handle> open;
     for (auto& [key, handle] : open_) open.push_back(handle);
     for (const Handle& handle : open) {
-      if (handle->on_end) to_call.push_back(std::exchange(handle->on_end, nullptr));
-      EndLocked(handle, SessionEnd::kShutdown, WhyEnded(SessionEnd::kShutdown, handle->id, 0));
+      absl::Status why = WhyEnded(SessionEnd::kShutdown, handle->id, 0);
+      if (handle->on_end) to_call.emplace_back(std::exchange(handle->on_end, nullptr), why);
+      EndLocked(handle, SessionEnd::kShutdown, std::move(why));
       ++ended;
     }
   }
-  for (OnEnd& on_end : to_call) on_end();
+  for (auto& [on_end, why] : to_call) on_end(SessionEnd::kShutdown, why);
   UpdateGauges();
   return ended;
 }
@@ -286,6 +416,11 @@ bool SessionTable::AwaitNoneOpen(absl::Time deadline) const {
 int64_t SessionTable::Length(const Handle& handle) const {
   absl::MutexLock lock(&mu_);
   return handle->session != nullptr ? handle->session->length() : 0;
+}
+
+bool SessionTable::Preempted(const Handle& handle) const {
+  absl::MutexLock lock(&mu_);
+  return !handle->ended.ok() && handle->end_reason == SessionEnd::kPreempted;
 }
 
 const std::string& SessionTable::Id(const Handle& handle) { return handle->id; }

@@ -11,7 +11,16 @@
 // session that ends meanwhile (closed, expired, shut down) frees its blocks
 // only then, so the engine never reads freed memory. An ended session
 // answers its next step with why it ended: ABORTED when it expired or was
-// replaced, UNAVAILABLE when the server shut down.
+// replaced, UNAVAILABLE when the server shut down or preempted it.
+//
+// Preemption (--session-preemption, as vLLM's preemption by recompute): when
+// the pool is full, the blocks a new session or a step needs are taken from
+// the session stepped least recently among those with no step queued or
+// running, which ends with UNAVAILABLE; clients that keep their rows replay
+// it (docs/api.md 11.6). A session whose step took blocks is kept for four
+// times that step's time after it, so the memory does not go round faster
+// than the prefills it costs. The pool asks for them (KvBlockPool::Reclaim) on
+// the thread that needs the blocks, with no lock of the table held.
 //
 //   SessionTable table(options, limits, &metrics);
 //   auto handle = table.Open("model", served, {.memory = SessionMemory::kSelf});
@@ -53,10 +62,13 @@ struct SessionOptions {
   // A session with no step for this long is freed; 0: never
   // (--session-idle-seconds).
   double idle_seconds = 300.0;
+  // A full pool ends the least recently stepped idle session for the blocks
+  // another needs, instead of refusing them (--session-preemption).
+  bool preemption = true;
 };
 
 // Why a session ended: the `reason` label of attention_sessions_ended_total.
-enum class SessionEnd { kClosed, kExpired, kReplaced, kFailed, kShutdown };
+enum class SessionEnd { kClosed, kExpired, kReplaced, kFailed, kShutdown, kPreempted };
 std::string_view SessionEndName(SessionEnd reason);
 
 // The key of an Open Inference Protocol sequence: its model and its id.
@@ -68,9 +80,10 @@ class SessionTable {
  public:
   struct Entry;
   using Handle = std::shared_ptr<Entry>;
-  // Called once, outside the table's lock, when the server's shutdown ends
-  // the session (EndAll), so that a stream holding it can end too.
-  using OnEnd = std::function<void()>;
+  // Called once, outside the table's lock, when the server ends the session
+  // (kShutdown: EndAll; kPreempted: its blocks went to another session),
+  // with why, so that a stream holding it can end too.
+  using OnEnd = std::function<void(SessionEnd reason, const absl::Status& why)>;
 
   // `limits` bound a cross session's memory as they bound a request.
   // `metrics` is not owned and must outlive the table. Starts the thread
@@ -120,6 +133,8 @@ class SessionTable {
   bool AwaitNoneOpen(absl::Time deadline) const;
   // Tokens the session holds per example (Session::length()); 0 once freed.
   int64_t Length(const Handle& handle) const;
+  // Whether the session ended because its blocks went to another session.
+  bool Preempted(const Handle& handle) const;
   const KvBlockPool& pool() const { return pool_; }
   const SessionOptions& options() const { return options_; }
 
@@ -133,6 +148,19 @@ class SessionTable {
   void EndLocked(Handle entry, SessionEnd reason, absl::Status why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Remember(const std::string& key, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The pool's Reclaim: ends the least recently stepped session that holds
+  // blocks, has no step in flight and is past its kept time; false when
+  // there is none, and then for kWantedFor every EndStep looks again and
+  // preempts the session it can, whose blocks the waiting step takes.
+  bool Preempt(const Session* asking);
+  // When no session can be preempted and every one holding memory waits
+  // for more (none can end its step until another gives memory back): the
+  // least recently stepped of them but `asking`, to preempt while it waits.
+  Handle StuckLocked(const Session* asking) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The session Preempt() ends, if any.
+  Handle VictimLocked(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends `victim` as preempted: why, and the OnEnd to call without mu_.
+  OnEnd PreemptLocked(const Handle& victim, absl::Status* why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGauges() const;
   void SweepLoop();
 
@@ -150,6 +178,10 @@ class SessionTable {
   // Why recently ended sequences ended, so their next request is told; the
   // oldest forgotten beyond kRememberedEnds.
   absl::flat_hash_map<std::string, absl::Status> ended_ ABSL_GUARDED_BY(mu_);
+  // Until when a step wants blocks no session could give it (Preempt).
+  absl::Time wanted_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // Sessions preempted while their step waited, not yet freed (EndStep).
+  int preempted_busy_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);
   std::thread sweeper_;
 };

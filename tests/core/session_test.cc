@@ -6,10 +6,12 @@
 // lengths at the block edges, B > 1 and valid lengths; several sessions in
 // one RunSteps get what they get alone; a step refused by the pool, by
 // max_length or by its stop leaves its session as it was; blocks go back to
-// the pool. A step computed in pieces (chunked prefill: ValidatedStep::
-// chunk_rows) answers as in one piece, beside other sessions' steps too; a
-// piece stopped, refused or abandoned leaves the session as before the step;
-// ChunkRows cuts pieces within a work budget. Run once per kernel path
+// the pool; a full pool asks its reclaim for room, and a session larger than
+// the empty pool is refused without asking. A step computed in pieces
+// (chunked prefill: ValidatedStep::chunk_rows) answers as in one piece,
+// beside other sessions' steps too; a piece stopped, refused or abandoned
+// leaves the session as before the step; ChunkRows cuts pieces within a
+// work budget. Run once per kernel path
 // (tests/CMakeLists.txt).
 #include "core/sessions/session.h"
 
@@ -433,6 +435,79 @@ TEST(SessionLimits, FullPoolRefusesTheStepAndLeavesTheSessionAsItWas) {
   ExpectNear(later.output, want.output, "after the refusal");
   ExpectNear(later.attention_weights, want.attention_weights, "weights after the refusal");
   session.reset();
+  EXPECT_EQ(pool.used_bytes(), 0);
+}
+
+// Sessions of the reclaim tests: dot_product rows of kReclaimWidth floats,
+// held once as keys and values, a block of kReclaimBlock bytes.
+constexpr int64_t kReclaimWidth = 4;
+constexpr int64_t kReclaimBlock =
+    kKvBlockRows * kReclaimWidth * static_cast<int64_t>(sizeof(float));
+
+TEST(SessionLimits, FullPoolAsksItsReclaimForRoomAndTakesWhatItFrees) {
+  std::mt19937 rng(34);
+  const int64_t d = kReclaimWidth, block = kReclaimBlock;
+  const auto model = std::make_shared<Model>(DotProductModel());
+  Engine engine;
+  // The reclaim ends the oldest session still held, as a server's table would.
+  std::vector<std::unique_ptr<Session>> held;
+  std::vector<int64_t> asked;
+  KvBlockPool pool(2 * block, [&](const Session* asking, int64_t bytes) {
+    EXPECT_NE(asking, nullptr);
+    asked.push_back(bytes);
+    if (held.empty()) return false;
+    held.erase(held.begin());
+    return true;
+  });
+  for (int i = 0; i < 2; ++i) {
+    held.push_back(*Session::Open(model, pool, SelfOpen()));
+    ASSERT_TRUE(Step(engine, *held.back(), RandomData(rng, 3 * d), 3, d, false).status.ok());
+  }
+  EXPECT_EQ(pool.used_bytes(), 2 * block);
+  std::unique_ptr<Session> third = *Session::Open(model, pool, SelfOpen());
+  Prefix prefix(1, d);
+  const std::vector<float> rows = RandomData(rng, 5 * d);
+  const AttentionResult stepped = Step(engine, *third, rows, 5, d, false);
+  ASSERT_TRUE(stepped.status.ok()) << stepped.status;
+  prefix.Add(rows, 5);
+  ExpectNear(stepped.output, CausalReference(engine, *model, prefix, 5, false).output,
+             "the step given room");
+  EXPECT_EQ(asked, std::vector<int64_t>{block});
+  EXPECT_EQ(held.size(), 1u);
+  EXPECT_EQ(pool.used_bytes(), 2 * block);
+
+  // Nothing left to end: the step is refused as the pool was full, and the
+  // session is as it was.
+  held.clear();
+  std::unique_ptr<Session> fourth = *Session::Open(model, pool, SelfOpen());
+  ASSERT_TRUE(Step(engine, *fourth, RandomData(rng, 3 * d), 3, d, false).status.ok());
+  const AttentionResult refused =
+      Step(engine, *third, RandomData(rng, kKvBlockRows * d), kKvBlockRows, d, false);
+  EXPECT_TRUE(PoolWasFull(refused.status)) << refused.status;
+  EXPECT_EQ(third->length(), 5);
+  EXPECT_EQ(pool.used_bytes(), 2 * block);
+}
+
+TEST(SessionLimits, SessionLargerThanTheEmptyPoolIsRefusedWithoutReclaiming) {
+  std::mt19937 rng(35);
+  const int64_t d = kReclaimWidth, block = kReclaimBlock;
+  const auto model = std::make_shared<Model>(DotProductModel());
+  Engine engine;
+  int asked = 0;
+  KvBlockPool pool(2 * block, [&](const Session*, int64_t) {
+    ++asked;
+    return false;
+  });
+  std::unique_ptr<Session> session = *Session::Open(model, pool, SelfOpen());
+  const int64_t rows = 2 * kKvBlockRows + 1;
+  const AttentionResult refused = Step(engine, *session, RandomData(rng, rows * d), rows, d, false);
+  EXPECT_EQ(refused.status.code(), absl::StatusCode::kResourceExhausted) << refused.status;
+  EXPECT_FALSE(PoolWasFull(refused.status)) << refused.status;
+  EXPECT_NE(refused.status.message().find(std::to_string(3 * block)), std::string::npos)
+      << refused.status;
+  EXPECT_NE(refused.status.message().find(std::to_string(2 * block)), std::string::npos)
+      << refused.status;
+  EXPECT_EQ(asked, 0);
   EXPECT_EQ(pool.used_bytes(), 0);
 }
 

@@ -202,6 +202,18 @@ TEST(ServerConfigTest, OutOfRangeFlagIsRefused) {
   EXPECT_THAT(output, HasSubstr("--max-batch-size"));
 }
 
+TEST(ServerConfigTest, SessionPreemptionTakesOnOrOff) {
+  std::string output;
+  EXPECT_NE(ServerProcess::RunToExit({"--session-preemption", "maybe"}, {}, &output), 0);
+  EXPECT_THAT(output, HasSubstr("--session-preemption"));
+  output.clear();
+  EXPECT_NE(ServerProcess::RunToExit({}, {{"ATTENTION_SESSION_PREEMPTION", "yes"}}, &output), 0);
+  EXPECT_THAT(output, HasSubstr("--session-preemption"));
+  std::string help;
+  ASSERT_EQ(ServerProcess::RunToExit({"--help"}, {}, &help), 0);
+  EXPECT_THAT(help, HasSubstr("ATTENTION_SESSION_PREEMPTION"));
+}
+
 TEST(ServerConfigTest, OversizedRequestIsInvalidArgumentBeforeAnyWork) {
   auto server = ServerProcess::Start({"--max-request-elements", "1000"});
   ASSERT_TRUE(server.ok()) << server.status();

@@ -5,7 +5,13 @@
 // fixed memory (cross, additive); many sessions at once each answer as
 // alone; errors answered in place leave the session as it was; the limits
 // (--max-sessions, --max-session-length, --session-memory-bytes) refuse with
-// RESOURCE_EXHAUSTED naming them and other sessions go on; idle expiry;
+// RESOURCE_EXHAUSTED naming them and other sessions go on; a full pool
+// preempts the least recently stepped session with no step in flight (its
+// stream ends UNAVAILABLE, counted; a Triton sequence is told at its next
+// request), a step waits while every holder is in a step, sessions that all
+// wait for memory preempt one of them while it waits, a session larger than
+// the empty pool is refused naming the sizes, and --session-preemption off
+// refuses as the pool fills; idle expiry;
 // a session keeps its version across a reload; SIGTERM with sessions open
 // gives only OK and UNAVAILABLE, and the steps of Triton sequences sent as
 // unary calls go on until the sequences end (or the grace period); Triton's
@@ -39,6 +45,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "attention.grpc.pb.h"
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
@@ -437,6 +445,234 @@ TEST_F(SessionTest, SessionMemoryIsBoundedByThePool) {
   EXPECT_TRUE(small.Close().ok());
 }
 
+// The stream of a preempted session: the step sent gets no answer, and the
+// stream ends UNAVAILABLE saying so.
+void ExpectPreempted(SessionCall& call, const v1::Tensor& step) {
+  const v1::SessionResponse answer = call.Step(step);
+  EXPECT_EQ(answer.error().code(), -1) << "answered: " << answer.DebugString();
+  const grpc::Status status = call.stream().Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("preempted"));
+}
+
+// Sessions preempted so far; 0 before the first (no sample yet).
+double Preemptions(const ServerProcess& server) {
+  return MetricValue(ScrapeMetrics(server.metrics_address()), "attention_sessions_ended_total",
+                     {{"reason", "preempted"}})
+      .value_or(0);
+}
+
+// 64 KiB: a mh_torch_small session of at most 256 tokens holds one block of
+// keys and one of values, 16 KiB each, so two such sessions fill the pool.
+constexpr const char* kTwoSmallSessions = "65536";
+
+TEST_F(SessionTest, ANewSessionPreemptsTheLeastRecentlySteppedIdleOne) {
+  StartServer({"--session-memory-bytes", kTwoSmallSessions});
+  std::mt19937 rng(41);
+  const v1::Tensor tokens = RandomTensor(1, 20, 16, rng);
+  SessionCall older(*stub_), newer(*stub_), opening(*stub_);
+  for (SessionCall* call : {&newer, &older, &opening}) {
+    ASSERT_FALSE(call->Open(SelfOpen("mh_torch_small")).has_error());
+  }
+  // `newer` steps first, then `older` twice, then `newer` again: `older`
+  // is the one stepped least recently, though opened last.
+  const absl::Time first = absl::Now();
+  ASSERT_FALSE(newer.Step(Rows(tokens, 0, 4)).has_error());
+  ASSERT_FALSE(older.Step(Rows(tokens, 0, 4)).has_error());
+  ASSERT_FALSE(older.Step(Rows(tokens, 4, 6)).has_error());
+  ASSERT_FALSE(newer.Step(Rows(tokens, 4, 8)).has_error());
+  EXPECT_EQ(Preemptions(*server_), 0);
+  // Past the time a session is kept after the step that took its blocks
+  // (four times that step's), so both can be preempted and the choice is
+  // the least recently stepped.
+  absl::SleepFor(5 * (absl::Now() - first));
+
+  const v1::SessionResponse opened = opening.Step(Rows(tokens, 0, 10));
+  ASSERT_FALSE(opened.has_error()) << opened.error().message();
+  EXPECT_LE(MaxDifference(opened.output(),
+                          CausalPrefixAnswer(*stub_, "mh_torch_small", tokens, 10, 10)),
+            kTolerance);
+  ExpectPreempted(older, Rows(tokens, 6, 7));
+  const v1::SessionResponse kept = newer.Step(Rows(tokens, 8, 9));
+  ASSERT_FALSE(kept.has_error()) << kept.error().message();
+  EXPECT_EQ(kept.length(), 9);
+  EXPECT_LE(
+      MaxDifference(kept.output(), CausalPrefixAnswer(*stub_, "mh_torch_small", tokens, 9, 1)),
+      kTolerance);
+  EXPECT_EQ(Preemptions(*server_), 1);
+  EXPECT_TRUE(newer.Close().ok());
+  EXPECT_TRUE(opening.Close().ok());
+}
+
+TEST_F(SessionTest, ASessionWhoseStepIsInFlightIsNeverPreempted) {
+  TestGate gate;
+  ASSERT_TRUE(gate.ok());
+  // A dot_product session of d = 8 and at most 256 tokens holds one block
+  // of 8 KiB (its rows are its keys and values): two fill 16 KiB.
+  StartServer({"--session-memory-bytes", "16384"}, &gate);
+  std::mt19937 rng(42);
+  const v1::Tensor tokens = RandomTensor(1, 12, 8, rng);
+  SessionCall stepping(*stub_), idle(*stub_), opening(*stub_);
+  ASSERT_FALSE(stepping.Open(SelfOpen("gate")).has_error());
+  ASSERT_FALSE(idle.Open(SelfOpen("dot_product")).has_error());
+  ASSERT_FALSE(opening.Open(SelfOpen("dot_product")).has_error());
+  v1::SessionRequest step;
+  *step.mutable_step()->mutable_queries() = Rows(tokens, 0, 4);
+  ASSERT_TRUE(stepping.stream().Write(step));
+  ASSERT_TRUE(gate.Release());
+  v1::SessionResponse answer;
+  ASSERT_TRUE(stepping.stream().Read(&answer));
+  ASSERT_FALSE(answer.has_error()) << answer.error().message();
+  ASSERT_FALSE(idle.Step(Rows(tokens, 0, 4)).has_error());
+
+  // `stepping` was stepped least recently, but its next step is held at
+  // the gate: the blocks come from `idle`.
+  *step.mutable_step()->mutable_queries() = Rows(tokens, 4, 6);
+  ASSERT_TRUE(stepping.stream().Write(step));
+  ASSERT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+    return MetricValue(text, "attention_batch_size_count", {{"model", "gate"}}) == 2;
+  })) << "the step never reached the gate";
+  const v1::SessionResponse opened = opening.Step(Rows(tokens, 0, 5));
+  ASSERT_FALSE(opened.has_error()) << opened.error().message();
+  ExpectPreempted(idle, Rows(tokens, 4, 5));
+  ASSERT_TRUE(gate.Release());
+  ASSERT_TRUE(stepping.stream().Read(&answer));
+  ASSERT_FALSE(answer.has_error()) << answer.error().message();
+  EXPECT_EQ(answer.length(), 6);
+  EXPECT_LE(MaxDifference(answer.output(), CausalPrefixAnswer(*stub_, "dot_product", tokens, 6, 2)),
+            kTolerance);
+  EXPECT_EQ(Preemptions(*server_), 1);
+
+  // With every holder of blocks in a step, a step that needs blocks waits
+  // for one to be answered, then takes that one's blocks.
+  EXPECT_TRUE(opening.Close().ok());
+  ASSERT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+    return MetricValue(text, "attention_sessions_open") == 1;
+  }));
+  SessionCall filler(*stub_), waiting(*stub_);
+  ASSERT_FALSE(filler.Open(SelfOpen("gate")).has_error());
+  ASSERT_FALSE(waiting.Open(SelfOpen("dot_product")).has_error());
+  *step.mutable_step()->mutable_queries() = Rows(tokens, 0, 2);
+  ASSERT_TRUE(filler.stream().Write(step));
+  ASSERT_TRUE(gate.Release());
+  ASSERT_TRUE(filler.stream().Read(&answer));
+  ASSERT_FALSE(answer.has_error()) << answer.error().message();
+  *step.mutable_step()->mutable_queries() = Rows(tokens, 6, 7);
+  ASSERT_TRUE(stepping.stream().Write(step));
+  ASSERT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+    return MetricValue(text, "attention_batch_size_count", {{"model", "gate"}}) == 4;
+  })) << "the step never reached the gate";
+  *step.mutable_step()->mutable_queries() = Rows(tokens, 2, 3);
+  ASSERT_TRUE(filler.stream().Write(step));
+  ASSERT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+    return MetricValue(text, "attention_queue_depth", {{"model", "gate"}}) == 1;
+  })) << "the step never queued";
+  *step.mutable_step()->mutable_queries() = Rows(tokens, 0, 3);
+  ASSERT_TRUE(waiting.stream().Write(step));
+  ASSERT_TRUE(gate.Release(2));
+  for (SessionCall* call : {&stepping, &filler}) {
+    ASSERT_TRUE(call->stream().Read(&answer));
+    ASSERT_FALSE(answer.has_error()) << answer.error().message();
+  }
+  ASSERT_TRUE(waiting.stream().Read(&answer));
+  ASSERT_FALSE(answer.has_error()) << answer.error().message();
+  EXPECT_LE(MaxDifference(answer.output(), CausalPrefixAnswer(*stub_, "dot_product", tokens, 3, 3)),
+            kTolerance);
+  // `idle`, then one of `stepping` and `filler`; which one, and whether
+  // both, depends on whether each is still kept when its step ends.
+  EXPECT_GE(Preemptions(*server_), 2);
+  EXPECT_TRUE(waiting.Close().ok());
+  // What ended preempted gets UNAVAILABLE at its Close().
+  for (SessionCall* call : {&stepping, &filler}) call->Close();
+}
+
+TEST_F(SessionTest, SessionsThatAllWaitForMemoryPreemptOneOfThemWhileItWaits) {
+  TestGate gate;
+  ASSERT_TRUE(gate.ok());
+  // Two dot_product sessions of d = 8 whose prompts fill a block each fill
+  // 16 KiB: the next token of each needs a block, and neither can end its
+  // step to give one.
+  StartServer({"--session-memory-bytes", "16384"}, &gate);
+  std::mt19937 rng(46);
+  const v1::Tensor tokens = RandomTensor(1, kBlockRows + 1, 8, rng);
+  SessionCall older(*stub_), newer(*stub_);
+  v1::SessionRequest step;
+  v1::SessionResponse answer;
+  for (SessionCall* call : {&older, &newer}) {
+    ASSERT_FALSE(call->Open(SelfOpen("gate")).has_error());
+    *step.mutable_step()->mutable_queries() = Rows(tokens, 0, kBlockRows);
+    ASSERT_TRUE(call->stream().Write(step));
+    ASSERT_TRUE(gate.Release());
+    ASSERT_TRUE(call->stream().Read(&answer));
+    ASSERT_FALSE(answer.has_error()) << answer.error().message();
+  }
+  *step.mutable_step()->mutable_queries() = Rows(tokens, kBlockRows, kBlockRows + 1);
+  ASSERT_TRUE(older.stream().Write(step));
+  ASSERT_TRUE(newer.stream().Write(step));
+  // Both steps in flight (at the gate, or one there and one queued) before
+  // either runs: the two prompts and the two steps.
+  ASSERT_TRUE(WaitForMetrics(server_->metrics_address(), [](const std::string& text) {
+    return MetricValue(text, "attention_batch_size_count", {{"model", "gate"}}) == 3 &&
+           MetricValue(text, "attention_batch_size_sum", {{"model", "gate"}}).value_or(0) +
+                   MetricValue(text, "attention_queue_depth", {{"model", "gate"}}).value_or(0) ==
+               4;
+  })) << "the steps never reached the gate";
+  ASSERT_TRUE(gate.Release(16));
+  ExpectPreempted(older, Rows(tokens, kBlockRows, kBlockRows + 1));
+  ASSERT_TRUE(newer.stream().Read(&answer));
+  ASSERT_FALSE(answer.has_error()) << answer.error().message();
+  EXPECT_EQ(answer.length(), kBlockRows + 1);
+  EXPECT_LE(MaxDifference(answer.output(),
+                          CausalPrefixAnswer(*stub_, "dot_product", tokens, kBlockRows + 1, 1)),
+            kTolerance);
+  EXPECT_EQ(Preemptions(*server_), 1);
+  EXPECT_TRUE(newer.Close().ok());
+}
+
+TEST_F(SessionTest, WithPreemptionOffAFullPoolRefusesTheStep) {
+  StartServer({"--session-memory-bytes", kTwoSmallSessions, "--session-preemption", "off"});
+  std::mt19937 rng(43);
+  const v1::Tensor tokens = RandomTensor(1, 8, 16, rng);
+  SessionCall first(*stub_), second(*stub_), third(*stub_);
+  for (SessionCall* call : {&first, &second, &third}) {
+    ASSERT_FALSE(call->Open(SelfOpen("mh_torch_small")).has_error());
+  }
+  ASSERT_FALSE(first.Step(Rows(tokens, 0, 4)).has_error());
+  ASSERT_FALSE(second.Step(Rows(tokens, 0, 4)).has_error());
+  const v1::SessionResponse refused = third.Step(Rows(tokens, 0, 4));
+  EXPECT_EQ(refused.error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error().message(), HasSubstr("--session-memory-bytes 65536"));
+  EXPECT_EQ(refused.length(), 0);
+  for (SessionCall* call : {&first, &second}) {
+    const v1::SessionResponse answer = call->Step(Rows(tokens, 4, 5));
+    ASSERT_FALSE(answer.has_error()) << answer.error().message();
+    EXPECT_EQ(answer.length(), 5);
+  }
+  EXPECT_EQ(Preemptions(*server_), 0);
+  for (SessionCall* call : {&first, &second, &third}) EXPECT_TRUE(call->Close().ok());
+}
+
+TEST_F(SessionTest, ASessionLargerThanTheEmptyPoolIsRefusedAndPreemptsNone) {
+  StartServer({"--session-memory-bytes", kTwoSmallSessions});
+  std::mt19937 rng(44);
+  SessionCall held(*stub_), big(*stub_);
+  ASSERT_FALSE(held.Open(SelfOpen("mh_torch_small")).has_error());
+  ASSERT_FALSE(big.Open(SelfOpen("mh_torch_small")).has_error());
+  ASSERT_FALSE(held.Step(RandomTensor(1, 4, 16, rng)).has_error());
+  // Three blocks of keys and three of values: 96 KiB.
+  const v1::SessionResponse refused = big.Step(RandomTensor(1, 2 * kBlockRows + 1, 16, rng));
+  EXPECT_EQ(refused.error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error().message(), HasSubstr("would hold 98304 bytes"));
+  EXPECT_THAT(refused.error().message(), HasSubstr("capacity of 65536 bytes"));
+  EXPECT_EQ(refused.length(), 0);
+  const v1::SessionResponse still = held.Step(RandomTensor(1, 1, 16, rng));
+  ASSERT_FALSE(still.has_error()) << still.error().message();
+  EXPECT_EQ(still.length(), 5);
+  EXPECT_EQ(Preemptions(*server_), 0);
+  EXPECT_TRUE(held.Close().ok());
+  EXPECT_TRUE(big.Close().ok());
+}
+
 TEST_F(SessionTest, IdleSessionsExpireAndTheirNextStepIsTold) {
   StartServer({"--session-idle-seconds", "0.3"});
   std::mt19937 rng(8);
@@ -821,6 +1057,40 @@ TEST_F(SessionTest, GroupedSequencesBringTheirOwnKeysAndValuesThroughModelInfer)
   EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(bad.error_message(),
               HasSubstr("parameters 'session_memory': expected \"self\" or \"cross\", got \"both\""));
+}
+
+TEST_F(SessionTest, APreemptedSequenceIsToldAtItsNextRequest) {
+  StartServer({"--session-memory-bytes", kTwoSmallSessions});
+  auto infer = InferStub(server_->Channel());
+  std::mt19937 rng(45);
+  const v1::Tensor tokens = RandomTensor(1, 6, 16, rng);
+  inference::InferParameter id;
+  id.set_int64_param(7);
+  auto request = [&](int64_t from, int64_t to, bool start) {
+    inference::ModelInferResponse response;
+    grpc::ClientContext context;
+    return infer.ModelInfer(
+        &context, SequenceRequest("mh_torch_small", Rows(tokens, from, to), id, start, false),
+        &response);
+  };
+  const absl::Time began = absl::Now();
+  ASSERT_TRUE(request(0, 3, true).ok());
+  SessionCall first(*stub_), second(*stub_);
+  for (SessionCall* call : {&first, &second}) {
+    ASSERT_FALSE(call->Open(SelfOpen("mh_torch_small")).has_error());
+    // Past the kept time of the sessions before (as in
+    // ANewSessionPreemptsTheLeastRecentlySteppedIdleOne): the sequence is
+    // the least recently stepped.
+    if (call == &second) absl::SleepFor(5 * (absl::Now() - began));
+    const v1::SessionResponse answer = call->Step(Rows(tokens, 0, 4));
+    ASSERT_FALSE(answer.has_error()) << answer.error().message();
+  }
+  const grpc::Status told = request(3, 4, false);
+  EXPECT_EQ(told.error_code(), grpc::StatusCode::UNAVAILABLE) << told.error_message();
+  EXPECT_THAT(told.error_message(), HasSubstr("preempted"));
+  EXPECT_EQ(Preemptions(*server_), 1);
+  EXPECT_TRUE(first.Close().ok());
+  EXPECT_TRUE(second.Close().ok());
 }
 
 // What a session does not take is refused naming it, and the session goes

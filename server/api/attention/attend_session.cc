@@ -100,7 +100,8 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
           " is open already; a stream holds one session (open another stream)"));
     }
     absl::StatusOr<SessionTable::Handle> handle = sessions_->Open(
-        open.model(), served, ToSessionOpen(open), {}, EndStreamAtShutdown(link_));
+        open.model(), served, ToSessionOpen(open), {},
+        EndStreamWithSession(link_, /*at_preemption=*/true));
     if (!handle.ok()) return handle.status();
     session_ = *std::move(handle);
     model_ = open.model();
@@ -135,6 +136,19 @@ class AttendSessionReactor final : public AdmittedStream<SessionSlot> {
   }
 
   void Answer(SessionSlot& slot, const absl::Status& status, const AttentionResult* result) {
+    // A step whose session was preempted before the step began (the
+    // session idle, or its step waiting for memory) gets no answer: the
+    // stream ends UNAVAILABLE in its place (the table ends it), which the
+    // clients take for a break, so they replay the session and send the
+    // step again.
+    if (!status.ok() && slot.request.has_step() && session_ && sessions_->Preempted(session_)) {
+      if (slot.stepping != nullptr) {
+        sessions_->EndStep(session_, 0);
+        slot.stepping = nullptr;
+      }
+      chain_.Done();
+      return Withdrawn(slot);
+    }
     v1::SessionResponse& response = slot.response;
     if (status.ok() && result != nullptr) ToSessionResponse(*result, &response);
     if (!status.ok()) {

@@ -176,16 +176,24 @@ class AdmittedStream : public OrderedStream<Slot> {
   bool open_ = false;  // set before anything can call OnDone
 };
 
-// What a session opened on a stream does when the server's shutdown ends it
+// What a session opened on a stream does when the server ends it
 // (SessionTable::OnEnd): its stream finishes UNAVAILABLE once the answers
-// read so far are written.
+// read so far are written, at shutdown and, when `at_preemption`, when the
+// session is preempted (an AttendSession stream holds that one session; a
+// ModelStreamInfer stream holds many sequences, and a preempted one is told
+// at its next request).
 template <typename Reactor>
-SessionTable::OnEnd EndStreamAtShutdown(const std::shared_ptr<StreamEndLink<Reactor>>& link) {
-  return [weak = std::weak_ptr<StreamEndLink<Reactor>>(link)] {
+SessionTable::OnEnd EndStreamWithSession(const std::shared_ptr<StreamEndLink<Reactor>>& link,
+                                         bool at_preemption) {
+  return [weak = std::weak_ptr<StreamEndLink<Reactor>>(link), at_preemption](
+             SessionEnd reason, const absl::Status& why) {
+    if (reason == SessionEnd::kPreempted && !at_preemption) return;
     if (auto alive = weak.lock()) {
-      alive->End(ToGrpcStatus(absl::UnavailableError(
-          "the server shut down after its grace period; its sessions' keys and values are "
-          "gone")));
+      alive->End(ToGrpcStatus(
+          reason == SessionEnd::kShutdown
+              ? absl::UnavailableError("the server shut down after its grace period; its "
+                                       "sessions' keys and values are gone")
+              : why));
     }
   };
 }

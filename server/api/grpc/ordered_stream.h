@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
 
@@ -82,6 +83,18 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     Progress();
   }
 
+  // As Answered(), for a request that gets no answer of its own: its place
+  // is skipped, and the status End() gives the stream stands for it (a step
+  // of a session the server ended before the step began).
+  void Withdrawn(Slot& slot) {
+    {
+      absl::MutexLock lock(&mu_);
+      slot.answered = true;
+      withdrawn_.insert(&slot);
+    }
+    Progress();
+  }
+
   // Ends the call before it reads anything; only a stream's opening calls it.
   void Refuse(const grpc::Status& status) {
     {
@@ -113,7 +126,11 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       absl::MutexLock lock(&mu_);
       if (finished_) return;
       if (!writing_) {
-        while (broken_ && !slots_.empty() && slots_.front()->answered) slots_.pop_front();
+        while (!slots_.empty() && slots_.front()->answered &&
+               (broken_ || withdrawn_.contains(slots_.front().get()))) {
+          withdrawn_.erase(slots_.front().get());
+          slots_.pop_front();
+        }
         if (!broken_ && !slots_.empty() && slots_.front()->answered) {
           writing_ = true;
           write = &slots_.front()->wire_response;
@@ -145,6 +162,8 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   // the next to write.
   std::deque<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Slot> incoming_ ABSL_GUARDED_BY(mu_);  // target of the read in flight
+  // Slots answered by Withdrawn(): nothing of theirs is written.
+  absl::flat_hash_set<const Slot*> withdrawn_ ABSL_GUARDED_BY(mu_);
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
@@ -155,7 +174,7 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
 };
 
 // Lets something outside a stream end it with End() (a session the server
-// ended at shutdown, SessionTable::OnEnd) without reaching a reactor that is
+// ended at shutdown or preempted, SessionTable::OnEnd) without reaching a reactor that is
 // gone: the reactor calls Detach() in its OnDone, and the outside holds the
 // link by std::weak_ptr. `Reactor` exposes End().
 template <typename Reactor>

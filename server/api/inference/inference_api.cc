@@ -160,7 +160,7 @@ class InferenceApi::StreamReactor final : public AdmittedStream<InferSlot> {
         [this, &slot](const absl::Status& status, const AttentionResult* result) {
           Answer(slot, status, result);
         },
-        absl::OkStatus(), EndStreamAtShutdown(link_));
+        absl::OkStatus(), EndStreamWithSession(link_, /*at_preemption=*/false));
   }
 
   void Answer(InferSlot& slot, const absl::Status& status, const AttentionResult* result) {

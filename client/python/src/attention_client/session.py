@@ -211,18 +211,30 @@ class Session:
     def _send(self, request):
         """Sends one message; its answer as (header, bytes, tensors), or the
         AttendError it carries. A broken stream is replayed, then `request`
-        sent again."""
+        sent again; the new stream may break too before it is answered (a
+        server short of session memory preempts the session again), and is
+        replayed again, until reopen_timeout after the first break."""
         if self._closed:
             raise ValueError("the session is closed")
-        try:
-            return self._exchange(request)
-        except AttendError:
-            raise
-        except grpc.RpcError as error:
-            if error.code() not in _BREAKS or not self._replay:
+        give_up = None
+        while True:
+            try:
+                return self._exchange(request)
+            except AttendError:
                 raise
-            self._replay_on_new_stream(error)
-        return self._exchange(request)
+            except grpc.RpcError as error:
+                if error.code() not in _BREAKS or not self._replay:
+                    raise
+                if give_up is None:
+                    give_up = time.monotonic() + self._reopen_timeout
+                elif time.monotonic() > give_up:
+                    self._closed = True
+                    self._responses.cancel()
+                    raise SessionLost(error.code(), f"the session's stream broke again and again "
+                                                    f"for {self._reopen_timeout} s, the last: "
+                                                    f"{error.code().name}: {error.details()}"
+                                      ) from error
+                self._replay_on_new_stream(error)
 
     def _replay_on_new_stream(self, error):
         """After `error` broke the stream: a new stream holding the session as
