@@ -342,6 +342,7 @@ bool SessionTable::Preempt(const Session* asking) {
 SessionTable::Handle SessionTable::StuckLocked(const Session* asking) const {
   if (preempted_busy_ > 0) return nullptr;  // one already gives its blocks back
   Handle stuck;
+  bool others_wait = false;
   for (const auto& [key, entry] : open_) {
     // A busy session holds what it held before its step until the step
     // takes blocks; a waiting one took none.
@@ -350,11 +351,13 @@ SessionTable::Handle SessionTable::StuckLocked(const Session* asking) const {
     if (!holds) continue;
     const bool waiting = entry->busy && entry->refused_at >= entry->step_began;
     if (!waiting) return nullptr;  // its step ends, or it is kept for a while
-    if (entry->session.get() != asking && (stuck == nullptr || entry->last_step < stuck->last_step)) {
-      stuck = entry;
-    }
+    // The one asking is a candidate too, so that which of them is preempted
+    // does not depend on which asked last.
+    if (entry->session.get() != asking) others_wait = true;
+    if (stuck == nullptr || entry->last_step < stuck->last_step) stuck = entry;
   }
-  return stuck;
+  // Never preempted for itself alone.
+  return others_wait ? stuck : nullptr;
 }
 
 int SessionTable::EndAll() {

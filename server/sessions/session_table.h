@@ -155,7 +155,8 @@ class SessionTable {
   bool Preempt(const Session* asking);
   // When no session can be preempted and every one holding memory waits
   // for more (none can end its step until another gives memory back): the
-  // least recently stepped of them but `asking`, to preempt while it waits.
+  // least recently stepped of them, `asking` included when another waits
+  // too, to preempt while it waits.
   Handle StuckLocked(const Session* asking) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The session Preempt() ends, if any.
   Handle VictimLocked(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -106,7 +106,7 @@ float MaxDifference(const v1::Tensor& a, const v1::Tensor& b) {
 class SessionCall {
  public:
   explicit SessionCall(v1::AttentionService::Stub& stub)
-      : context_(std::make_unique<grpc::ClientContext>()), stream_(stub.AttendSession(context_.get())) {}
+      : context_(Context()), stream_(stub.AttendSession(context_.get())) {}
 
   v1::SessionResponse Send(const v1::SessionRequest& request) {
     v1::SessionResponse response;
@@ -138,6 +138,13 @@ class SessionCall {
   void Cancel() { context_->TryCancel(); }
 
  private:
+  // A deadline, so that a stream a test expects to end but which stays open
+  // fails that test instead of hanging the suite.
+  static std::unique_ptr<grpc::ClientContext> Context() {
+    auto context = std::make_unique<grpc::ClientContext>();
+    context->set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(5));
+    return context;
+  }
   std::unique_ptr<grpc::ClientContext> context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream_;
 };
