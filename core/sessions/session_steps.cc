@@ -154,6 +154,7 @@ absl::Status BeginStep(StepRun& run) {
   if (run.piece.offset > 0 && run.step->stop) status = run.step->stop();
   if (status.ok() && run.self()) {
     if (state.key_width == 0) FixRowWidths(run, state);
+    if (run.piece.offset == 0) state.ShareHeldBlocks(*run.step->step);
     status = state.Reserve(state.length + run.step->dims.num_queries);
   }
   if (!status.ok()) {
@@ -321,13 +322,16 @@ void ProjectInputs(ThreadPool& pool, const Model& model, const StepScratch& s,
 
 // A self step's new keys and values into its blocks, after the session's
 // length and the step's earlier pieces: `keys` and `values` (rows of the
-// piece, with their row strides).
+// piece, with their row strides). Rows in blocks shared with other sessions
+// (State::shared_until) are there already, and shared blocks are never
+// written.
 void Append(const StepRun& run, const float* keys, const float* values, int64_t key_stride,
             int64_t value_stride) {
   Session::State& state = *run.state;
   const int64_t n = run.dims().num_queries, before = state.length + run.piece.offset;
+  const int64_t first = std::clamp<int64_t>(state.shared_until - before, 0, n);
   for (int64_t b = 0; b < state.batch; ++b) {
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = first; i < n; ++i) {
       state.keys[b].Put(before + i, state.key_width, state.row_heads(),
                         keys + (b * n + i) * key_stride);
       if (state.values_are_keys) continue;
@@ -625,10 +629,7 @@ void FinishStep(const Model& model, StepRun& run) {
     return;
   }
   if (!run.whole()) GatherPiece(run);
-  if (run.self() && run.last()) {
-    run.state->length += run.step->dims.num_queries;
-    run.state->DropBehindWindow();
-  }
+  if (run.self() && run.last()) run.state->Commit(*run.step->step);
 }
 
 // FAILED_PRECONDITION for a step RunSteps cannot run with the others: of

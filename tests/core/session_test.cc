@@ -684,7 +684,7 @@ TEST(StepInPieces, BesideOtherSessionsStepsGetsWhatItGetsAlone) {
 // blocks, and its next step answers as if the failed one never came.
 TEST(StepInPieces, FailedOrAbandonedStepLeavesTheSessionAsBeforeIt) {
   std::mt19937 rng(52);
-  const int64_t d = 8, n = 2 * kKvBlockRows + 10, piece = 100;
+  const int64_t d = 8, n = 2 * kKvBlockRows + 10, piece = n / 5;
   const std::shared_ptr<Model> model = MultiHeadModel(rng, 2, 4, d, d, d, true);
   Engine engine;
   // The session's blocks with the failing step, keys and values; not those

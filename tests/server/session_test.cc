@@ -64,8 +64,8 @@ using InferStub = inference::GRPCInferenceService::Stub;
 
 constexpr float kTolerance = 1e-4f;
 const std::string kModels = std::string(ATTENTION_SOURCE_DIR) + "/tests/conformance/models";
-// core/sessions/session.h's kKvBlockRows: 4 flash key tiles of 64 rows.
-constexpr int kBlockRows = 256;
+// core/sessions/session.h's kKvBlockRows: one flash key tile of 64 rows.
+constexpr int kBlockRows = 64;
 
 // (batch, n, d) values from `rng` in [-1, 1].
 v1::Tensor RandomTensor(int64_t batch, int64_t n, int64_t d, std::mt19937& rng) {
