@@ -151,10 +151,10 @@ void FixRowWidths(const StepRun& run, Session::State& state) {
 absl::Status BeginStep(StepRun& run) {
   Session::State& state = *run.state;
   absl::Status status;
-  if (run.piece.offset > 0 && run.step->stop) status = run.step->stop();
+  if (run.step->done_rows > 0 && run.step->stop) status = run.step->stop();
   if (status.ok() && run.self()) {
     if (state.key_width == 0) FixRowWidths(run, state);
-    if (run.piece.offset == 0) state.ShareHeldBlocks(*run.step->step);
+    if (run.step->done_rows == 0) state.ShareHeldBlocks(*run.step->step);
     status = state.Reserve(state.length + run.step->dims.num_queries);
   }
   if (!status.ok()) {
@@ -258,8 +258,19 @@ StepScratch PlanScratch(const Model& model, std::span<StepRun> runs, std::vector
   return s;
 }
 
+// The leading rows of a self step (or piece) of one example whose keys and
+// values are in blocks shared with other sessions (State::shared_until):
+// not projected, as Append does not write them. With B > 1 an example's rows
+// are not the step's leading rows, and all are projected.
+int64_t SharedRows(const StepRun& run) {
+  if (!run.self() || run.dims().batch != 1) return 0;
+  const int64_t before = run.state->length + run.piece.offset;
+  return std::clamp<int64_t>(run.state->shared_until - before, 0, run.dims().num_queries);
+}
+
 // multi_head: the queries of every step, and the keys and values of the
-// self steps (consecutive self steps as one product), side by side.
+// self steps but their shared rows (consecutive self steps as one product,
+// from the first one's rows past its shared ones), side by side.
 std::vector<Projection> MultiHeadInputProjections(const Model& model, const StepScratch& s,
                                                   std::span<const StepRun> runs) {
   const int64_t stride = s.projected_width, d_q = runs[0].dims().query_size;
@@ -270,9 +281,13 @@ std::vector<Projection> MultiHeadInputProjections(const Model& model, const Step
       ++r;
       continue;
     }
-    const int64_t first = runs[r].first_row;
-    int64_t count = 0;
-    for (; r < runs.size() && runs[r].self(); ++r) count += runs[r].rows();
+    const int64_t shared = SharedRows(runs[r]);
+    const int64_t first = runs[r].first_row + shared;
+    int64_t count = runs[r].rows() - shared;
+    for (++r; r < runs.size() && runs[r].self() && SharedRows(runs[r]) == 0; ++r) {
+      count += runs[r].rows();
+    }
+    if (count == 0) continue;
     const float* in = s.inputs + first * d_q;
     float* out = s.projected + first * stride;
     projections.push_back(
@@ -668,7 +683,7 @@ void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionR
       continue;
     }
     const bool weights = steps[s].step->return_attention_weights;
-    if (run.piece.offset == 0) ShapeResult(model, steps[s].dims, weights, results[s]);
+    if (steps[s].done_rows == 0) ShapeResult(model, steps[s].dims, weights, results[s]);
     if (!run.whole()) ShapeResult(model, run.dims(), weights, run.piece_result);
     const double step_work = run.state->StepWork(run.dims());
     work += step_work;
