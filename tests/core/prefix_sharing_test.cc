@@ -24,33 +24,12 @@
 namespace attention {
 namespace {
 
-using testing::RandomMatrix;
-using testing::RandomVector;
-
-std::vector<float> RandomData(std::mt19937& rng, int64_t size) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> data(size);
-  for (float& x : data) x = normal(rng);
-  return data;
-}
+using testing::MultiHeadModel;
+using testing::RandomData;
 
 // A multi_head model of E = d (2 heads), its queries d wide.
 std::shared_ptr<Model> MultiHead(std::mt19937& rng, int64_t d) {
-  auto m = std::make_shared<Model>();
-  m->kind = Kind::kMultiHead;
-  m->name = "multi_head";
-  m->num_heads = 2;
-  m->query_size = m->key_size = m->value_size = m->output_size = d;
-  m->w_q = RandomMatrix(rng, d, d);
-  m->w_k = RandomMatrix(rng, d, d);
-  m->w_v = RandomMatrix(rng, d, d);
-  m->w_o = RandomMatrix(rng, d, d);
-  m->b_q = RandomVector(rng, d);
-  m->b_k = RandomVector(rng, d);
-  m->b_v = RandomVector(rng, d);
-  m->b_o = RandomVector(rng, d);
-  PackProjections(*m);
-  return m;
+  return MultiHeadModel(rng, 2, d / 2, d, d, d, /*packed=*/true);
 }
 
 SessionOpen SelfOpen(int64_t batch = 1) {
