@@ -50,6 +50,7 @@ KvBlockPool::Impl::~Impl() {
     for (float* block : blocks) FreeBlock(block);
   }
   for (float* block : cached_) FreeBlock(block);
+  for (float* block : cached_outputs_) FreeBlock(block);
 }
 
 int64_t KvBlockPool::Impl::used_bytes() const {
@@ -73,15 +74,18 @@ void KvBlockPool::Impl::MakeRoom() {
     }
     it = blocks.empty() ? kept_.erase(it) : std::next(it);
   }
-  while (!cached_.empty() && over()) {
-    float* block = cached_.front();
-    cached_.pop_front();
-    const auto keyed = keyed_.find(block);
-    cached_bytes_ -= BlockBytes(keyed->second.width);
-    by_key_.erase(keyed->second.key);
-    keyed_.erase(keyed);
-    FreeBlock(block);
-  }
+  while (!cached_outputs_.empty() && over()) EvictLocked(cached_outputs_);
+  while (!cached_.empty() && over()) EvictLocked(cached_);
+}
+
+void KvBlockPool::Impl::EvictLocked(std::list<float*>& lru) {
+  float* block = lru.front();
+  lru.pop_front();
+  const auto keyed = keyed_.find(block);
+  cached_bytes_ -= BlockBytes(keyed->second.width);
+  by_key_.erase(keyed->second.key);
+  keyed_.erase(keyed);
+  FreeBlock(block);
 }
 
 absl::Status KvBlockPool::Impl::Allocate(int64_t width, int64_t count,
@@ -143,7 +147,8 @@ void KvBlockPool::Impl::Release(int64_t width, std::span<float* const> blocks) {
     if (info.holders > 0) continue;
     used_bytes_ -= bytes;
     cached_bytes_ += bytes;
-    info.lru = cached_.insert(cached_.end(), block);
+    std::list<float*>& lru = info.outputs ? cached_outputs_ : cached_;
+    info.lru = lru.insert(lru.end(), block);
   }
 }
 
@@ -157,7 +162,7 @@ float* KvBlockPool::Impl::Acquire(const BlockKey& key) {
   // From the cache, the block's bytes move from cached to used: the pool
   // holds no more than it did.
   if (info.holders == 0) {
-    cached_.erase(info.lru);
+    (info.outputs ? cached_outputs_ : cached_).erase(info.lru);
     cached_bytes_ -= bytes;
     used_bytes_ += bytes;
   } else if (info.holders == 1) {
@@ -172,6 +177,53 @@ void KvBlockPool::Impl::Publish(float* block, int64_t width, const BlockKey& key
   if (keyed_.contains(block) || by_key_.contains(key)) return;
   by_key_.emplace(key, block);
   keyed_.emplace(block, Keyed{key, width, 1, {}});
+}
+
+bool KvBlockPool::Impl::Has(const BlockKey& key) const {
+  std::lock_guard lock(mu_);
+  return by_key_.contains(key);
+}
+
+float* KvBlockPool::Impl::TakeForCache(int64_t width) {
+  std::lock_guard lock(mu_);
+  const int64_t bytes = BlockBytes(width);
+  used_bytes_ += bytes;
+  if (auto same = kept_.find(width); same != kept_.end() && !same->second.empty()) {
+    float* block = same->second.back();
+    same->second.pop_back();
+    kept_bytes_ -= bytes;
+    return block;
+  }
+  // Kept blocks give way to it; cached ones do not (MakeRoom frees them too).
+  for (auto it = kept_.begin();
+       it != kept_.end() && used_bytes_ + kept_bytes_ + cached_bytes_ > capacity_bytes_;) {
+    std::vector<float*>& blocks = it->second;
+    while (!blocks.empty() && used_bytes_ + kept_bytes_ + cached_bytes_ > capacity_bytes_) {
+      FreeBlock(blocks.back());
+      blocks.pop_back();
+      kept_bytes_ -= BlockBytes(it->first);
+    }
+    it = blocks.empty() ? kept_.erase(it) : std::next(it);
+  }
+  if (used_bytes_ + kept_bytes_ + cached_bytes_ > capacity_bytes_) {
+    used_bytes_ -= bytes;
+    return nullptr;
+  }
+  return static_cast<float*>(::operator new(static_cast<size_t>(bytes), kBlockAlignment));
+}
+
+void KvBlockPool::Impl::CacheOutputs(float* block, int64_t width, const BlockKey& key) {
+  std::lock_guard lock(mu_);
+  const int64_t bytes = BlockBytes(width);
+  used_bytes_ -= bytes;
+  if (by_key_.contains(key)) {
+    FreeBlock(block);
+    return;
+  }
+  cached_bytes_ += bytes;
+  by_key_.emplace(key, block);
+  keyed_.emplace(block, Keyed{key, width, 0, cached_outputs_.insert(cached_outputs_.end(), block),
+                              true});
 }
 
 void KvBlockPool::Impl::CountLookup(int64_t queried, int64_t found) {
@@ -301,6 +353,7 @@ void Session::State::DropBehindWindow() {
 void Session::State::Rollback() {
   Trim(length);
   shared_until = length;
+  row_keys.clear();
   if (memory == SessionMemory::kSelf && length == 0 && model->kind == Kind::kDotProduct) {
     key_width = value_width = key_size = value_size = heads = kv_heads = 0;
     values_are_keys = true;
@@ -371,9 +424,11 @@ void Begin(const Session::State& state, int64_t b, const BlockKey& last, XXH3_st
 // Feeds example b's rows of `step` (whose row 0 is the session's row `at`)
 // into `hash`, chained from `last`; each time a block fills, calls
 // full(block index, its key), and stops early when that returns false.
+// With `row_keys`, appends the hash of the rows up to each row fed.
 template <typename Full>
 void ChainRows(const Session::State& state, const SessionStep& step, int64_t b, int64_t at,
-               XXH3_state_t& hash, BlockKey& last, Full full) {
+               XXH3_state_t& hash, BlockKey& last, Full full,
+               std::vector<BlockKey>* row_keys = nullptr) {
   const int64_t n = step.queries.shape[1];
   const TensorView* tensors[] = {&step.queries, step.keys ? &*step.keys : nullptr,
                                  step.values ? &*step.values : nullptr};
@@ -384,6 +439,7 @@ void ChainRows(const Session::State& state, const SessionStep& step, int64_t b, 
       XXH3_128bits_update(&hash, tensor->data.data() + (b * n + i) * static_cast<int64_t>(width),
                           width * sizeof(float));
     }
+    if (row_keys != nullptr) row_keys->push_back(KeyOf(XXH3_128bits_digest(&hash)));
     const int64_t row = at + i + 1;
     if (row % kKvBlockRows != 0) continue;
     last = KeyOf(XXH3_128bits_digest(&hash));
@@ -408,23 +464,30 @@ void Resume(const Session::State& state, int64_t b, XXH3_state_t& hash, BlockKey
 
 void Session::State::ShareHeldBlocks(const SessionStep& step) {
   shared_until = length;
+  row_keys.clear();
   if (chain == nullptr) return;
   const int64_t n = step.queries.shape[1];
   const int64_t blocks = length % kKvBlockRows == 0 ? n / kKvBlockRows : 0;
   // One-token steps are decoding, not prompts: they are not counted.
   const int64_t queried = n > 1 ? batch * n : 0;
+  // Outputs of steps with weights are not cached: asking for weights
+  // computes them otherwise, to other bits.
+  const bool outputs = batch == 1 && n > 1 && !step.return_attention_weights;
   int64_t taken = 0;
-  if (blocks > 0) {
-    std::vector<std::vector<BlockKey>> found(static_cast<size_t>(batch));
+  std::vector<std::vector<BlockKey>> found(static_cast<size_t>(batch));
+  if (blocks > 0 || outputs) {
     for (int64_t b = 0; b < batch; ++b) {
       std::vector<BlockKey>& keys_of = found[static_cast<size_t>(b)];
       XXH3_state_t hash;
       BlockKey last;
       Resume(*this, b, hash, last);
-      ChainRows(*this, step, b, length, hash, last, [&](int64_t, const BlockKey& key) {
-        keys_of.push_back(key);
-        return static_cast<int64_t>(keys_of.size()) < blocks;
-      });
+      ChainRows(
+          *this, step, b, length, hash, last,
+          [&](int64_t, const BlockKey& key) {
+            if (static_cast<int64_t>(keys_of.size()) < blocks) keys_of.push_back(key);
+            return outputs || static_cast<int64_t>(keys_of.size()) < blocks;
+          },
+          outputs ? &row_keys : nullptr);
     }
     const uint64_t seed = pool.seed();
     for (; taken < blocks; ++taken) {
@@ -454,6 +517,44 @@ void Session::State::ShareHeldBlocks(const SessionStep& step) {
   pool.CountLookup(queried, batch * taken * kKvBlockRows);
 }
 
+namespace {
+
+// The pool's key of the outputs of rows [at, at + rows) of a session, of
+// `width` floats each, whose rows up to the last hash to `last_row`.
+BlockKey OutputsKey(const BlockKey& last_row, int64_t at, int64_t rows, int64_t width,
+                    uint64_t seed) {
+  const uint64_t key[] = {last_row.low, last_row.high, static_cast<uint64_t>(at),
+                          static_cast<uint64_t>(rows), static_cast<uint64_t>(width)};
+  return KeyOf(XXH3_128bits_withSeed(key, sizeof(key), seed + 3));
+}
+
+}  // namespace
+
+bool Session::State::CopyCachedOutputs(int64_t first, int64_t rows, std::vector<float>& output) {
+  if (row_keys.empty() || rows == 0 || rows > kKvBlockRows || length + first + rows > shared_until) {
+    return false;
+  }
+  const int64_t width = static_cast<int64_t>(output.size()) / rows;
+  float* block = pool.Acquire(OutputsKey(row_keys[static_cast<size_t>(first + rows - 1)],
+                                         length + first, rows, width, pool.seed()));
+  if (block == nullptr) return false;
+  std::copy_n(block, rows * width, output.begin());
+  pool.Release(width, {&block, 1});
+  return true;
+}
+
+void Session::State::CacheOutputs(int64_t first, int64_t rows, const std::vector<float>& output) {
+  if (row_keys.empty() || rows == 0 || rows > kKvBlockRows) return;
+  const int64_t width = static_cast<int64_t>(output.size()) / rows;
+  const BlockKey key = OutputsKey(row_keys[static_cast<size_t>(first + rows - 1)], length + first,
+                                  rows, width, pool.seed());
+  if (pool.Has(key)) return;
+  float* block = pool.TakeForCache(width);
+  if (block == nullptr) return;
+  std::copy_n(output.begin(), rows * width, block);
+  pool.CacheOutputs(block, width, key);
+}
+
 void Session::State::Commit(const SessionStep& step) {
   if (chain != nullptr) {
     const uint64_t seed = pool.seed();
@@ -472,6 +573,7 @@ void Session::State::Commit(const SessionStep& step) {
   }
   length += step.queries.shape[1];
   shared_until = length;
+  row_keys.clear();
   DropBehindWindow();
 }
 

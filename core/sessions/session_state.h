@@ -57,6 +57,16 @@ class KvBlockPool::Impl {
   // Keys `block`, held by the caller, unless it is keyed already or another
   // block has that key.
   void Publish(float* block, int64_t width, const BlockKey& key);
+  // Output caching (Session::State::CacheOutputs): whether a block is keyed
+  // `key`.
+  bool Has(const BlockKey& key) const;
+  // A block of `width` for a cache, held by the caller until CacheOutputs,
+  // from room the pool has (kept blocks give way to it, cached ones do not)
+  // without asking its Reclaim; null when there is none.
+  float* TakeForCache(int64_t width);
+  // Keys `block` (from TakeForCache, filled) and caches it with no holder,
+  // the first of the cache to give way; freed if `key` has a block already.
+  void CacheOutputs(float* block, int64_t width, const BlockKey& key);
   // A prompt's rows looked up, and those found.
   void CountLookup(int64_t queried, int64_t found);
   // A number for `model` that no other model object alive or gone ever
@@ -67,19 +77,24 @@ class KvBlockPool::Impl {
   struct BlockKeyHash {
     size_t operator()(const BlockKey& key) const { return static_cast<size_t>(key.low); }
   };
-  // A keyed block: its holders (0: cached, at `lru` in cached_).
+  // A keyed block: its holders (0: cached, at `lru` in cached_, or in
+  // cached_outputs_ for a block of outputs).
   struct Keyed {
     BlockKey key;
     int64_t width = 0;
     int64_t holders = 0;
     std::list<float*>::iterator lru;
+    bool outputs = false;
   };
+  // Frees the cached block at the front of `lru`.
+  void EvictLocked(std::list<float*>& lru);
 
   // Moves `count` blocks of `width` into `blocks`, kept ones first; the
   // caller holds mu_ and checked they fit.
   void TakeLocked(int64_t width, int64_t count, std::vector<float*>& blocks);
-  // Frees kept blocks, then cached ones least recently freed first, until
-  // held, kept and cached blocks fit in the budget.
+  // Frees kept blocks, then cached outputs, then cached keys and values,
+  // least recently freed first, until held, kept and cached blocks fit in
+  // the budget: outputs only save time, keys and values a prompt's memory.
   void MakeRoom();
 
   const int64_t capacity_bytes_;
@@ -95,6 +110,7 @@ class KvBlockPool::Impl {
   std::unordered_map<float*, Keyed> keyed_;
   std::unordered_map<BlockKey, float*, BlockKeyHash> by_key_;
   std::list<float*> cached_;  // keyed blocks no session holds, least recently freed first
+  std::list<float*> cached_outputs_;  // the same, of outputs
   std::map<const Model*, std::pair<std::weak_ptr<const Model>, uint64_t>> model_serials_;
   uint64_t next_model_serial_ = 1;
 };
@@ -184,6 +200,24 @@ class Session::State {
   // Rows [length, shared_until) of the step under way are in blocks taken
   // by ShareHeldBlocks, which hold them already: nothing writes them.
   int64_t shared_until = 0;
+  // Output caching, for a self session of B = 1 and a step asking no
+  // weights. A causal self session's output for row i depends only on rows
+  // [0, i] and its parameters, and its bits on the piece that computed it
+  // too (how the engine cuts a piece's work among threads depends on its
+  // rows): so a piece's outputs are cached keyed by the hash of every row
+  // up to its last and by the piece's first row and count, in a block of
+  // the pool (pieces of at most kKvBlockRows rows), and a later session's
+  // piece of the same rows and bounds, in its shared blocks, copies them
+  // instead of computing them. ShareHeldBlocks fills row_keys: per row of
+  // the step, the hash of the rows up to it (empty: no caching).
+  std::vector<BlockKey> row_keys;
+  // Copies the cached outputs of the step's rows [first, first + rows) into
+  // `output` ((1, rows, width)); false, and nothing copied, when there are
+  // none or the rows are not all in shared blocks.
+  bool CopyCachedOutputs(int64_t first, int64_t rows, std::vector<float>& output);
+  // Caches the outputs `output` ((1, rows, width)) of the step's rows
+  // [first, first + rows) when the pool has room.
+  void CacheOutputs(int64_t first, int64_t rows, const std::vector<float>& output);
 
   std::shared_ptr<const Model> model;
   KvBlockPool::Impl& pool;

@@ -99,6 +99,8 @@ struct StepRun {
   // into it through a const run, as into the step's own result).
   mutable AttentionResult piece_result;
   RequestStop* stop = nullptr;
+  // Its outputs were copied from the pool's cache: nothing to compute.
+  bool cached = false;
   int64_t first_row = 0;  // of its query rows in the stacking of every step's
   // Self memory: query i of the piece sees keys [0, length + offset + i + 1).
   std::vector<int32_t> causal_lens;
@@ -643,6 +645,9 @@ void FinishStep(const Model& model, StepRun& run) {
     run.state->Rollback();
     return;
   }
+  if (run.self() && !run.cached) {
+    run.state->CacheOutputs(run.piece.offset, run.dims().num_queries, run.result().output.data);
+  }
   if (!run.whole()) GatherPiece(run);
   if (run.self() && run.last()) run.state->Commit(*run.step->step);
 }
@@ -685,6 +690,13 @@ void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionR
     const bool weights = steps[s].step->return_attention_weights;
     if (steps[s].done_rows == 0) ShapeResult(model, steps[s].dims, weights, results[s]);
     if (!run.whole()) ShapeResult(model, run.dims(), weights, run.piece_result);
+    run.cached = run.self() && run.state->CopyCachedOutputs(
+                                   run.piece.offset, run.dims().num_queries,
+                                   run.result().output.data);
+    if (run.cached) {
+      runs.push_back(std::move(run));
+      continue;
+    }
     const double step_work = run.state->StepWork(run.dims());
     work += step_work;
     if (steps[s].stop && step_work >= kStopPollWork) {
@@ -692,7 +704,9 @@ void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionR
     }
     runs.push_back(std::move(run));
   }
-  RunStepsOf(PoolFor(work), model, runs, split_keys_);
+  const auto computed = std::stable_partition(runs.begin(), runs.end(),
+                                              [](const StepRun& run) { return !run.cached; });
+  RunStepsOf(PoolFor(work), model, {runs.begin(), computed}, split_keys_);
   for (StepRun& run : runs) FinishStep(model, run);
 }
 

@@ -4,8 +4,10 @@
 // Sessions that open with the same prompt share its full blocks (the pool's
 // bytes and its prefix stats say so) and answer bit for bit as with sharing
 // off; a session ending leaves its shared blocks to the others, and the
-// last one caches them for a later prompt; cached blocks give way, least
-// recently freed first, before the pool asks its reclaim; a windowed
+// last one caches them for a later prompt; the outputs of a prompt's pieces
+// are cached and copied by a later session's same pieces, and give way
+// first; cached blocks give way, least recently freed first, before the pool
+// asks its reclaim; a windowed
 // session drops the blocks it shares; other parameters, other rows (a
 // grouped step's own keys and values) and cross memory share nothing.
 #include <gtest/gtest.h>
@@ -139,9 +141,11 @@ TEST(PrefixSharing, SessionsWithOnePromptShareItsBlocksAndAnswerAsWithout) {
   const int64_t second_blocks = second->held_bytes() / BlockBytes(d);
   second.reset();
   EXPECT_EQ(shared.used_bytes(), 0);
-  // The full blocks are cached, keys and values; the partial ones are not.
-  EXPECT_EQ(shared.prefix_stats().cached_bytes, 2 * full_blocks * BlockBytes(d));
-  EXPECT_LT(shared.prefix_stats().cached_bytes, second_blocks * BlockBytes(d));
+  // The full blocks are cached, keys and values, and the partial ones are
+  // not; the outputs of the second's five pieces (of at most 50 rows) were
+  // cached as they were computed.
+  EXPECT_EQ(shared.prefix_stats().cached_bytes, (2 * full_blocks + 5) * BlockBytes(d));
+  EXPECT_LT(2 * full_blocks, second_blocks);
 
   // A later prompt finds them in the cache.
   const auto third_on = Decode(engine, shared, model, prompt, n, d, tokens);
@@ -149,6 +153,62 @@ TEST(PrefixSharing, SessionsWithOnePromptShareItsBlocksAndAnswerAsWithout) {
   for (size_t s = 0; s < third_on.size(); ++s) {
     ExpectSame(third_on[s], first_off[s], "from the cache, step " + std::to_string(s));
   }
+}
+
+// The outputs of a prompt's pieces are cached: a later session's pieces of
+// the same rows and bounds, in its shared blocks, copy them, answering the
+// same bits; cached outputs give way before cached keys and values.
+TEST(PrefixSharing, OutputsOfPiecesAreCachedAndGiveWayFirst) {
+  std::mt19937 rng(9);
+  const int64_t d = 16, n = 2 * kKvBlockRows + 5, piece = kKvBlockRows / 2;
+  const int64_t block = BlockBytes(d);  // the output is E = d wide, as keys are
+  const std::shared_ptr<Model> model = MultiHead(rng, d);
+  Engine engine;
+  KvBlockPool shared(12 * block), apart(int64_t{1} << 26, nullptr, false);
+  const std::vector<float> prompt = RandomData(rng, n * d);
+  std::unique_ptr<Session> reference = *Session::Open(model, apart, SelfOpen());
+  const AttentionResult want = Step(engine, *reference, prompt, {1, n, d}, piece);
+  std::unique_ptr<Session> a = *Session::Open(model, shared, SelfOpen());
+  ExpectSame(Step(engine, *a, prompt, {1, n, d}, piece), want, "the first prompt");
+  // a holds three blocks of keys and three of values; its five pieces'
+  // outputs are cached.
+  EXPECT_EQ(shared.used_bytes(), 6 * block);
+  EXPECT_EQ(shared.prefix_stats().cached_bytes, 5 * block);
+  // b's two partial blocks take the room of the first piece's outputs, and
+  // b computes that piece and its last; it copies the three between.
+  std::unique_ptr<Session> b = *Session::Open(model, shared, SelfOpen());
+  ExpectSame(Step(engine, *b, prompt, {1, n, d}, piece), want, "outputs from the cache");
+  EXPECT_EQ(shared.used_bytes(), 8 * block);
+  EXPECT_EQ(shared.prefix_stats().cached_bytes, 4 * block);
+  // Asking for weights computes every row.
+  {
+    SessionStep step;
+    step.queries = {{1, n, d}, prompt};
+    step.return_attention_weights = true;
+    std::unique_ptr<Session> weighed = *Session::Open(model, apart, SelfOpen());
+    std::unique_ptr<Session> c = *Session::Open(model, shared, SelfOpen());
+    AttentionResult got, expected;
+    ValidatedStep with_cache = *ValidateStep(*c, step), without = *ValidateStep(*weighed, step);
+    engine.RunSteps({&with_cache, 1}, {&got, 1});
+    engine.RunSteps({&without, 1}, {&expected, 1});
+    ExpectSame(got, expected, "weights asked");
+  }
+
+  // c's partial blocks took the room of two more pieces' outputs. a and b
+  // end: four blocks of keys and values are cached beside two of outputs.
+  // Another prompt of eight blocks takes the room of two: the outputs.
+  a.reset();
+  b.reset();
+  EXPECT_EQ(shared.prefix_stats().cached_bytes, 6 * block);
+  std::unique_ptr<Session> other = *Session::Open(model, shared, SelfOpen());
+  const int64_t other_n = 3 * kKvBlockRows + 1;
+  ASSERT_TRUE(Step(engine, *other, RandomData(rng, other_n * d), {1, other_n, d}).status.ok());
+  EXPECT_EQ(shared.prefix_stats().cached_bytes, 4 * block);
+  other.reset();
+  const int64_t hits = shared.prefix_stats().hit_tokens;
+  std::unique_ptr<Session> again = *Session::Open(model, shared, SelfOpen());
+  ExpectSame(Step(engine, *again, prompt, {1, n, d}, piece), want, "after the eviction");
+  EXPECT_EQ(shared.prefix_stats().hit_tokens, hits + 2 * kKvBlockRows);
 }
 
 TEST(PrefixSharing, BatchedSessionsShareExampleByExample) {
