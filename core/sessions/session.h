@@ -75,9 +75,12 @@ class Session;
 // partial block is its own, so no holder ever writes a shared block. A keyed
 // block no session holds stays cached, least recently freed first to go,
 // until the pool needs its room: a cached block gives way before any
-// session is asked to (Reclaim). Answers are the same bit for bit with
-// sharing on or off: a shared block holds exactly the rows the session would
-// have computed.
+// session is asked to (Reclaim). The outputs of a prompt's pieces are
+// cached too, and a later session's same piece over shared blocks copies
+// them (Session::State::row_keys); they give way first. Answers are the
+// same bit for bit with sharing on or off: a shared block holds exactly the
+// rows the session would have computed, and cached outputs the bits its
+// piece would have.
 class KvBlockPool {
  public:
   // Asked for room when `bytes` more do not fit for `asking` (null: a

@@ -133,8 +133,9 @@ void ServerMetrics::AddSessionMetrics() {
                                "Bytes of the session pool's used bytes in blocks two or more "
                                "sessions share (a prompt's blocks)");
   session_pool_cached_ = gauge("attention_session_pool_cached_bytes",
-                               "Bytes of the session pool in blocks no session holds, kept for "
-                               "a later prompt until the pool needs the room");
+                               "Bytes of the session pool in blocks no session holds (keys, "
+                               "values and prompts' outputs), kept for a later prompt until "
+                               "the pool needs the room");
   prefix_query_tokens_ =
       &counter("attention_session_prefix_query_tokens_total",
                "Prompt tokens of session steps looked up in shared and cached blocks")

@@ -44,7 +44,8 @@
 //                                               or more sessions share
 //   attention_session_pool_cached_bytes         blocks no session holds, kept
 //                                               for a later prompt until the
-//                                               pool needs the room
+//                                               pool needs the room (keys,
+//                                               values, prompts' outputs)
 //   attention_session_prefix_query_tokens_total prompt tokens looked up in
 //                                               the shared and cached blocks
 //   attention_session_prefix_hit_tokens_total   those found there
