@@ -21,7 +21,7 @@ build_packages=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
   libabsl-dev libeigen3-dev libhwy-dev libopenblas-pthread-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
-  prometheus-cpp-dev libcli11-dev libboost-dev rapidjson-dev libssl-dev
+  prometheus-cpp-dev libcli11-dev libboost-dev rapidjson-dev libssl-dev libxxhash-dev
   grpc-proto
 )
 

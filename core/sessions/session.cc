@@ -8,8 +8,12 @@
 #include <new>
 #include <optional>
 #include <random>
+#include <bit>
 #include <string>
 #include <utility>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -35,10 +39,18 @@ void FreeBlock(float* block) { ::operator delete(block, kBlockAlignment); }
 
 }  // namespace
 
+KvBlockPool::Impl::Impl(int64_t capacity_bytes, Reclaim reclaim, bool prefix_sharing)
+    : capacity_bytes_(capacity_bytes),
+      reclaim_(std::move(reclaim)),
+      prefix_sharing_(prefix_sharing),
+      seed_(std::random_device()() * uint64_t{0x100000000} + std::random_device()()) {}
+
 KvBlockPool::Impl::~Impl() {
   for (auto& [width, blocks] : kept_) {
     for (float* block : blocks) FreeBlock(block);
   }
+  for (float* block : cached_) FreeBlock(block);
+  for (float* block : cached_outputs_) FreeBlock(block);
 }
 
 int64_t KvBlockPool::Impl::used_bytes() const {
@@ -46,16 +58,34 @@ int64_t KvBlockPool::Impl::used_bytes() const {
   return used_bytes_;
 }
 
+KvBlockPool::PrefixStats KvBlockPool::Impl::prefix_stats() const {
+  std::lock_guard lock(mu_);
+  return {shared_bytes_, cached_bytes_, query_tokens_, hit_tokens_};
+}
+
 void KvBlockPool::Impl::MakeRoom() {
-  for (auto it = kept_.begin(); it != kept_.end() && used_bytes_ + kept_bytes_ > capacity_bytes_;) {
+  const auto over = [this] { return used_bytes_ + kept_bytes_ + cached_bytes_ > capacity_bytes_; };
+  for (auto it = kept_.begin(); it != kept_.end() && over();) {
     std::vector<float*>& blocks = it->second;
-    while (!blocks.empty() && used_bytes_ + kept_bytes_ > capacity_bytes_) {
+    while (!blocks.empty() && over()) {
       FreeBlock(blocks.back());
       blocks.pop_back();
       kept_bytes_ -= BlockBytes(it->first);
     }
     it = blocks.empty() ? kept_.erase(it) : std::next(it);
   }
+  while (!cached_outputs_.empty() && over()) EvictLocked(cached_outputs_);
+  while (!cached_.empty() && over()) EvictLocked(cached_);
+}
+
+void KvBlockPool::Impl::EvictLocked(std::list<float*>& lru) {
+  float* block = lru.front();
+  lru.pop_front();
+  const auto keyed = keyed_.find(block);
+  cached_bytes_ -= BlockBytes(keyed->second.width);
+  by_key_.erase(keyed->second.key);
+  keyed_.erase(keyed);
+  FreeBlock(block);
 }
 
 absl::Status KvBlockPool::Impl::Allocate(int64_t width, int64_t count,
@@ -103,15 +133,120 @@ void KvBlockPool::Impl::TakeLocked(int64_t width, int64_t count, std::vector<flo
 void KvBlockPool::Impl::Release(int64_t width, std::span<float* const> blocks) {
   if (blocks.empty()) return;
   std::lock_guard lock(mu_);
-  const int64_t bytes = static_cast<int64_t>(blocks.size()) * BlockBytes(width);
-  used_bytes_ -= bytes;
-  kept_bytes_ += bytes;
-  std::vector<float*>& kept = kept_[width];
-  kept.insert(kept.end(), blocks.begin(), blocks.end());
+  const int64_t bytes = BlockBytes(width);
+  for (float* block : blocks) {
+    const auto keyed = keyed_.find(block);
+    if (keyed == keyed_.end()) {
+      used_bytes_ -= bytes;
+      kept_bytes_ += bytes;
+      kept_[width].push_back(block);
+      continue;
+    }
+    Keyed& info = keyed->second;
+    if (--info.holders == 1) shared_bytes_ -= bytes;
+    if (info.holders > 0) continue;
+    used_bytes_ -= bytes;
+    cached_bytes_ += bytes;
+    std::list<float*>& lru = info.outputs ? cached_outputs_ : cached_;
+    info.lru = lru.insert(lru.end(), block);
+  }
 }
 
-KvBlockPool::KvBlockPool(int64_t capacity_bytes, Reclaim reclaim)
-    : impl_(std::make_unique<Impl>(std::max<int64_t>(capacity_bytes, 0), std::move(reclaim))) {}
+float* KvBlockPool::Impl::Acquire(const BlockKey& key) {
+  std::lock_guard lock(mu_);
+  const auto found = by_key_.find(key);
+  if (found == by_key_.end()) return nullptr;
+  float* block = found->second;
+  Keyed& info = keyed_.at(block);
+  const int64_t bytes = BlockBytes(info.width);
+  // From the cache, the block's bytes move from cached to used: the pool
+  // holds no more than it did.
+  if (info.holders == 0) {
+    (info.outputs ? cached_outputs_ : cached_).erase(info.lru);
+    cached_bytes_ -= bytes;
+    used_bytes_ += bytes;
+  } else if (info.holders == 1) {
+    shared_bytes_ += bytes;
+  }
+  ++info.holders;
+  return block;
+}
+
+void KvBlockPool::Impl::Publish(float* block, int64_t width, const BlockKey& key) {
+  std::lock_guard lock(mu_);
+  if (keyed_.contains(block) || by_key_.contains(key)) return;
+  by_key_.emplace(key, block);
+  keyed_.emplace(block, Keyed{key, width, 1, {}});
+}
+
+bool KvBlockPool::Impl::Has(const BlockKey& key) const {
+  std::lock_guard lock(mu_);
+  return by_key_.contains(key);
+}
+
+float* KvBlockPool::Impl::TakeForCache(int64_t width) {
+  std::lock_guard lock(mu_);
+  const int64_t bytes = BlockBytes(width);
+  used_bytes_ += bytes;
+  if (auto same = kept_.find(width); same != kept_.end() && !same->second.empty()) {
+    float* block = same->second.back();
+    same->second.pop_back();
+    kept_bytes_ -= bytes;
+    return block;
+  }
+  // Kept blocks give way to it; cached ones do not (MakeRoom frees them too).
+  for (auto it = kept_.begin();
+       it != kept_.end() && used_bytes_ + kept_bytes_ + cached_bytes_ > capacity_bytes_;) {
+    std::vector<float*>& blocks = it->second;
+    while (!blocks.empty() && used_bytes_ + kept_bytes_ + cached_bytes_ > capacity_bytes_) {
+      FreeBlock(blocks.back());
+      blocks.pop_back();
+      kept_bytes_ -= BlockBytes(it->first);
+    }
+    it = blocks.empty() ? kept_.erase(it) : std::next(it);
+  }
+  if (used_bytes_ + kept_bytes_ + cached_bytes_ > capacity_bytes_) {
+    used_bytes_ -= bytes;
+    return nullptr;
+  }
+  return static_cast<float*>(::operator new(static_cast<size_t>(bytes), kBlockAlignment));
+}
+
+void KvBlockPool::Impl::CacheOutputs(float* block, int64_t width, const BlockKey& key) {
+  std::lock_guard lock(mu_);
+  const int64_t bytes = BlockBytes(width);
+  used_bytes_ -= bytes;
+  if (by_key_.contains(key)) {
+    FreeBlock(block);
+    return;
+  }
+  cached_bytes_ += bytes;
+  by_key_.emplace(key, block);
+  keyed_.emplace(block, Keyed{key, width, 0, cached_outputs_.insert(cached_outputs_.end(), block),
+                              true});
+}
+
+void KvBlockPool::Impl::CountLookup(int64_t queried, int64_t found) {
+  std::lock_guard lock(mu_);
+  query_tokens_ += queried;
+  hit_tokens_ += found;
+}
+
+uint64_t KvBlockPool::Impl::ModelSerial(const std::shared_ptr<const Model>& model) {
+  std::lock_guard lock(mu_);
+  auto& [alive, serial] = model_serials_[model.get()];
+  if (alive.lock() != model) {
+    alive = model;
+    serial = next_model_serial_++;
+  }
+  return serial;
+}
+
+KvBlockPool::KvBlockPool(int64_t capacity_bytes, Reclaim reclaim, bool prefix_sharing)
+    : impl_(std::make_unique<Impl>(std::max<int64_t>(capacity_bytes, 0), std::move(reclaim),
+                                   prefix_sharing)) {}
+
+KvBlockPool::PrefixStats KvBlockPool::prefix_stats() const { return impl_->prefix_stats(); }
 
 bool PoolWasFull(const absl::Status& status) {
   return status.code() == absl::StatusCode::kResourceExhausted &&
@@ -123,6 +258,14 @@ KvBlockPool::~KvBlockPool() = default;
 int64_t KvBlockPool::capacity_bytes() const { return impl_->capacity_bytes(); }
 
 int64_t KvBlockPool::used_bytes() const { return impl_->used_bytes(); }
+
+struct Session::State::Chain {
+  uint64_t model_serial = 0;
+  // Per example: the key of the session's last full block (zero before the
+  // first), and the hash of the rows since, begun with it (Begin).
+  std::vector<BlockKey> last;
+  std::vector<XXH3_state_t> rows;
+};
 
 Session::State::State(std::shared_ptr<const Model> model, KvBlockPool::Impl& pool,
                       SessionMemory memory, int64_t batch)
@@ -209,6 +352,8 @@ void Session::State::DropBehindWindow() {
 
 void Session::State::Rollback() {
   Trim(length);
+  shared_until = length;
+  row_keys.clear();
   if (memory == SessionMemory::kSelf && length == 0 && model->kind == Kind::kDotProduct) {
     key_width = value_width = key_size = value_size = heads = kv_heads = 0;
     values_are_keys = true;
@@ -236,6 +381,200 @@ int64_t Session::State::held_bytes() const {
                  BlockBytes(value_width);
   }
   return bytes;
+}
+
+
+namespace {
+
+BlockKey KeyOf(const XXH128_hash_t& hash) { return {hash.low64, hash.high64}; }
+
+// The pool's key of one tensor of the block whose rows hash to `block`:
+// keys 0, values 1.
+BlockKey TensorKey(const BlockKey& block, uint64_t tensor, uint64_t seed) {
+  return KeyOf(XXH3_128bits_withSeed(&block, sizeof(block), seed + 1 + tensor));
+}
+
+// Example b's hash of a block's rows, begun with the key of the block
+// before it and everything that makes the same rows give other keys and
+// values: the model object, the example, the scale, the window, the
+// soft-cap, the row widths and heads, and the block size. Rotary positions
+// are the rows' places in the session, which the chain from its first row
+// fixes.
+void Begin(const Session::State& state, int64_t b, const BlockKey& last, XXH3_state_t& hash) {
+  const Session::State::Chain& chain = *state.chain;
+  XXH3_128bits_reset_withSeed(&hash, state.pool.seed());
+  XXH3_128bits_update(&hash, &last, sizeof(last));
+  const uint64_t params[] = {chain.model_serial,
+                             static_cast<uint64_t>(b),
+                             state.scale.has_value(),
+                             std::bit_cast<uint32_t>(state.scale.value_or(0.0f)),
+                             static_cast<uint64_t>(state.sliding_window),
+                             std::bit_cast<uint32_t>(state.softcap),
+                             static_cast<uint64_t>(state.key_width),
+                             static_cast<uint64_t>(state.value_width),
+                             static_cast<uint64_t>(state.key_size),
+                             static_cast<uint64_t>(state.value_size),
+                             static_cast<uint64_t>(state.heads),
+                             static_cast<uint64_t>(state.kv_heads),
+                             state.values_are_keys,
+                             static_cast<uint64_t>(kKvBlockRows)};
+  XXH3_128bits_update(&hash, params, sizeof(params));
+}
+
+// Feeds example b's rows of `step` (whose row 0 is the session's row `at`)
+// into `hash`, chained from `last`; each time a block fills, calls
+// full(block index, its key), and stops early when that returns false.
+// With `row_keys`, appends the hash of the rows up to each row fed.
+template <typename Full>
+void ChainRows(const Session::State& state, const SessionStep& step, int64_t b, int64_t at,
+               XXH3_state_t& hash, BlockKey& last, Full full,
+               std::vector<BlockKey>* row_keys = nullptr) {
+  const int64_t n = step.queries.shape[1];
+  const TensorView* tensors[] = {&step.queries, step.keys ? &*step.keys : nullptr,
+                                 step.values ? &*step.values : nullptr};
+  for (int64_t i = 0; i < n; ++i) {
+    for (const TensorView* tensor : tensors) {
+      if (tensor == nullptr) continue;
+      const size_t width = tensor->data.size() / static_cast<size_t>(state.batch * n);
+      XXH3_128bits_update(&hash, tensor->data.data() + (b * n + i) * static_cast<int64_t>(width),
+                          width * sizeof(float));
+    }
+    if (row_keys != nullptr) row_keys->push_back(KeyOf(XXH3_128bits_digest(&hash)));
+    const int64_t row = at + i + 1;
+    if (row % kKvBlockRows != 0) continue;
+    last = KeyOf(XXH3_128bits_digest(&hash));
+    if (!full(row / kKvBlockRows - 1, last)) return;
+    Begin(state, b, last, hash);
+  }
+}
+
+// Example b's hash of the rows after the session's last full block, and
+// that block's key, as the next row should be fed.
+void Resume(const Session::State& state, int64_t b, XXH3_state_t& hash, BlockKey& last) {
+  if (state.length == 0) {
+    last = {};
+    Begin(state, b, last, hash);
+    return;
+  }
+  last = state.chain->last[static_cast<size_t>(b)];
+  XXH3_copyState(&hash, &state.chain->rows[static_cast<size_t>(b)]);
+}
+
+}  // namespace
+
+void Session::State::ShareHeldBlocks(const SessionStep& step) {
+  shared_until = length;
+  row_keys.clear();
+  if (chain == nullptr) return;
+  const int64_t n = step.queries.shape[1];
+  const int64_t blocks = length % kKvBlockRows == 0 ? n / kKvBlockRows : 0;
+  // One-token steps are decoding, not prompts: they are not counted.
+  const int64_t queried = n > 1 ? batch * n : 0;
+  // Outputs of steps with weights are not cached: asking for weights
+  // computes them otherwise, to other bits.
+  const bool outputs = batch == 1 && n > 1 && !step.return_attention_weights;
+  int64_t taken = 0;
+  std::vector<std::vector<BlockKey>> found(static_cast<size_t>(batch));
+  if (blocks > 0 || outputs) {
+    for (int64_t b = 0; b < batch; ++b) {
+      std::vector<BlockKey>& keys_of = found[static_cast<size_t>(b)];
+      XXH3_state_t hash;
+      BlockKey last;
+      Resume(*this, b, hash, last);
+      ChainRows(
+          *this, step, b, length, hash, last,
+          [&](int64_t, const BlockKey& key) {
+            if (static_cast<int64_t>(keys_of.size()) < blocks) keys_of.push_back(key);
+            return outputs || static_cast<int64_t>(keys_of.size()) < blocks;
+          },
+          outputs ? &row_keys : nullptr);
+    }
+    const uint64_t seed = pool.seed();
+    for (; taken < blocks; ++taken) {
+      // Every example's key and value blocks of this block, or none.
+      std::vector<std::pair<float*, int64_t>> got;
+      for (int64_t b = 0; b < batch; ++b) {
+        const BlockKey& key = found[static_cast<size_t>(b)][static_cast<size_t>(taken)];
+        if (float* block = pool.Acquire(TensorKey(key, 0, seed))) {
+          got.emplace_back(block, key_width);
+        }
+        if (values_are_keys) continue;
+        if (float* block = pool.Acquire(TensorKey(key, 1, seed))) {
+          got.emplace_back(block, value_width);
+        }
+      }
+      if (static_cast<int64_t>(got.size()) != batch * (values_are_keys ? 1 : 2)) {
+        for (const auto& [block, width] : got) pool.Release(width, {&block, 1});
+        break;
+      }
+      for (int64_t b = 0, at = 0; b < batch; ++b) {
+        keys[b].blocks.push_back(got[static_cast<size_t>(at++)].first);
+        if (!values_are_keys) values[b].blocks.push_back(got[static_cast<size_t>(at++)].first);
+      }
+    }
+  }
+  shared_until = length + taken * kKvBlockRows;
+  pool.CountLookup(queried, batch * taken * kKvBlockRows);
+}
+
+namespace {
+
+// The pool's key of the outputs of rows [at, at + rows) of a session, of
+// `width` floats each, whose rows up to the last hash to `last_row`.
+BlockKey OutputsKey(const BlockKey& last_row, int64_t at, int64_t rows, int64_t width,
+                    uint64_t seed) {
+  const uint64_t key[] = {last_row.low, last_row.high, static_cast<uint64_t>(at),
+                          static_cast<uint64_t>(rows), static_cast<uint64_t>(width)};
+  return KeyOf(XXH3_128bits_withSeed(key, sizeof(key), seed + 3));
+}
+
+}  // namespace
+
+bool Session::State::CopyCachedOutputs(int64_t first, int64_t rows, std::vector<float>& output) {
+  if (row_keys.empty() || rows == 0 || rows > kKvBlockRows || length + first + rows > shared_until) {
+    return false;
+  }
+  const int64_t width = static_cast<int64_t>(output.size()) / rows;
+  float* block = pool.Acquire(OutputsKey(row_keys[static_cast<size_t>(first + rows - 1)],
+                                         length + first, rows, width, pool.seed()));
+  if (block == nullptr) return false;
+  std::copy_n(block, rows * width, output.begin());
+  pool.Release(width, {&block, 1});
+  return true;
+}
+
+void Session::State::CacheOutputs(int64_t first, int64_t rows, const std::vector<float>& output) {
+  if (row_keys.empty() || rows == 0 || rows > kKvBlockRows) return;
+  const int64_t width = static_cast<int64_t>(output.size()) / rows;
+  const BlockKey key = OutputsKey(row_keys[static_cast<size_t>(first + rows - 1)], length + first,
+                                  rows, width, pool.seed());
+  if (pool.Has(key)) return;
+  float* block = pool.TakeForCache(width);
+  if (block == nullptr) return;
+  std::copy_n(output.begin(), rows * width, block);
+  pool.CacheOutputs(block, width, key);
+}
+
+void Session::State::Commit(const SessionStep& step) {
+  if (chain != nullptr) {
+    const uint64_t seed = pool.seed();
+    for (int64_t b = 0; b < batch; ++b) {
+      XXH3_state_t& hash = chain->rows[static_cast<size_t>(b)];
+      BlockKey& last = chain->last[static_cast<size_t>(b)];
+      if (length == 0) Resume(*this, b, hash, last);
+      ChainRows(*this, step, b, length, hash, last, [&](int64_t block, const BlockKey& key) {
+        pool.Publish(keys[b].blocks[block], key_width, TensorKey(key, 0, seed));
+        if (!values_are_keys) {
+          pool.Publish(values[b].blocks[block], value_width, TensorKey(key, 1, seed));
+        }
+        return true;
+      });
+    }
+  }
+  length += step.queries.shape[1];
+  shared_until = length;
+  row_keys.clear();
+  DropBehindWindow();
 }
 
 namespace {
@@ -449,6 +788,12 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(std::shared_ptr<const Mod
     state->values_are_keys = m.kind == Kind::kDotProduct;
     state->key_size = state->value_size = m.query_size;
     state->key_width = state->value_width = m.kind == Kind::kMultiHead ? KvWidth(m) : 0;
+    if (pool.impl_->prefix_sharing()) {
+      state->chain = std::make_unique<State::Chain>();
+      state->chain->model_serial = pool.impl_->ModelSerial(state->model);
+      state->chain->last.resize(static_cast<size_t>(open.batch));
+      state->chain->rows.resize(static_cast<size_t>(open.batch));
+    }
   } else {
     RETURN_IF_ERROR(FillCrossMemory(open, *state));
   }
@@ -702,6 +1047,8 @@ absl::Status AppendUncomputed(Session& session, int64_t rows, uint32_t seed) {
         "AppendUncomputed: a self session whose first step fixed its rows");
   }
   RETURN_IF_ERROR(state.Reserve(state.length + rows));
+  // No step brought these rows: no key names them or any row after them.
+  state.chain.reset();
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   std::vector<float> row(std::max(state.key_width, state.value_width));

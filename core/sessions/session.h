@@ -54,14 +54,33 @@ absl::Status AppendUncomputed(Session& session, int64_t rows, uint32_t seed);
 }  // namespace internal
 
 // Rows of one block: a multiple of the flash kernel's key tile, so a key
-// tile never straddles two blocks.
-inline constexpr int64_t kKvBlockRows = 4 * kFlashKeyTile;
+// tile never straddles two blocks. One tile: sessions that share a prompt
+// (KvBlockPool's prefix sharing) each hold their own last partial block,
+// so the smaller the block, the less a shared prompt's sessions hold apart.
+inline constexpr int64_t kKvBlockRows = kFlashKeyTile;
 
 class Session;
 
 // Blocks of kKvBlockRows x width floats, for every session of a server, with
 // one byte budget. Thread-safe. Freed blocks are kept for reuse up to the
 // budget, so a server's memory for sessions never exceeds capacity_bytes.
+//
+// Prefix sharing (on unless the pool is made without it), as vLLM's
+// automatic prefix caching: every full block of a self session is keyed by
+// a hash chain over the input rows that produced it and everything before
+// them, with the model and the session's parameters, and a session whose
+// step begins at a block boundary with rows whose blocks are held already
+// (by another session, or cached) takes those blocks instead of new ones:
+// one block, several holders. Only full blocks are shared; a session's last
+// partial block is its own, so no holder ever writes a shared block. A keyed
+// block no session holds stays cached, least recently freed first to go,
+// until the pool needs its room: a cached block gives way before any
+// session is asked to (Reclaim). The outputs of a prompt's pieces are
+// cached too, and a later session's same piece over shared blocks copies
+// them (Session::State::row_keys); they give way first. Answers are the
+// same bit for bit with sharing on or off: a shared block holds exactly the
+// rows the session would have computed, and cached outputs the bits its
+// piece would have.
 class KvBlockPool {
  public:
   // Asked for room when `bytes` more do not fit for `asking` (null: a
@@ -74,14 +93,25 @@ class KvBlockPool {
   // yet).
   using Reclaim = std::function<bool(const Session* asking, int64_t bytes)>;
 
-  explicit KvBlockPool(int64_t capacity_bytes, Reclaim reclaim = nullptr);
+  explicit KvBlockPool(int64_t capacity_bytes, Reclaim reclaim = nullptr,
+                       bool prefix_sharing = true);
   ~KvBlockPool();
   KvBlockPool(const KvBlockPool&) = delete;
   KvBlockPool& operator=(const KvBlockPool&) = delete;
 
   int64_t capacity_bytes() const;
-  // Bytes of blocks sessions hold now.
+  // Bytes of blocks sessions hold now, a block held by several once.
   int64_t used_bytes() const;
+
+  struct PrefixStats {
+    int64_t shared_bytes = 0;  // of used_bytes: blocks two or more sessions hold
+    int64_t cached_bytes = 0;  // keyed blocks no session holds, kept until needed
+    // Rows of prompts (steps of more than one row, per example) looked up,
+    // and those of them found in blocks held or cached; since the pool began.
+    int64_t query_tokens = 0;
+    int64_t hit_tokens = 0;
+  };
+  PrefixStats prefix_stats() const;
 
   class Impl;
 

@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -18,35 +20,99 @@
 
 namespace attention {
 
+// The key of a full block of a self session (KvBlockPool's prefix sharing):
+// XXH3-128 of the key of the block before it, the session's parameters and
+// the block's input rows, with a seed drawn when the pool is made. 128 bits
+// suffice without comparing the rows themselves: the chance that any two of
+// 2^40 blocks ever keyed collide is below 2^-48, and with the seed secret to
+// the process a client cannot aim at another's key.
+struct BlockKey {
+  uint64_t low = 0, high = 0;
+  bool operator==(const BlockKey&) const = default;
+};
+
 class KvBlockPool::Impl {
  public:
-  Impl(int64_t capacity_bytes, Reclaim reclaim)
-      : capacity_bytes_(capacity_bytes), reclaim_(std::move(reclaim)) {}
+  Impl(int64_t capacity_bytes, Reclaim reclaim, bool prefix_sharing);
   ~Impl();
 
   int64_t capacity_bytes() const { return capacity_bytes_; }
   int64_t used_bytes() const;
+  PrefixStats prefix_stats() const;
+  bool prefix_sharing() const { return prefix_sharing_; }
+  uint64_t seed() const { return seed_; }
 
   // Appends `count` blocks of kKvBlockRows x `width` floats to `blocks`, all
   // or none. When they do not fit, asks the Reclaim for room as long as it
   // ends sessions; then RESOURCE_EXHAUSTED naming the capacity (PoolWasFull).
   absl::Status Allocate(int64_t width, int64_t count, std::vector<float*>& blocks,
                         const Session* asking);
+  // Gives up one holder of each block: a block with none left is kept for
+  // reuse, or cached if keyed.
   void Release(int64_t width, std::span<float* const> blocks);
 
+  // The block keyed `key`, with one more holder (from the cache, if no
+  // session held it); null if there is none.
+  float* Acquire(const BlockKey& key);
+  // Keys `block`, held by the caller, unless it is keyed already or another
+  // block has that key.
+  void Publish(float* block, int64_t width, const BlockKey& key);
+  // Output caching (Session::State::CacheOutputs): whether a block is keyed
+  // `key`.
+  bool Has(const BlockKey& key) const;
+  // A block of `width` for a cache, held by the caller until CacheOutputs,
+  // from room the pool has (kept blocks give way to it, cached ones do not)
+  // without asking its Reclaim; null when there is none.
+  float* TakeForCache(int64_t width);
+  // Keys `block` (from TakeForCache, filled) and caches it with no holder,
+  // the first of the cache to give way; freed if `key` has a block already.
+  void CacheOutputs(float* block, int64_t width, const BlockKey& key);
+  // A prompt's rows looked up, and those found.
+  void CountLookup(int64_t queried, int64_t found);
+  // A number for `model` that no other model object alive or gone ever
+  // had, for keys: an address may be reused by a later model.
+  uint64_t ModelSerial(const std::shared_ptr<const Model>& model);
+
  private:
+  struct BlockKeyHash {
+    size_t operator()(const BlockKey& key) const { return static_cast<size_t>(key.low); }
+  };
+  // A keyed block: its holders (0: cached, at `lru` in cached_, or in
+  // cached_outputs_ for a block of outputs).
+  struct Keyed {
+    BlockKey key;
+    int64_t width = 0;
+    int64_t holders = 0;
+    std::list<float*>::iterator lru;
+    bool outputs = false;
+  };
+  // Frees the cached block at the front of `lru`.
+  void EvictLocked(std::list<float*>& lru);
+
   // Moves `count` blocks of `width` into `blocks`, kept ones first; the
   // caller holds mu_ and checked they fit.
   void TakeLocked(int64_t width, int64_t count, std::vector<float*>& blocks);
-  // Frees kept blocks until held and kept blocks fit in the budget.
+  // Frees kept blocks, then cached outputs, then cached keys and values,
+  // least recently freed first, until held, kept and cached blocks fit in
+  // the budget: outputs only save time, keys and values a prompt's memory.
   void MakeRoom();
 
   const int64_t capacity_bytes_;
   const Reclaim reclaim_;  // null: a full pool refuses
+  const bool prefix_sharing_;
+  const uint64_t seed_;
   mutable std::mutex mu_;
   int64_t used_bytes_ = 0;                       // held by sessions
   int64_t kept_bytes_ = 0;                       // freed, kept for reuse
   std::map<int64_t, std::vector<float*>> kept_;  // by width
+  int64_t shared_bytes_ = 0, cached_bytes_ = 0;
+  int64_t query_tokens_ = 0, hit_tokens_ = 0;
+  std::unordered_map<float*, Keyed> keyed_;
+  std::unordered_map<BlockKey, float*, BlockKeyHash> by_key_;
+  std::list<float*> cached_;  // keyed blocks no session holds, least recently freed first
+  std::list<float*> cached_outputs_;  // the same, of outputs
+  std::map<const Model*, std::pair<std::weak_ptr<const Model>, uint64_t>> model_serials_;
+  uint64_t next_model_serial_ = 1;
 };
 
 namespace internal {
@@ -116,6 +182,42 @@ class Session::State {
   // session made once: all n_k for cross memory, the n_k - n_q before the
   // piece's own rows for self memory.
   double StepWork(const AttentionDims& dims) const;
+  // Prefix sharing, for the first piece of a self step whose blocks were
+  // not yet taken: when the session is at a block boundary, the step's full
+  // blocks whose keys the pool holds (all examples', keys' and values'), in
+  // order up to the first missing, are taken as the session's next blocks,
+  // and shared_until marks their rows. Rollback() gives them back.
+  void ShareHeldBlocks(const SessionStep& step);
+  // A self step's rows are the session's: length grows by them, and each
+  // block they fill is keyed in the pool for later sessions to share.
+  void Commit(const SessionStep& step);
+
+  // The hash chain of a self session's rows (session.cc); null when the
+  // pool shares no prefixes, for cross memory, and once rows no step brought
+  // were appended (AppendUncomputed), which no key could name.
+  struct Chain;
+  std::unique_ptr<Chain> chain;
+  // Rows [length, shared_until) of the step under way are in blocks taken
+  // by ShareHeldBlocks, which hold them already: nothing writes them.
+  int64_t shared_until = 0;
+  // Output caching, for a self session of B = 1 and a step asking no
+  // weights. A causal self session's output for row i depends only on rows
+  // [0, i] and its parameters, and its bits on the piece that computed it
+  // too (how the engine cuts a piece's work among threads depends on its
+  // rows): so a piece's outputs are cached keyed by the hash of every row
+  // up to its last and by the piece's first row and count, in a block of
+  // the pool (pieces of at most kKvBlockRows rows), and a later session's
+  // piece of the same rows and bounds, in its shared blocks, copies them
+  // instead of computing them. ShareHeldBlocks fills row_keys: per row of
+  // the step, the hash of the rows up to it (empty: no caching).
+  std::vector<BlockKey> row_keys;
+  // Copies the cached outputs of the step's rows [first, first + rows) into
+  // `output` ((1, rows, width)); false, and nothing copied, when there are
+  // none or the rows are not all in shared blocks.
+  bool CopyCachedOutputs(int64_t first, int64_t rows, std::vector<float>& output);
+  // Caches the outputs `output` ((1, rows, width)) of the step's rows
+  // [first, first + rows) when the pool has room.
+  void CacheOutputs(int64_t first, int64_t rows, const std::vector<float>& output);
 
   std::shared_ptr<const Model> model;
   KvBlockPool::Impl& pool;

@@ -99,6 +99,8 @@ struct StepRun {
   // into it through a const run, as into the step's own result).
   mutable AttentionResult piece_result;
   RequestStop* stop = nullptr;
+  // Its outputs were copied from the pool's cache: nothing to compute.
+  bool cached = false;
   int64_t first_row = 0;  // of its query rows in the stacking of every step's
   // Self memory: query i of the piece sees keys [0, length + offset + i + 1).
   std::vector<int32_t> causal_lens;
@@ -151,9 +153,10 @@ void FixRowWidths(const StepRun& run, Session::State& state) {
 absl::Status BeginStep(StepRun& run) {
   Session::State& state = *run.state;
   absl::Status status;
-  if (run.piece.offset > 0 && run.step->stop) status = run.step->stop();
+  if (run.step->done_rows > 0 && run.step->stop) status = run.step->stop();
   if (status.ok() && run.self()) {
     if (state.key_width == 0) FixRowWidths(run, state);
+    if (run.step->done_rows == 0) state.ShareHeldBlocks(*run.step->step);
     status = state.Reserve(state.length + run.step->dims.num_queries);
   }
   if (!status.ok()) {
@@ -257,8 +260,19 @@ StepScratch PlanScratch(const Model& model, std::span<StepRun> runs, std::vector
   return s;
 }
 
+// The leading rows of a self step (or piece) of one example whose keys and
+// values are in blocks shared with other sessions (State::shared_until):
+// not projected, as Append does not write them. With B > 1 an example's rows
+// are not the step's leading rows, and all are projected.
+int64_t SharedRows(const StepRun& run) {
+  if (!run.self() || run.dims().batch != 1) return 0;
+  const int64_t before = run.state->length + run.piece.offset;
+  return std::clamp<int64_t>(run.state->shared_until - before, 0, run.dims().num_queries);
+}
+
 // multi_head: the queries of every step, and the keys and values of the
-// self steps (consecutive self steps as one product), side by side.
+// self steps but their shared rows (consecutive self steps as one product,
+// from the first one's rows past its shared ones), side by side.
 std::vector<Projection> MultiHeadInputProjections(const Model& model, const StepScratch& s,
                                                   std::span<const StepRun> runs) {
   const int64_t stride = s.projected_width, d_q = runs[0].dims().query_size;
@@ -269,9 +283,13 @@ std::vector<Projection> MultiHeadInputProjections(const Model& model, const Step
       ++r;
       continue;
     }
-    const int64_t first = runs[r].first_row;
-    int64_t count = 0;
-    for (; r < runs.size() && runs[r].self(); ++r) count += runs[r].rows();
+    const int64_t shared = SharedRows(runs[r]);
+    const int64_t first = runs[r].first_row + shared;
+    int64_t count = runs[r].rows() - shared;
+    for (++r; r < runs.size() && runs[r].self() && SharedRows(runs[r]) == 0; ++r) {
+      count += runs[r].rows();
+    }
+    if (count == 0) continue;
     const float* in = s.inputs + first * d_q;
     float* out = s.projected + first * stride;
     projections.push_back(
@@ -321,13 +339,16 @@ void ProjectInputs(ThreadPool& pool, const Model& model, const StepScratch& s,
 
 // A self step's new keys and values into its blocks, after the session's
 // length and the step's earlier pieces: `keys` and `values` (rows of the
-// piece, with their row strides).
+// piece, with their row strides). Rows in blocks shared with other sessions
+// (State::shared_until) are there already, and shared blocks are never
+// written.
 void Append(const StepRun& run, const float* keys, const float* values, int64_t key_stride,
             int64_t value_stride) {
   Session::State& state = *run.state;
   const int64_t n = run.dims().num_queries, before = state.length + run.piece.offset;
+  const int64_t first = std::clamp<int64_t>(state.shared_until - before, 0, n);
   for (int64_t b = 0; b < state.batch; ++b) {
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = first; i < n; ++i) {
       state.keys[b].Put(before + i, state.key_width, state.row_heads(),
                         keys + (b * n + i) * key_stride);
       if (state.values_are_keys) continue;
@@ -624,11 +645,11 @@ void FinishStep(const Model& model, StepRun& run) {
     run.state->Rollback();
     return;
   }
-  if (!run.whole()) GatherPiece(run);
-  if (run.self() && run.last()) {
-    run.state->length += run.step->dims.num_queries;
-    run.state->DropBehindWindow();
+  if (run.self() && !run.cached) {
+    run.state->CacheOutputs(run.piece.offset, run.dims().num_queries, run.result().output.data);
   }
+  if (!run.whole()) GatherPiece(run);
+  if (run.self() && run.last()) run.state->Commit(*run.step->step);
 }
 
 // FAILED_PRECONDITION for a step RunSteps cannot run with the others: of
@@ -667,8 +688,15 @@ void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionR
       continue;
     }
     const bool weights = steps[s].step->return_attention_weights;
-    if (run.piece.offset == 0) ShapeResult(model, steps[s].dims, weights, results[s]);
+    if (steps[s].done_rows == 0) ShapeResult(model, steps[s].dims, weights, results[s]);
     if (!run.whole()) ShapeResult(model, run.dims(), weights, run.piece_result);
+    run.cached = run.self() && run.state->CopyCachedOutputs(
+                                   run.piece.offset, run.dims().num_queries,
+                                   run.result().output.data);
+    if (run.cached) {
+      runs.push_back(std::move(run));
+      continue;
+    }
     const double step_work = run.state->StepWork(run.dims());
     work += step_work;
     if (steps[s].stop && step_work >= kStopPollWork) {
@@ -676,7 +704,9 @@ void Engine::RunSteps(std::span<const ValidatedStep> steps, std::span<AttentionR
     }
     runs.push_back(std::move(run));
   }
-  RunStepsOf(PoolFor(work), model, runs, split_keys_);
+  const auto computed = std::stable_partition(runs.begin(), runs.end(),
+                                              [](const StepRun& run) { return !run.cached; });
+  RunStepsOf(PoolFor(work), model, {runs.begin(), computed}, split_keys_);
   for (StepRun& run : runs) FinishStep(model, run);
 }
 

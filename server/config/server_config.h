@@ -63,7 +63,8 @@ struct ServerConfig {
   // (--inline-work); 0: none.
   int64_t inline_work = DispatchOptions{}.inline_work;
   // Decoding sessions: --session-memory-bytes, --max-sessions,
-  // --max-session-length, --session-idle-seconds, --session-preemption.
+  // --max-session-length, --session-idle-seconds, --session-preemption,
+  // --no-prefix-sharing.
   SessionOptions sessions;
   // Engine worker threads; 0 = one per hardware thread.
   int threads = 0;

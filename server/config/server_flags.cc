@@ -166,6 +166,12 @@ void AddSessionFlags(CLI::App& app, ServerConfig* c) {
       ->envname(EnvName("--session-preemption"))
       ->check(CLI::IsMember({"on", "off"}))
       ->default_str(c->sessions.preemption ? "on" : "off");
+  app.add_flag_function(
+         "--no-prefix-sharing", [c](int64_t) { c->sessions.prefix_sharing = false; },
+         "Sessions whose prompts begin with the same full blocks of tokens hold them apart "
+         "instead of sharing them, and no block is cached once its sessions end (answers are "
+         "the same either way)")
+      ->envname(EnvName("--no-prefix-sharing"));
 }
 
 // The engine's threads and kernel path.

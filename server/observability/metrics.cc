@@ -129,6 +129,20 @@ void ServerMetrics::AddSessionMetrics() {
                              "Bytes of the session pool that sessions' keys and values hold");
   session_pool_capacity_ = gauge("attention_session_pool_capacity_bytes",
                                  "Bytes the session pool holds at most (--session-memory-bytes)");
+  session_pool_shared_ = gauge("attention_session_pool_shared_bytes",
+                               "Bytes of the session pool's used bytes in blocks two or more "
+                               "sessions share (a prompt's blocks)");
+  session_pool_cached_ = gauge("attention_session_pool_cached_bytes",
+                               "Bytes of the session pool in blocks no session holds (keys, "
+                               "values and prompts' outputs), kept for a later prompt until "
+                               "the pool needs the room");
+  prefix_query_tokens_ =
+      &counter("attention_session_prefix_query_tokens_total",
+               "Prompt tokens of session steps looked up in shared and cached blocks")
+           ->Add({});
+  prefix_hit_tokens_ = &counter("attention_session_prefix_hit_tokens_total",
+                                "Prompt tokens of session steps found in shared or cached blocks")
+                            ->Add({});
   sessions_opened_ = counter("attention_sessions_opened_total", "Sessions opened, by model");
   sessions_ended_ = counter("attention_sessions_ended_total",
                             "Sessions ended, by reason (closed, expired, replaced, failed, "
@@ -237,6 +251,22 @@ void ServerMetrics::SetSessionGauges(int open, int64_t pool_used_bytes,
   sessions_open_->Set(open);
   session_pool_used_->Set(static_cast<double>(pool_used_bytes));
   session_pool_capacity_->Set(static_cast<double>(pool_capacity_bytes));
+}
+
+void ServerMetrics::SetSessionPrefixStats(int64_t shared_bytes, int64_t cached_bytes,
+                                          int64_t query_tokens, int64_t hit_tokens) {
+  session_pool_shared_->Set(static_cast<double>(shared_bytes));
+  session_pool_cached_->Set(static_cast<double>(cached_bytes));
+  absl::MutexLock lock(&prefix_mu_);
+  // The pool's totals only grow; a caller reading them earlier may come later.
+  if (query_tokens > prefix_query_counted_) {
+    prefix_query_tokens_->Increment(static_cast<double>(query_tokens - prefix_query_counted_));
+    prefix_query_counted_ = query_tokens;
+  }
+  if (hit_tokens > prefix_hit_counted_) {
+    prefix_hit_tokens_->Increment(static_cast<double>(hit_tokens - prefix_hit_counted_));
+    prefix_hit_counted_ = hit_tokens;
+  }
 }
 
 void ServerMetrics::CountSessionOpened(std::string_view model) {

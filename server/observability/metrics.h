@@ -40,6 +40,15 @@
 //                                               (streams and sequences)
 //   attention_session_pool_used_bytes           keys and values they hold
 //   attention_session_pool_capacity_bytes       --session-memory-bytes
+//   attention_session_pool_shared_bytes         of the used bytes, blocks two
+//                                               or more sessions share
+//   attention_session_pool_cached_bytes         blocks no session holds, kept
+//                                               for a later prompt until the
+//                                               pool needs the room (keys,
+//                                               values, prompts' outputs)
+//   attention_session_prefix_query_tokens_total prompt tokens looked up in
+//                                               the shared and cached blocks
+//   attention_session_prefix_hit_tokens_total   those found there
 //   attention_sessions_opened_total{model}      sessions opened
 //   attention_sessions_ended_total{reason}      sessions ended: closed,
 //                                               expired, replaced, failed,
@@ -133,6 +142,11 @@ class ServerMetrics {
 
   // Decoding sessions (server/sessions/session_table.h).
   void SetSessionGauges(int open, int64_t pool_used_bytes, int64_t pool_capacity_bytes);
+  // The pool's prefix sharing: its shared and cached bytes now, and its
+  // prompt tokens looked up and found since it began (the counters grow by
+  // the difference from the last call).
+  void SetSessionPrefixStats(int64_t shared_bytes, int64_t cached_bytes, int64_t query_tokens,
+                             int64_t hit_tokens);
   void CountSessionOpened(std::string_view model);
   void CountSessionEnd(std::string_view reason);
   // A model's step and token counters, looked up once per session so that
@@ -165,6 +179,13 @@ class ServerMetrics {
   prometheus::Gauge* sessions_open_;
   prometheus::Gauge* session_pool_used_;
   prometheus::Gauge* session_pool_capacity_;
+  prometheus::Gauge* session_pool_shared_;
+  prometheus::Gauge* session_pool_cached_;
+  prometheus::Counter* prefix_query_tokens_;
+  prometheus::Counter* prefix_hit_tokens_;
+  absl::Mutex prefix_mu_;
+  int64_t prefix_query_counted_ ABSL_GUARDED_BY(prefix_mu_) = 0;
+  int64_t prefix_hit_counted_ ABSL_GUARDED_BY(prefix_mu_) = 0;
   prometheus::Family<prometheus::Counter>* sessions_opened_;
   prometheus::Family<prometheus::Counter>* sessions_ended_;
   prometheus::Family<prometheus::Counter>* session_steps_;

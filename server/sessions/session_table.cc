@@ -117,7 +117,8 @@ SessionTable::SessionTable(SessionOptions options, Limits limits, ServerMetrics*
             options.preemption ? KvBlockPool::Reclaim([this](const Session* asking, int64_t) {
               return Preempt(asking);
             })
-                               : nullptr) {
+                               : nullptr,
+            options.prefix_sharing) {
   UpdateGauges();
   sweeper_ = std::thread([this] {
     NameCurrentThread("session-sweep");
@@ -431,6 +432,9 @@ const ServedModel& SessionTable::Served(const Handle& handle) { return handle->s
 
 void SessionTable::UpdateGauges() const {
   metrics_->SetSessionGauges(open_sessions(), pool_.used_bytes(), pool_.capacity_bytes());
+  const KvBlockPool::PrefixStats prefix = pool_.prefix_stats();
+  metrics_->SetSessionPrefixStats(prefix.shared_bytes, prefix.cached_bytes, prefix.query_tokens,
+                                  prefix.hit_tokens);
 }
 
 void SessionTable::SweepLoop() {

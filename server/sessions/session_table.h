@@ -65,6 +65,10 @@ struct SessionOptions {
   // A full pool ends the least recently stepped idle session for the blocks
   // another needs, instead of refusing them (--session-preemption).
   bool preemption = true;
+  // Sessions whose prompts begin alike share the blocks of its full blocks,
+  // and blocks no session holds stay cached for a later prompt
+  // (KvBlockPool's prefix sharing; off: --no-prefix-sharing).
+  bool prefix_sharing = true;
 };
 
 // Why a session ended: the `reason` label of attention_sessions_ended_total.

@@ -34,7 +34,7 @@ PROMPT = int(os.environ.get("PREEMPTION_PROMPT", "512"))
 WIDTH = int(os.environ.get("PREEMPTION_WIDTH", "64"))
 STEPS = int(os.environ.get("PREEMPTION_STEPS", "32"))
 POOL_SESSIONS = int(os.environ.get("PREEMPTION_POOL_SESSIONS", "8"))
-BLOCK_ROWS = 256  # core/sessions/session.h's kKvBlockRows
+BLOCK_ROWS = 64  # core/sessions/session.h's kKvBlockRows
 
 
 def session_bytes():

@@ -35,41 +35,10 @@
 namespace attention {
 namespace {
 
+using testing::MultiHeadModel;
+using testing::RandomData;
 using testing::RandomMatrix;
 using testing::RandomVector;
-
-std::vector<float> RandomData(std::mt19937& rng, int64_t size) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> data(size);
-  for (float& x : data) x = normal(rng);
-  return data;
-}
-
-// A multi_head model of E = heads * head_size over inputs of the given sizes.
-std::shared_ptr<Model> MultiHeadModel(std::mt19937& rng, int64_t heads, int64_t head_size,
-                                      int64_t d_q, int64_t d_k, int64_t d_v, bool packed,
-                                      Precision precision = Precision::kFp32) {
-  auto m = std::make_shared<Model>();
-  m->kind = Kind::kMultiHead;
-  m->name = "multi_head";
-  m->num_heads = heads;
-  m->query_size = d_q;
-  m->key_size = d_k;
-  m->value_size = d_v;
-  m->output_size = heads * head_size;
-  m->precision = precision;
-  const int64_t e = m->output_size;
-  m->w_q = RandomMatrix(rng, e, d_q);
-  m->w_k = RandomMatrix(rng, e, d_k);
-  m->w_v = RandomMatrix(rng, e, d_v);
-  m->w_o = RandomMatrix(rng, e, e);
-  m->b_q = RandomVector(rng, e);
-  m->b_k = RandomVector(rng, e);
-  m->b_v = RandomVector(rng, e);
-  m->b_o = RandomVector(rng, e);
-  if (packed) PackProjections(*m);
-  return m;
-}
 
 std::shared_ptr<Model> KindModel(std::mt19937& rng, Kind kind, int64_t d_q, int64_t d_k) {
   if (kind == Kind::kMultiHead) return MultiHeadModel(rng, 2, 4, d_q, d_k, d_k, true);
@@ -684,7 +653,7 @@ TEST(StepInPieces, BesideOtherSessionsStepsGetsWhatItGetsAlone) {
 // blocks, and its next step answers as if the failed one never came.
 TEST(StepInPieces, FailedOrAbandonedStepLeavesTheSessionAsBeforeIt) {
   std::mt19937 rng(52);
-  const int64_t d = 8, n = 2 * kKvBlockRows + 10, piece = 100;
+  const int64_t d = 8, n = 2 * kKvBlockRows + 10, piece = n / 5;
   const std::shared_ptr<Model> model = MultiHeadModel(rng, 2, 4, d, d, d, true);
   Engine engine;
   // The session's blocks with the failing step, keys and values; not those

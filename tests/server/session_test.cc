@@ -64,8 +64,16 @@ using InferStub = inference::GRPCInferenceService::Stub;
 
 constexpr float kTolerance = 1e-4f;
 const std::string kModels = std::string(ATTENTION_SOURCE_DIR) + "/tests/conformance/models";
-// core/sessions/session.h's kKvBlockRows: 4 flash key tiles of 64 rows.
-constexpr int kBlockRows = 256;
+// core/sessions/session.h's kKvBlockRows: one flash key tile of 64 rows.
+constexpr int kBlockRows = 64;
+// Bytes of one block of rows `width` floats wide.
+constexpr int64_t BlockBytes(int64_t width) { return int64_t{kBlockRows} * width * 4; }
+// A mh_torch_small session of at most kBlockRows tokens holds one block of
+// keys and one of values (E = 16), so two such sessions fill this pool.
+const std::string kTwoSmallSessions = std::to_string(4 * BlockBytes(16));
+// Two dot_product sessions of d = 8 and at most kBlockRows tokens (their
+// rows are their keys and values, one block each) fill this pool.
+const std::string kTwoDotSessions = std::to_string(2 * BlockBytes(8));
 
 // (batch, n, d) values from `rng` in [-1, 1].
 v1::Tensor RandomTensor(int64_t batch, int64_t n, int64_t d, std::mt19937& rng) {
@@ -433,9 +441,8 @@ TEST_F(SessionTest, LimitsRefuseWithTheirNameAndOtherSessionsGoOn) {
 }
 
 TEST_F(SessionTest, SessionMemoryIsBoundedByThePool) {
-  // 64 KiB: one block of 256 rows x 16 floats is 16 KiB per tensor (keys
-  // and values, projected), so two blocks' worth of tokens fill it.
-  StartServer({"--session-memory-bytes", "65536"});
+  // Two blocks' worth of keys and values (projected) fill it.
+  StartServer({"--session-memory-bytes", kTwoSmallSessions});
   std::mt19937 rng(4);
   SessionCall big(*stub_), small(*stub_);
   ASSERT_FALSE(big.Open(SelfOpen("mh_torch_small")).has_error());
@@ -443,11 +450,12 @@ TEST_F(SessionTest, SessionMemoryIsBoundedByThePool) {
   ASSERT_FALSE(small.Step(RandomTensor(1, 2, 16, rng)).has_error());
   const v1::SessionResponse refused = big.Step(RandomTensor(1, 3 * kBlockRows, 16, rng));
   EXPECT_EQ(refused.error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_THAT(refused.error().message(), HasSubstr("--session-memory-bytes 65536"));
+  EXPECT_THAT(refused.error().message(),
+              HasSubstr("--session-memory-bytes " + kTwoSmallSessions));
   EXPECT_EQ(refused.length(), 0);
   EXPECT_FALSE(small.Step(RandomTensor(1, 1, 16, rng)).has_error());
   const std::string metrics = ScrapeMetrics(server_->metrics_address());
-  EXPECT_EQ(MetricValue(metrics, "attention_session_pool_capacity_bytes"), 65536);
+  EXPECT_EQ(MetricValue(metrics, "attention_session_pool_capacity_bytes"), 4 * BlockBytes(16));
   EXPECT_TRUE(big.Close().ok());
   EXPECT_TRUE(small.Close().ok());
 }
@@ -468,10 +476,6 @@ double Preemptions(const ServerProcess& server) {
                      {{"reason", "preempted"}})
       .value_or(0);
 }
-
-// 64 KiB: a mh_torch_small session of at most 256 tokens holds one block of
-// keys and one of values, 16 KiB each, so two such sessions fill the pool.
-constexpr const char* kTwoSmallSessions = "65536";
 
 TEST_F(SessionTest, ANewSessionPreemptsTheLeastRecentlySteppedIdleOne) {
   StartServer({"--session-memory-bytes", kTwoSmallSessions});
@@ -514,9 +518,7 @@ TEST_F(SessionTest, ANewSessionPreemptsTheLeastRecentlySteppedIdleOne) {
 TEST_F(SessionTest, ASessionWhoseStepIsInFlightIsNeverPreempted) {
   TestGate gate;
   ASSERT_TRUE(gate.ok());
-  // A dot_product session of d = 8 and at most 256 tokens holds one block
-  // of 8 KiB (its rows are its keys and values): two fill 16 KiB.
-  StartServer({"--session-memory-bytes", "16384"}, &gate);
+  StartServer({"--session-memory-bytes", kTwoDotSessions}, &gate);
   std::mt19937 rng(42);
   const v1::Tensor tokens = RandomTensor(1, 12, 8, rng);
   SessionCall stepping(*stub_), idle(*stub_), opening(*stub_);
@@ -597,17 +599,19 @@ TEST_F(SessionTest, SessionsThatAllWaitForMemoryPreemptOneOfThemWhileItWaits) {
   TestGate gate;
   ASSERT_TRUE(gate.ok());
   // Two dot_product sessions of d = 8 whose prompts fill a block each fill
-  // 16 KiB: the next token of each needs a block, and neither can end its
-  // step to give one.
-  StartServer({"--session-memory-bytes", "16384"}, &gate);
+  // the pool: the next token of each needs a block, and neither can end its
+  // step to give one. Their prompts differ, so they share no block.
+  StartServer({"--session-memory-bytes", kTwoDotSessions}, &gate);
   std::mt19937 rng(46);
   const v1::Tensor tokens = RandomTensor(1, kBlockRows + 1, 8, rng);
+  const v1::Tensor other_prompt = RandomTensor(1, kBlockRows, 8, rng);
   SessionCall older(*stub_), newer(*stub_);
   v1::SessionRequest step;
   v1::SessionResponse answer;
   for (SessionCall* call : {&older, &newer}) {
     ASSERT_FALSE(call->Open(SelfOpen("gate")).has_error());
-    *step.mutable_step()->mutable_queries() = Rows(tokens, 0, kBlockRows);
+    *step.mutable_step()->mutable_queries() =
+        call == &older ? other_prompt : Rows(tokens, 0, kBlockRows);
     ASSERT_TRUE(call->stream().Write(step));
     ASSERT_TRUE(gate.Release());
     ASSERT_TRUE(call->stream().Read(&answer));
@@ -648,7 +652,8 @@ TEST_F(SessionTest, WithPreemptionOffAFullPoolRefusesTheStep) {
   ASSERT_FALSE(second.Step(Rows(tokens, 0, 4)).has_error());
   const v1::SessionResponse refused = third.Step(Rows(tokens, 0, 4));
   EXPECT_EQ(refused.error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_THAT(refused.error().message(), HasSubstr("--session-memory-bytes 65536"));
+  EXPECT_THAT(refused.error().message(),
+              HasSubstr("--session-memory-bytes " + kTwoSmallSessions));
   EXPECT_EQ(refused.length(), 0);
   for (SessionCall* call : {&first, &second}) {
     const v1::SessionResponse answer = call->Step(Rows(tokens, 4, 5));
@@ -666,11 +671,13 @@ TEST_F(SessionTest, ASessionLargerThanTheEmptyPoolIsRefusedAndPreemptsNone) {
   ASSERT_FALSE(held.Open(SelfOpen("mh_torch_small")).has_error());
   ASSERT_FALSE(big.Open(SelfOpen("mh_torch_small")).has_error());
   ASSERT_FALSE(held.Step(RandomTensor(1, 4, 16, rng)).has_error());
-  // Three blocks of keys and three of values: 96 KiB.
+  // Three blocks of keys and three of values.
   const v1::SessionResponse refused = big.Step(RandomTensor(1, 2 * kBlockRows + 1, 16, rng));
   EXPECT_EQ(refused.error().code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_THAT(refused.error().message(), HasSubstr("would hold 98304 bytes"));
-  EXPECT_THAT(refused.error().message(), HasSubstr("capacity of 65536 bytes"));
+  EXPECT_THAT(refused.error().message(),
+              HasSubstr(absl::StrCat("would hold ", 6 * BlockBytes(16), " bytes")));
+  EXPECT_THAT(refused.error().message(),
+              HasSubstr("capacity of " + kTwoSmallSessions + " bytes"));
   EXPECT_EQ(refused.length(), 0);
   const v1::SessionResponse still = held.Step(RandomTensor(1, 1, 16, rng));
   ASSERT_FALSE(still.has_error()) << still.error().message();
@@ -678,6 +685,111 @@ TEST_F(SessionTest, ASessionLargerThanTheEmptyPoolIsRefusedAndPreemptsNone) {
   EXPECT_EQ(Preemptions(*server_), 0);
   EXPECT_TRUE(held.Close().ok());
   EXPECT_TRUE(big.Close().ok());
+}
+
+// The outputs of sessions that all open with `prompt`, then step `tokens`
+// one row at a time, opened one after the other on the running server.
+std::vector<v1::Tensor> SharedPromptOutputs(v1::AttentionService::Stub& stub, int sessions,
+                                            const v1::Tensor& prompt, const v1::Tensor& tokens,
+                                            std::vector<std::unique_ptr<SessionCall>>& calls) {
+  std::vector<v1::Tensor> outputs;
+  for (int s = 0; s < sessions; ++s) {
+    calls.push_back(std::make_unique<SessionCall>(stub));
+    SessionCall& call = *calls.back();
+    EXPECT_FALSE(call.Open(SelfOpen("mh_torch_small")).has_error());
+    const v1::SessionResponse answer = call.Step(prompt);
+    EXPECT_FALSE(answer.has_error()) << answer.error().message();
+    outputs.push_back(answer.output());
+    for (int64_t t = 0; t < tokens.shape(1); ++t) {
+      const v1::SessionResponse next = call.Step(Rows(tokens, t, t + 1));
+      EXPECT_FALSE(next.has_error()) << next.error().message();
+      outputs.push_back(next.output());
+    }
+  }
+  return outputs;
+}
+
+TEST_F(SessionTest, SessionsWithOnePromptShareItsBlocksAndAnswerAsWithSharingOff) {
+  std::mt19937 rng(47);
+  const int64_t n = 2 * kBlockRows + 5;
+  const v1::Tensor prompt = RandomTensor(1, n, 16, rng), tokens = RandomTensor(1, 2, 16, rng);
+  std::vector<std::vector<v1::Tensor>> outputs;
+  for (bool sharing : {true, false}) {
+    SCOPED_TRACE(sharing ? "sharing" : "--no-prefix-sharing");
+    std::vector<std::string> flags;
+    if (!sharing) flags.push_back("--no-prefix-sharing");
+    StartServer(flags);
+    std::vector<std::unique_ptr<SessionCall>> calls;
+    outputs.push_back(SharedPromptOutputs(*stub_, 3, prompt, tokens, calls));
+    std::string metrics = ScrapeMetrics(server_->metrics_address());
+    // The prompt's two full blocks of keys and of values are held once; each
+    // session holds its last partial block apart.
+    const int64_t full = sharing ? 2 : 0;
+    EXPECT_EQ(MetricValue(metrics, "attention_session_prefix_query_tokens_total"),
+              sharing ? 3 * n : 0);
+    EXPECT_EQ(MetricValue(metrics, "attention_session_prefix_hit_tokens_total"),
+              2 * full * kBlockRows);
+    EXPECT_EQ(MetricValue(metrics, "attention_session_pool_shared_bytes"),
+              2 * full * BlockBytes(16));
+    EXPECT_EQ(MetricValue(metrics, "attention_session_pool_used_bytes"),
+              (3 * 2 * 3 - 2 * 2 * full) * BlockBytes(16));
+    for (auto& call : calls) EXPECT_TRUE(call->Close().ok());
+    // The last session to end caches the shared blocks.
+    EXPECT_TRUE(WaitForMetrics(server_->metrics_address(), [&](const std::string& text) {
+      return MetricValue(text, "attention_sessions_open") == 0 &&
+             MetricValue(text, "attention_session_pool_used_bytes") == 0 &&
+             MetricValue(text, "attention_session_pool_cached_bytes") == 2 * full * BlockBytes(16);
+    }));
+    server_.reset();
+  }
+  ASSERT_EQ(outputs[0].size(), outputs[1].size());
+  for (size_t i = 0; i < outputs[0].size(); ++i) {
+    EXPECT_TRUE(std::equal(outputs[0][i].shape().begin(), outputs[0][i].shape().end(),
+                           outputs[1][i].shape().begin(), outputs[1][i].shape().end()))
+        << "answer " << i;
+    EXPECT_TRUE(std::equal(outputs[0][i].data().begin(), outputs[0][i].data().end(),
+                           outputs[1][i].data().begin(), outputs[1][i].data().end()))
+        << "answer " << i << " differs with --no-prefix-sharing";
+  }
+}
+
+TEST_F(SessionTest, APreemptedSessionLeavesTheBlocksItSharesToTheOthers) {
+  // Two sessions of one prompt hold its two full blocks of keys and of
+  // values once and a partial block each; a third of another prompt fills
+  // the pool, and its next block takes the partial blocks of the session
+  // stepped least recently.
+  StartServer({"--session-memory-bytes", std::to_string(10 * BlockBytes(16))});
+  std::mt19937 rng(48);
+  const int64_t n = 2 * kBlockRows + 5;
+  const v1::Tensor prompt = RandomTensor(1, n + 1, 16, rng);
+  const v1::Tensor other = RandomTensor(1, kBlockRows + 5, 16, rng);
+  SessionCall first(*stub_), second(*stub_), third(*stub_);
+  const absl::Time began = absl::Now();
+  for (SessionCall* call : {&first, &second}) {
+    ASSERT_FALSE(call->Open(SelfOpen("mh_torch_small")).has_error());
+    ASSERT_FALSE(call->Step(Rows(prompt, 0, n)).has_error());
+  }
+  ASSERT_FALSE(third.Open(SelfOpen("mh_torch_small")).has_error());
+  ASSERT_FALSE(third.Step(Rows(other, 0, 5)).has_error());
+  EXPECT_EQ(MetricValue(ScrapeMetrics(server_->metrics_address()),
+                        "attention_session_pool_used_bytes"),
+            10 * BlockBytes(16));
+  // Past the time a session is kept after the step that took its blocks.
+  absl::SleepFor(5 * (absl::Now() - began));
+  const v1::SessionResponse grown = third.Step(Rows(other, 5, kBlockRows + 5));
+  ASSERT_FALSE(grown.has_error()) << grown.error().message();
+  ExpectPreempted(first, Rows(prompt, n, n + 1));
+  const v1::SessionResponse kept = second.Step(Rows(prompt, n, n + 1));
+  ASSERT_FALSE(kept.has_error()) << kept.error().message();
+  EXPECT_EQ(kept.length(), n + 1);
+  EXPECT_LE(MaxDifference(kept.output(), CausalPrefixAnswer(*stub_, "mh_torch_small", prompt,
+                                                            n + 1, 1)),
+            kTolerance);
+  const std::string metrics = ScrapeMetrics(server_->metrics_address());
+  EXPECT_EQ(MetricValue(metrics, "attention_session_pool_shared_bytes"), 0);
+  EXPECT_EQ(Preemptions(*server_), 1);
+  EXPECT_TRUE(second.Close().ok());
+  EXPECT_TRUE(third.Close().ok());
 }
 
 TEST_F(SessionTest, IdleSessionsExpireAndTheirNextStepIsTold) {
