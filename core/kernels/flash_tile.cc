@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "core/kernels/float16.h"
 #include "core/kernels/isa_dispatch.h"
 #include "core/kernels/packed_gemm.h"
 #undef HWY_TARGET_INCLUDE
@@ -230,27 +231,44 @@ void FlashTileImpl(const FlashTile& t) {
   }
 }
 
+// A vector of keys' or values' elements as float32: loaded as they are, or
+// widened from the 16 bits a session holds (bf16: shifted left 16; fp16:
+// vcvtph2ps where the path has F16C).
+HWY_INLINE V LoadKv(D d, const float* p) { return hn::LoadU(d, p); }
+HWY_INLINE V LoadKv(D d, const hwy::bfloat16_t* p) {
+  return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::bfloat16_t, D>(), p));
+}
+HWY_INLINE V LoadKv(D d, const hwy::float16_t* p) {
+  return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::float16_t, D>(), p));
+}
+HWY_INLINE float KvAt(const float* p) { return *p; }
+HWY_INLINE float KvAt(const hwy::bfloat16_t* p) { return hwy::F32FromBF16(*p); }
+HWY_INLINE float KvAt(const hwy::float16_t* p) {
+  return HalfToFloat(*reinterpret_cast<const uint16_t*>(p));
+}
+
 // Scores of keys [key, key + R) for the tile's one query row (FlashRowImpl):
 // scores[r] = k_r . (scale q) + key_bias[r], the head dimensions in lanes.
-template <int R>
-HWY_INLINE void RowScoreKeys(const FlashTile& t, int64_t key, float* scores) {
+// `keys` are the tile's keys as held (T: float, or a 16-bit type).
+template <int R, typename T>
+HWY_INLINE void RowScoreKeys(const FlashTile& t, const T* keys, int64_t key, float* scores) {
   const D d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const float* q = t.queries_t;
-  const float* k = t.keys + (key - t.key_base) * t.key_stride;
+  const T* k = keys + (key - t.key_base) * t.key_stride;
   V acc[R];
   for (int r = 0; r < R; ++r) acc[r] = hn::Zero(d);
   int64_t c = 0;
   for (; c + n <= t.head_size; c += n) {
     const V qc = hn::LoadU(d, q + c);
     for (int r = 0; r < R; ++r) {
-      acc[r] = hn::MulAdd(hn::LoadU(d, k + r * t.key_stride + c), qc, acc[r]);
+      acc[r] = hn::MulAdd(LoadKv(d, k + r * t.key_stride + c), qc, acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
     float score = hn::GetLane(hn::SumOfLanes(d, acc[r]));
     for (int64_t tail = c; tail < t.head_size; ++tail) {
-      score += q[tail] * k[r * t.key_stride + tail];
+      score += q[tail] * KvAt(k + r * t.key_stride + tail);
     }
     scores[r] = t.key_bias != nullptr ? score + t.key_bias[key + r] : score;
   }
@@ -258,13 +276,13 @@ HWY_INLINE void RowScoreKeys(const FlashTile& t, int64_t key, float* scores) {
 
 // acc[col..] = rescale acc + sum_j p_j v_j[col..] over C vectors of value
 // columns, for the one query row; the first key tile starts from zero.
-template <int C>
-HWY_INLINE void RowAccumulateColumns(const FlashTile& t, int64_t key, int64_t keys, float rescale,
-                                     int64_t col) {
+template <int C, typename T>
+HWY_INLINE void RowAccumulateColumns(const FlashTile& t, const T* values, int64_t key,
+                                     int64_t keys, float rescale, int64_t col) {
   const D d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   float* acc = t.accumulator_t + col;
-  const float* v = t.values + (key - t.key_base) * t.value_stride + col;
+  const T* v = values + (key - t.key_base) * t.value_stride + col;
   V a[C];
   for (int c = 0; c < C; ++c) {
     a[c] = key == 0 ? hn::Zero(d) : hn::Mul(hn::LoadU(d, acc + c * n), hn::Set(d, rescale));
@@ -272,7 +290,7 @@ HWY_INLINE void RowAccumulateColumns(const FlashTile& t, int64_t key, int64_t ke
   for (int64_t j = 0; j < keys; ++j) {
     const V p = hn::Set(d, t.scores[j]);
     for (int c = 0; c < C; ++c) {
-      a[c] = hn::MulAdd(p, hn::LoadU(d, v + j * t.value_stride + c * n), a[c]);
+      a[c] = hn::MulAdd(p, LoadKv(d, v + j * t.value_stride + c * n), a[c]);
     }
   }
   for (int c = 0; c < C; ++c) hn::StoreU(a[c], d, acc + c * n);
@@ -281,33 +299,32 @@ HWY_INLINE void RowAccumulateColumns(const FlashTile& t, int64_t key, int64_t ke
 // The output columns of one key tile for the one query row: vectors of
 // columns eight at a time (eight chains of FMAs, one per key each, so their
 // latency is covered), then four, then one at a time, then single columns.
-HWY_INLINE void RowAccumulate(const FlashTile& t, int64_t key, int64_t keys, float rescale) {
+template <typename T>
+HWY_INLINE void RowAccumulate(const FlashTile& t, const T* values, int64_t key, int64_t keys,
+                              float rescale) {
   const int64_t n = static_cast<int64_t>(hn::Lanes(D()));
   int64_t col = 0;
   for (; col + 8 * n <= t.value_size; col += 8 * n) {
-    RowAccumulateColumns<8>(t, key, keys, rescale, col);
+    RowAccumulateColumns<8>(t, values, key, keys, rescale, col);
   }
   for (; col + 4 * n <= t.value_size; col += 4 * n) {
-    RowAccumulateColumns<4>(t, key, keys, rescale, col);
+    RowAccumulateColumns<4>(t, values, key, keys, rescale, col);
   }
-  for (; col + n <= t.value_size; col += n) RowAccumulateColumns<1>(t, key, keys, rescale, col);
+  for (; col + n <= t.value_size; col += n) {
+    RowAccumulateColumns<1>(t, values, key, keys, rescale, col);
+  }
   for (; col < t.value_size; ++col) {
     float sum = key == 0 ? 0.0f : t.accumulator_t[col] * rescale;
     for (int64_t j = 0; j < keys; ++j) {
-      sum += t.scores[j] * t.values[(key + j - t.key_base) * t.value_stride + col];
+      sum += t.scores[j] * KvAt(values + (key + j - t.key_base) * t.value_stride + col);
     }
     t.accumulator_t[col] = sum;
   }
 }
 
-// FlashTileImpl for a tile of one query row, as a decoding step's single
-// token is: the lane-per-query kernel would compute a whole group of lanes
-// for one live lane, so here the head dimensions (scores) and the value
-// columns (P V) are in lanes, and the online softmax runs over keys in
-// lanes. queries_t holds scale * q as a row and accumulator_t the
-// unnormalised output as a row; every key visited is allowed (a tile of one
-// row ends its keys at that row's bound).
-void FlashRowImpl(const FlashTile& t) {
+// FlashRowImpl over keys and values held as T.
+template <typename T>
+void FlashRowOf(const FlashTile& t, const T* keys_held, const T* values_held) {
   const D d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   constexpr float kLowest = std::numeric_limits<float>::lowest();
@@ -318,10 +335,10 @@ void FlashRowImpl(const FlashTile& t) {
     // Eight keys at a time: eight independent chains of FMAs cover their
     // latency on two ports.
     for (; j + 8 <= keys; j += 8) {
-      RowScoreKeys<8>(t, key + j, scores + j);
+      RowScoreKeys<8>(t, keys_held, key + j, scores + j);
     }
-    for (; j + 4 <= keys; j += 4) RowScoreKeys<4>(t, key + j, scores + j);
-    for (; j < keys; ++j) RowScoreKeys<1>(t, key + j, scores + j);
+    for (; j + 4 <= keys; j += 4) RowScoreKeys<4>(t, keys_held, key + j, scores + j);
+    for (; j < keys; ++j) RowScoreKeys<1>(t, keys_held, key + j, scores + j);
     const int64_t padded = (keys + n - 1) / n * n;
     for (; j < padded; ++j) scores[j] = kLowest;  // weigh exp(lowest - max) = 0
     const float old_max = key == 0 ? kLowest : t.row_max[0];
@@ -339,7 +356,45 @@ void FlashRowImpl(const FlashTile& t) {
     const float tile_sum = hn::GetLane(hn::SumOfLanes(d, sum));
     t.row_sum[0] = key == 0 ? tile_sum : t.row_sum[0] * rescale + tile_sum;
     t.row_max[0] = new_max;
-    RowAccumulate(t, key, keys, rescale);
+    RowAccumulate(t, values_held, key, keys, rescale);
+  }
+}
+
+// FlashTileImpl for a tile of one query row, as a decoding step's single
+// token is: the lane-per-query kernel would compute a whole group of lanes
+// for one live lane, so here the head dimensions (scores) and the value
+// columns (P V) are in lanes, and the online softmax runs over keys in
+// lanes. queries_t holds scale * q as a row and accumulator_t the
+// unnormalised output as a row; every key visited is allowed (a tile of one
+// row ends its keys at that row's bound). Keys and values are read as the
+// tile holds them (FlashTile::kv_dtype).
+void FlashRowImpl(const FlashTile& t) {
+  switch (t.kv_dtype) {
+    case KvDtype::kBfloat16:
+      return FlashRowOf(t, reinterpret_cast<const hwy::bfloat16_t*>(t.keys16),
+                        reinterpret_cast<const hwy::bfloat16_t*>(t.values16));
+    case KvDtype::kFloat16:
+      return FlashRowOf(t, reinterpret_cast<const hwy::float16_t*>(t.keys16),
+                        reinterpret_cast<const hwy::float16_t*>(t.values16));
+    case KvDtype::kFloat32:
+      break;
+  }
+  FlashRowOf(t, t.keys, t.values);
+}
+
+// WidenKvRows on this path's vectors.
+void WidenKvImpl(KvDtype dtype, const uint16_t* in, int64_t count, float* out) {
+  const D d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  const auto widen = [&](const auto* held) {
+    int64_t i = 0;
+    for (; i + n <= count; i += n) hn::StoreU(LoadKv(d, held + i), d, out + i);
+    for (; i < count; ++i) out[i] = KvAt(held + i);
+  };
+  if (dtype == KvDtype::kBfloat16) {
+    widen(reinterpret_cast<const hwy::bfloat16_t*>(in));
+  } else {
+    widen(reinterpret_cast<const hwy::float16_t*>(in));
   }
 }
 
@@ -507,6 +562,11 @@ FlashTilePath FlashTilePathFor(Isa isa, Precision precision) {
             internal::RoundToBf16Pairs, internal::PairValuesBf16};
   }
   return {kLoadQueries.For(isa), kKernel.For(isa), kStoreOutput.For(isa), kRowKernel.For(isa)};
+}
+
+void WidenKvRows(Isa isa, KvDtype dtype, const uint16_t* in, int64_t count, float* out) {
+  static constexpr auto kWiden = ISA_TABLE(WidenKvImpl);
+  kWiden.For(isa)(dtype, in, count, out);
 }
 
 }  // namespace attention
