@@ -65,6 +65,9 @@ struct SessionOptions {
   // A full pool ends the least recently stepped idle session for the blocks
   // another needs, instead of refusing them (--session-preemption).
   bool preemption = true;
+  // What sessions hold their keys and values in, unless their model's file
+  // says (--kv-cache-dtype; Model::kv_cache_dtype).
+  KvDtype kv_dtype = KvDtype::kFloat32;
 };
 
 // Why a session ended: the `reason` label of attention_sessions_ended_total.
