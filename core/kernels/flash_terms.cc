@@ -140,7 +140,8 @@ bool OnlineKeys(const FlashProblem& p, int64_t row, int64_t rows, int64_t lo, in
   for (int64_t begin = key_begin; begin < key_end;) {
     if (p.Stopped()) return false;
     const int64_t end = ChunkEnd(p, begin, key_end), count = end - begin;
-    const ConstRows keys(KeyRow(p, begin, count), count, p.head_size, Eigen::OuterStride<>(p.key_stride));
+    const ConstRows keys(KeyRow(p, begin, count), count, p.head_size,
+                         Eigen::OuterStride<>(p.key_stride));
     t.scores.noalias() = queries * keys.transpose();
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t first = p.bounds.First(row + r), bound = p.AllowedKeys(row + r);

@@ -434,7 +434,8 @@ absl::StatusOr<std::optional<KvDtype>> KvCacheDtypeOf(const SafetensorsFile& fil
   const std::optional<KvDtype> dtype = ParseKvDtype(entry->second);
   if (!dtype) {
     return Invalid(absl::StrCat("__metadata__ \"", kKvCacheDtypeKey, "\" is \"",
-                                absl::CHexEscape(entry->second), "\", expected ", std::string(kKvDtypeNames)));
+                                absl::CHexEscape(entry->second), "\", expected ",
+                                std::string(kKvDtypeNames)));
   }
   return dtype;
 }

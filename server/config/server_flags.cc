@@ -177,7 +177,8 @@ void AddSessionFlags(CLI::App& app, ServerConfig* c) {
       ->check(CLI::Validator(
           [](std::string& value) -> std::string {
             if (ParseKvDtype(value)) return {};
-            return absl::StrCat("--kv-cache-dtype is \"", value, "\", expected ", std::string(kKvDtypeNames));
+            return absl::StrCat("--kv-cache-dtype is \"", value, "\", expected ",
+                                std::string(kKvDtypeNames));
           },
           "float32|bfloat16|float16"))
       ->default_str(std::string(KvDtypeName(c->sessions.kv_dtype)));

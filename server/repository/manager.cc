@@ -173,7 +173,8 @@ void RepositoryManager::LoadVersion(const ModelFile& file, Report* report) {
     }
     metrics_->SetModelServed(file.name, file.version, model->kind, model->precision, true);
     if (serving != nullptr && serving->kv_cache_dtype != model->kv_cache_dtype) {
-      metrics_->SetModelKvCacheDtype(file.name, file.version, serving->kv_cache_dtype.value_or(KvDtype::kFloat32), false);
+      metrics_->SetModelKvCacheDtype(file.name, file.version,
+                                     serving->kv_cache_dtype.value_or(KvDtype::kFloat32), false);
     }
     metrics_->SetModelKvCacheDtype(file.name, file.version, *model->kv_cache_dtype, true);
   }

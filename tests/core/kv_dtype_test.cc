@@ -235,7 +235,8 @@ class KvDtypeSession : public testing::TestWithParam<KvDtype> {};
 TEST_P(KvDtypeSession, EveryKernelReadsTheRowsAsHeld) {
   for (const Config& config :
        {Config{0, 0, 0, 0, true, Precision::kFp32}, Config{4, 2, 0, 0, true, Precision::kFp32},
-        Config{4, 2, 0, 0, false, Precision::kFp32}, Config{4, 1, 1500, 5.0f, true, Precision::kFp32},
+        Config{4, 2, 0, 0, false, Precision::kFp32},
+        Config{4, 1, 1500, 5.0f, true, Precision::kFp32},
         Config{4, 2, 0, 0, true, Precision::kBf16}}) {
     SCOPED_TRACE("heads " + std::to_string(config.heads) + " kv " +
                  std::to_string(config.kv_heads) + " window " + std::to_string(config.window) +
