@@ -457,15 +457,27 @@ bool VisitRows(const FlashProblem& p, const FlashTilePath& path, const FlashTile
   int64_t since_poll = 0;
   // A paged problem's keys a block at a time: a row's kernel call reads one.
   const int64_t step = p.paged() ? p.block_rows : kRowwiseKeys;
+  // Rows that all visit the same keys (a grouped-query group of a decoding
+  // step) of a 16-bit session go to the kernel together, which widens each
+  // key and value once for all of them.
+  const bool together = p.kv_dtype != KvDtype::kFloat32 && tile.rows > 1 &&
+                        std::all_of(tile.bounds, tile.bounds + tile.rows,
+                                    [&](float bound) { return bound == tile.bounds[0]; });
   for (int64_t first = begin; first < end;) {
     const int64_t last = std::min(end, (first / step + 1) * step);
-    for (int64_t r = 0; r < tile.rows; ++r) {
-      FlashTile row = RowTile(tile, r);
-      row.key_begin = first;
-      row.key_end = std::min(last, static_cast<int64_t>(tile.bounds[r]));
-      if (row.key_begin >= row.key_end) continue;
-      if (p.paged()) PointAtBlock(p, row, /*rowwise=*/true, ThreadScratch());
-      path.row_kernel(row);
+    FlashTile held = tile;  // the block's keys and values, for every row
+    held.key_begin = first;
+    held.key_end = last;
+    if (p.paged()) PointAtBlock(p, held, /*rowwise=*/true, ThreadScratch());
+    if (together) {
+      path.row_kernel(held);
+    } else {
+      for (int64_t r = 0; r < tile.rows; ++r) {
+        FlashTile row = RowTile(held, r);
+        row.key_end = std::min(last, static_cast<int64_t>(tile.bounds[r]));
+        if (row.key_begin >= row.key_end) continue;
+        path.row_kernel(row);
+      }
     }
     since_poll += (last - first) * tile.rows;
     first = last;

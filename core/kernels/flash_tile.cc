@@ -360,6 +360,151 @@ void FlashRowOf(const FlashTile& t, const T* keys_held, const T* values_held) {
   }
 }
 
+// Scores of keys [key, key + count) (count 1 or 2; key = tile_key + j0)
+// for R query rows over keys held in 16 bits, into row r's scores of the key
+// tile at tile_key (scores + r * kFlashKeyTile + j0): each key vector is
+// widened once for every row.
+template <int R, typename T>
+HWY_INLINE void RowsScorePair(const FlashTile& t, const T* keys, int64_t tile_key, int64_t j0,
+                              int64_t count) {
+  const int64_t key = tile_key + j0;
+  const D d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  const T* k = keys + (key - t.key_base) * t.key_stride;
+  V acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = hn::Zero(d);
+  int64_t c = 0;
+  for (; c + n <= t.head_size; c += n) {
+    const V k0 = LoadKv(d, k + c);
+    const V k1 = count > 1 ? LoadKv(d, k + t.key_stride + c) : hn::Zero(d);
+    for (int r = 0; r < R; ++r) {
+      const V q = hn::LoadU(d, t.queries_t + r * t.head_size + c);
+      acc[r][0] = hn::MulAdd(k0, q, acc[r][0]);
+      acc[r][1] = hn::MulAdd(k1, q, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* q = t.queries_t + r * t.head_size;
+    for (int64_t j = 0; j < count; ++j) {
+      float score = hn::GetLane(hn::SumOfLanes(d, acc[r][j]));
+      for (int64_t tail = c; tail < t.head_size; ++tail) {
+        score += q[tail] * KvAt(k + j * t.key_stride + tail);
+      }
+      t.scores[r * kFlashKeyTile + j0 + j] =
+          t.key_bias != nullptr ? score + t.key_bias[key + j] : score;
+    }
+  }
+}
+
+// The output columns of one key tile for R query rows, each value vector
+// widened once for every row; row r's P at scores + r * kFlashKeyTile.
+template <int R, typename T>
+HWY_INLINE void RowsAccumulate(const FlashTile& t, const T* values, int64_t key, int64_t keys,
+                               const float* rescale) {
+  const D d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  constexpr int C = 2;
+  const T* v = values + (key - t.key_base) * t.value_stride;
+  int64_t col = 0;
+  for (; col + C * n <= t.value_size; col += C * n) {
+    V a[R][C];
+    for (int r = 0; r < R; ++r) {
+      float* acc = t.accumulator_t + r * t.value_size + col;
+      for (int c = 0; c < C; ++c) {
+        a[r][c] = key == 0 ? hn::Zero(d)
+                           : hn::Mul(hn::LoadU(d, acc + c * n), hn::Set(d, rescale[r]));
+      }
+    }
+    for (int64_t j = 0; j < keys; ++j) {
+      V vc[C];
+      for (int c = 0; c < C; ++c) vc[c] = LoadKv(d, v + j * t.value_stride + col + c * n);
+      for (int r = 0; r < R; ++r) {
+        const V p = hn::Set(d, t.scores[r * kFlashKeyTile + j]);
+        for (int c = 0; c < C; ++c) a[r][c] = hn::MulAdd(p, vc[c], a[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float* acc = t.accumulator_t + r * t.value_size + col;
+      for (int c = 0; c < C; ++c) hn::StoreU(a[r][c], d, acc + c * n);
+    }
+  }
+  for (; col < t.value_size; ++col) {
+    for (int r = 0; r < R; ++r) {
+      float* acc = t.accumulator_t + r * t.value_size + col;
+      float sum = key == 0 ? 0.0f : *acc * rescale[r];
+      for (int64_t j = 0; j < keys; ++j) {
+        sum += t.scores[r * kFlashKeyTile + j] * KvAt(v + j * t.value_stride + col);
+      }
+      *acc = sum;
+    }
+  }
+}
+
+// FlashRowOf for R rows that all visit the tile's keys, over keys and values
+// held in 16 bits: a grouped-query group of a decoding step, which row by
+// row would widen every key and value once per row.
+template <int R, typename T>
+void FlashRowsOf(const FlashTile& t, const T* keys_held, const T* values_held) {
+  const D d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  constexpr float kLowest = std::numeric_limits<float>::lowest();
+  for (int64_t key = t.key_begin; key < t.key_end; key += kFlashKeyTile) {
+    const int64_t keys = t.key_end - key < kFlashKeyTile ? t.key_end - key : kFlashKeyTile;
+    for (int64_t j = 0; j < keys; j += 2) {
+      RowsScorePair<R>(t, keys_held, key, j, keys - j < 2 ? keys - j : 2);
+    }
+    const int64_t padded = (keys + n - 1) / n * n;
+    float rescale[R];
+    for (int r = 0; r < R; ++r) {
+      float* scores = t.scores + r * kFlashKeyTile;
+      for (int64_t j = keys; j < padded; ++j) scores[j] = kLowest;
+      const float old_max = key == 0 ? kLowest : t.row_max[r];
+      V max = hn::Set(d, old_max);
+      for (int64_t j = 0; j < padded; j += n) max = hn::Max(max, hn::LoadU(d, scores + j));
+      max = hn::MaxOfLanes(d, max);
+      V sum = hn::Zero(d);
+      for (int64_t j = 0; j < padded; j += n) {
+        const V p = ExpOfNonPositive(d, hn::Sub(hn::LoadU(d, scores + j), max));
+        hn::StoreU(p, d, scores + j);
+        sum = hn::Add(sum, p);
+      }
+      const float new_max = hn::GetLane(max);
+      rescale[r] = hn::GetLane(ExpOfNonPositive(d, hn::Set(d, old_max - new_max)));
+      const float tile_sum = hn::GetLane(hn::SumOfLanes(d, sum));
+      t.row_sum[r] = key == 0 ? tile_sum : t.row_sum[r] * rescale[r] + tile_sum;
+      t.row_max[r] = new_max;
+    }
+    RowsAccumulate<R>(t, values_held, key, keys, rescale);
+  }
+}
+
+// FlashRowsOf over the tile's rows, four at a time (one row: FlashRowOf).
+template <typename T>
+void FlashRowGroupOf(const FlashTile& t, const T* keys_held, const T* values_held) {
+  if (t.rows == 1) return FlashRowOf(t, keys_held, values_held);
+  for (int64_t first = 0; first < t.rows; first += 4) {
+    FlashTile part = t;
+    part.queries_t = t.queries_t + first * t.head_size;
+    part.accumulator_t = t.accumulator_t + first * t.value_size;
+    part.row_max = t.row_max + first;
+    part.row_sum = t.row_sum + first;
+    switch (t.rows - first < 4 ? t.rows - first : 4) {
+      case 1:
+        FlashRowsOf<1>(part, keys_held, values_held);
+        break;
+      case 2:
+        FlashRowsOf<2>(part, keys_held, values_held);
+        break;
+      case 3:
+        FlashRowsOf<3>(part, keys_held, values_held);
+        break;
+      default:
+        FlashRowsOf<4>(part, keys_held, values_held);
+        break;
+    }
+  }
+}
+
 // FlashTileImpl for a tile of one query row, as a decoding step's single
 // token is: the lane-per-query kernel would compute a whole group of lanes
 // for one live lane, so here the head dimensions (scores) and the value
@@ -371,11 +516,11 @@ void FlashRowOf(const FlashTile& t, const T* keys_held, const T* values_held) {
 void FlashRowImpl(const FlashTile& t) {
   switch (t.kv_dtype) {
     case KvDtype::kBfloat16:
-      return FlashRowOf(t, reinterpret_cast<const hwy::bfloat16_t*>(t.keys16),
-                        reinterpret_cast<const hwy::bfloat16_t*>(t.values16));
+      return FlashRowGroupOf(t, reinterpret_cast<const hwy::bfloat16_t*>(t.keys16),
+                             reinterpret_cast<const hwy::bfloat16_t*>(t.values16));
     case KvDtype::kFloat16:
-      return FlashRowOf(t, reinterpret_cast<const hwy::float16_t*>(t.keys16),
-                        reinterpret_cast<const hwy::float16_t*>(t.values16));
+      return FlashRowGroupOf(t, reinterpret_cast<const hwy::float16_t*>(t.keys16),
+                             reinterpret_cast<const hwy::float16_t*>(t.values16));
     case KvDtype::kFloat32:
       break;
   }

@@ -22,7 +22,6 @@ import json
 import os
 import pathlib
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -65,47 +64,19 @@ def build_client():
 build_client()
 import attention_client  # noqa: E402
 
+# The model files' reader and multi_head's projections of either layout.
+sys.path.insert(0, str(SOURCE_DIR / "tools"))
+import make_bf16_cases  # noqa: E402
+
 MASKED = -1e6
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def read_model(name):
     """The tensors (float64) and metadata of a conformance model file."""
-    raw = (CONFORMANCE / "models" / f"{name}.safetensors").read_bytes()
-    (length,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + length])
-    data = raw[8 + length:]
-    tensors = {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        chunk = data[begin:end]
-        if entry["dtype"] == "F32":
-            values = np.frombuffer(chunk, dtype="<f4").astype(np.float64)
-        elif entry["dtype"] == "F16":
-            values = np.frombuffer(chunk, dtype="<f2").astype(np.float64)
-        else:
-            bits = np.frombuffer(chunk, dtype="<u2").astype(np.uint32) << 16
-            values = bits.view(np.float32).astype(np.float64)
-        tensors[key] = values.reshape(entry["shape"])
-    return tensors, header.get("__metadata__", {})
-
-
-def multi_head_weights(t):
-    """w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o of either multi_head layout."""
-    if "W_q.weight" in t:
-        w = [t[f"W_{p}.weight"] for p in "qkvo"]
-        e = w[0].shape[0]
-        return w + [t.get(f"W_{p}.bias", np.zeros(e)) for p in "qkvo"]
-    w_o = t["out_proj.weight"]
-    e = w_o.shape[0]
-    if "in_proj_weight" in t:
-        w_q, w_k, w_v = np.split(t["in_proj_weight"], 3)
-    else:
-        w_q, w_k, w_v = (t[f"{p}_proj_weight"] for p in "qkv")
-    b_q, b_k, b_v = np.split(t.get("in_proj_bias", np.zeros(3 * e)), 3)
-    return [w_q, w_k, w_v, w_o, b_q, b_k, b_v, t.get("out_proj.bias", np.zeros(e))]
+    metadata, tensors = make_bf16_cases.read_safetensors(CONFORMANCE / "models" /
+                                                         f"{name}.safetensors")
+    return tensors, metadata
 
 
 def allowed_mask(batch, n_q, n_k, valid_lens, causal):
@@ -221,12 +192,22 @@ class KvDtypeAccuracy(unittest.TestCase):
             tensors, metadata = read_model(name)
             model = {"tensors": tensors}
             if metadata["kind"] == "multi_head":
-                model["weights"] = multi_head_weights(tensors)
+                model["weights"] = make_bf16_cases.projections(tensors)
                 model["heads"] = int(metadata["num_heads"])
             self.models[name] = (metadata["kind"], model, metadata.get("precision") != "bf16")
         return self.models[name]
 
-    def check(self, what, got, reference, torch_error):
+    def compare(self, what, client, model, opening, problem, held):
+        """A session opened with `opening`, its queries (problem[2]) sent as
+        steps_of them, against the float64 reference: its largest error,
+        which must be within twice PyTorch's with the keys and values
+        `held`."""
+        reference = attend(*problem, torch.float64)
+        torch_error = float(np.abs(attend(*problem, torch.float32, held) - reference).max())
+        queries = problem[2]
+        with client.session(model, **opening) as session:
+            got = np.concatenate([session.step(queries[:, a:b]).output
+                                  for a, b in steps_of(queries.shape[1])], axis=1)
         error = float(np.abs(got.astype(np.float64) - reference).max())
         self.assertLessEqual(error, 2 * torch_error + 1e-6,
                              f"{what}: error {error:.3g}, PyTorch's {torch_error:.3g}")
@@ -250,18 +231,11 @@ class KvDtypeAccuracy(unittest.TestCase):
                 batch, n_q = queries.shape[:2]
                 if fp32 and not request.get("causal") and len(valid_lens) in (0, batch):
                     allowed = allowed_mask(batch, n_q, keys.shape[1], valid_lens, False)
-                    reference = attend(kind, model, queries, keys, values, allowed, scale,
-                                       torch.float64)
-                    theirs = attend(kind, model, queries, keys, values, allowed, scale,
-                                    torch.float32, held)
-                    torch_error = float(np.abs(theirs - reference).max())
-                    with client.session(request["model"], memory="cross", keys=keys,
-                                        values=values, valid_lens=valid_lens or None,
-                                        scale=scale) as session:
-                        got = np.concatenate([session.step(queries[:, a:b]).output
-                                              for a, b in steps_of(n_q)], axis=1)
-                    worst = max(worst, self.check(f"{dtype} cross {case['name']}", got,
-                                                  reference, torch_error))
+                    opening = dict(memory="cross", keys=keys, values=values,
+                                   valid_lens=valid_lens or None, scale=scale)
+                    worst = max(worst, self.compare(
+                        f"{dtype} cross {case['name']}", client, request["model"], opening,
+                        (kind, model, queries, keys, values, allowed, scale), held))
                     ran["cross"] += 1
                 sizes = {queries.shape[2]} if kind == "dot_product" else set()
                 if kind == "multi_head":
@@ -270,17 +244,10 @@ class KvDtypeAccuracy(unittest.TestCase):
                 if fp32 and kind in ("dot_product", "multi_head") and len(sizes) == 1 \
                         and queries.shape[2] in sizes and scale is None:
                     allowed = allowed_mask(batch, n_q, n_q, [], True)
-                    reference = attend(kind, model, queries, queries, queries, allowed, None,
-                                       torch.float64)
-                    theirs = attend(kind, model, queries, queries, queries, allowed, None,
-                                    torch.float32, held)
-                    torch_error = float(np.abs(theirs - reference).max())
-                    with client.session(request["model"], memory="self",
-                                        batch=batch) as session:
-                        got = np.concatenate([session.step(queries[:, a:b]).output
-                                              for a, b in steps_of(n_q)], axis=1)
-                    worst = max(worst, self.check(f"{dtype} self {case['name']}", got,
-                                                  reference, torch_error))
+                    worst = max(worst, self.compare(
+                        f"{dtype} self {case['name']}", client, request["model"],
+                        dict(memory="self", batch=batch),
+                        (kind, model, queries, queries, queries, allowed, None), held))
                     ran["self"] += 1
             self.assertGreaterEqual(ran["cross"], 15)
             self.assertGreaterEqual(ran["self"], 5)
