@@ -151,8 +151,10 @@ struct FlashProblem {
   // What the blocks hold per element: float32, or a 16-bit session's
   // bfloat16 or float16 (core/kernels/float16.h), the blocks then arrays of
   // uint16_t with the columns and strides above counted in them. The
-  // one-row kernel widens them in registers; the other readers a block's
-  // rows at a time (internal::PagedKeyRows), never a whole context.
+  // one-row kernel widens them in registers; the lane and terms kernels a
+  // block's rows at a time (internal::PagedKeyRows); only the rare exact
+  // paths (weights asked for, rows whose masked keys weigh or that
+  // overflow) gather a whole context, as they do float32 blocks.
   KvDtype kv_dtype = KvDtype::kFloat32;
 
   bool Stopped() const { return stop != nullptr && stop->Stopped(); }
