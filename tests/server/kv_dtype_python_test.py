@@ -12,8 +12,11 @@ step. Each answer's largest error against a float64 reference (the rule of
 docs/api.md over the keys and values as sent) must be within twice the
 error PyTorch 1.13 makes when it casts the keys and values the session
 holds (the projected ones for multi_head, W_k k for additive) to the same
-dtype and back and computes in float32. Also: ListModels, the Open
-Inference Protocol's metadata and config and the metrics say the dtype.
+dtype and back and computes in float32. The Hugging Face layer cases
+(tests/conformance/layers) with a causal mask, as self sessions, stay within
+8 units of the dtype's rounding of their answers' largest magnitude. Also:
+ListModels, the Open Inference Protocol's metadata and config and the
+metrics say the dtype.
 
     ATTENTION_SERVER_BIN=build/server/attention-server /usr/bin/python3 tests/server/kv_dtype_python_test.py
 """
@@ -145,7 +148,7 @@ class Server:
     """attention-server on 127.0.0.1 with the conformance models, ports
     picked by the system."""
 
-    def __init__(self, *flags):
+    def __init__(self, *flags, repository=CONFORMANCE / "models"):
         self.dir = tempfile.TemporaryDirectory()
         ports = os.path.join(self.dir.name, "ports")
         self.log = open(os.path.join(self.dir.name, "log"), "wb")
@@ -153,7 +156,7 @@ class Server:
             [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0",
              "--http-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
              "--port-file", ports, "--threads", "2",
-             "--model-repository", str(CONFORMANCE / "models"), "--strict",
+             "--model-repository", str(repository), "--strict",
              "--warmup", "false", *flags],
             stdout=self.log, stderr=subprocess.STDOUT)
         give_up = time.monotonic() + 60
@@ -271,6 +274,33 @@ class KvDtypeAccuracy(unittest.TestCase):
                 f"http://{server.ports['http']}/v2/models/mh_torch_small") as answer:
             metadata = json.loads(answer.read())
         self.assertEqual(metadata["properties"]["kv_cache_dtype"], dtype)
+
+    def test_layer_cases_as_sessions(self):
+        """The Hugging Face layer cases (tests/conformance/layers) with a
+        causal mask as self sessions, a prompt and then one token a step:
+        their largest error against the case's answer (PyTorch's float32
+        layer) stays within 8 units of the dtype's rounding (2^-8 for
+        bfloat16, 2^-11 for float16) of the answer's largest magnitude."""
+        for dtype, unit in (("bfloat16", 2.0 ** -8), ("float16", 2.0 ** -11)):
+            server = Server("--kv-cache-dtype", dtype, repository=CONFORMANCE / "layers" / "models")
+            try:
+                client = attention_client.AttentionClient(server.ports["grpc"])
+                ran = 0
+                for path in sorted((CONFORMANCE / "layers" / "cases").glob("*_causal.json")):
+                    case = json.loads(path.read_text())
+                    queries = tensor(case["request"], "queries")
+                    expected = tensor(case["expected"], "output").astype(np.float64)
+                    with client.session(case["request"]["model"], memory="self",
+                                        batch=queries.shape[0]) as session:
+                        got = np.concatenate([session.step(queries[:, a:b]).output
+                                              for a, b in steps_of(queries.shape[1])], axis=1)
+                    error = float(np.abs(got - expected).max())
+                    bound = 8 * unit * float(np.abs(expected).max())
+                    self.assertLessEqual(error, bound, f"{dtype} {case['name']}")
+                    ran += 1
+                self.assertGreaterEqual(ran, 10)
+            finally:
+                server.stop()
 
     def test_bfloat16(self):
         self.run_dtype("bfloat16")
