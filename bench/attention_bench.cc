@@ -53,7 +53,9 @@
 //       values a step reads, read_GBps them over the step's time, of_probe
 //       that over bandwidth/read/threads:0 measured in the same run; .../split:0
 //       the same on an engine that keeps each problem's keys in one task
-//       (EngineOptions::split_keys).
+//       (EngineOptions::split_keys); .../kv:bfloat16 and .../kv:float16 the
+//       same with the session's keys and values held in 16 bits
+//       (SessionOpen::kv_dtype), bytes_per_step counting the bytes held.
 //   decode/long/llama3_8b/context:N  the same for the Hugging Face layer of
 //       layer/llama3_8b (multi_head, rotary, 32 heads over 8 kv heads):
 //       bytes_per_step also counts its fp32 projection weights, read once.
@@ -456,8 +458,16 @@ void TimeLongSteps(benchmark::State& state, Engine& engine, Session& session,
 // Steps timed per decode/long/ case; each adds a token, negligible beside N.
 constexpr int64_t kLongDecodeSteps = 32;
 
+// What the decode/long/ sessions hold keys and values in: each case once
+// per dtype, the float32 ones under their names without a suffix.
+constexpr KvDtype kLongDecodeDtypes[] = {KvDtype::kFloat32, KvDtype::kBfloat16,
+                                         KvDtype::kFloat16};
+std::string KvSuffix(KvDtype dtype) {
+  return dtype == KvDtype::kFloat32 ? "" : "/kv:" + std::string(KvDtypeName(dtype));
+}
+
 void LongDecodeDotProduct(benchmark::State& state, int64_t heads, int64_t kv_heads,
-                          bool separate_values, int64_t context, bool split) {
+                          bool separate_values, int64_t context, bool split, KvDtype dtype) {
   constexpr int64_t kHeadSize = 128;
   std::mt19937 rng(kSeed);
   const auto model = std::make_shared<const Model>(DotProductModel());
@@ -465,7 +475,7 @@ void LongDecodeDotProduct(benchmark::State& state, int64_t heads, int64_t kv_hea
   const std::vector<float> keys = RandomData(kv_heads * kHeadSize, rng);
   KvBlockPool pool(int64_t{1} << 34);
   absl::StatusOr<std::unique_ptr<Session>> session =
-      Session::Open(model, pool, {.memory = SessionMemory::kSelf});
+      Session::Open(model, pool, {.memory = SessionMemory::kSelf, .kv_dtype = dtype});
   const auto next = [&] {
     SessionStep step{.queries = {{1, 1, heads, kHeadSize}, queries},
                      .keys = TensorView{{1, 1, kv_heads, kHeadSize}, keys}};
@@ -486,19 +496,19 @@ void LongDecodeDotProduct(benchmark::State& state, int64_t heads, int64_t kv_hea
     state.SkipWithError(std::string(status.message()).c_str());
     return;
   }
-  const double bytes = static_cast<double>(context) * kv_heads * kHeadSize * sizeof(float) *
-                       (separate_values ? 2.0 : 1.0);
+  const double bytes = static_cast<double>(context) * kv_heads * kHeadSize *
+                       static_cast<double>(KvDtypeBytes(dtype)) * (separate_values ? 2.0 : 1.0);
   TimeLongSteps(state, engine, **session, next, bytes);
 }
 
-void LongDecodeLayer(benchmark::State& state, int64_t context, bool split) {
+void LongDecodeLayer(benchmark::State& state, int64_t context, bool split, KvDtype dtype) {
   std::mt19937 rng(kSeed);
   const auto model = std::make_shared<const Model>(LayerModel(Precision::kFp32, rng));
   const int64_t hidden = model->output_size;
   const std::vector<float> token = RandomData(hidden, rng);
   KvBlockPool pool(int64_t{1} << 34);
   absl::StatusOr<std::unique_ptr<Session>> session =
-      Session::Open(model, pool, {.memory = SessionMemory::kSelf});
+      Session::Open(model, pool, {.memory = SessionMemory::kSelf, .kv_dtype = dtype});
   const auto next = [&] { return SessionStep{.queries = {{1, 1, hidden}, token}}; };
   Engine& engine = split ? SharedEngine() : UnsplitEngine();
   absl::Status status = session.status();
@@ -509,7 +519,8 @@ void LongDecodeLayer(benchmark::State& state, int64_t context, bool split) {
   }
   const double weights = static_cast<double>(hidden) *
                          (2.0 * QueryWidth(*model) + 2.0 * KvWidth(*model));
-  const double bytes = (2.0 * context * KvWidth(*model) + weights) * sizeof(float);
+  const double bytes = 2.0 * context * KvWidth(*model) * static_cast<double>(KvDtypeBytes(dtype)) +
+                       weights * sizeof(float);
   TimeLongSteps(state, engine, **session, next, bytes);
 }
 
@@ -967,30 +978,34 @@ void RegisterAll() {
   };
   for (const LongShape& shape : {LongShape{32, 8, true}, LongShape{8, 8, false}}) {
     for (int64_t context : {4096, 16384, 65536}) {
+      for (KvDtype dtype : kLongDecodeDtypes) {
+        for (bool split : {true, false}) {
+          const std::string name =
+              "decode/long/dot_product/B:1/H:" + std::to_string(shape.heads) +
+              "/H_kv:" + std::to_string(shape.kv_heads) + "/d:128/values:" +
+              (shape.values ? "1" : "0") + "/context:" + std::to_string(context) +
+              (split ? "" : "/split:0") + KvSuffix(dtype);
+          benchmark::RegisterBenchmark(name.c_str(), LongDecodeDotProduct, shape.heads,
+                                       shape.kv_heads, shape.values, context, split, dtype)
+              ->Unit(benchmark::kMillisecond)
+              ->Iterations(kLongDecodeSteps)
+              ->ComputeStatistics("min", Min)
+              ->ComputeStatistics("max", Max);
+        }
+      }
+    }
+  }
+  for (int64_t context : {4096, 16384, 65536}) {
+    for (KvDtype dtype : kLongDecodeDtypes) {
       for (bool split : {true, false}) {
-        const std::string name =
-            "decode/long/dot_product/B:1/H:" + std::to_string(shape.heads) +
-            "/H_kv:" + std::to_string(shape.kv_heads) + "/d:128/values:" +
-            (shape.values ? "1" : "0") + "/context:" + std::to_string(context) +
-            (split ? "" : "/split:0");
-        benchmark::RegisterBenchmark(name.c_str(), LongDecodeDotProduct, shape.heads,
-                                     shape.kv_heads, shape.values, context, split)
+        const std::string name = "decode/long/llama3_8b/context:" + std::to_string(context) +
+                                 (split ? "" : "/split:0") + KvSuffix(dtype);
+        benchmark::RegisterBenchmark(name.c_str(), LongDecodeLayer, context, split, dtype)
             ->Unit(benchmark::kMillisecond)
             ->Iterations(kLongDecodeSteps)
             ->ComputeStatistics("min", Min)
             ->ComputeStatistics("max", Max);
       }
-    }
-  }
-  for (int64_t context : {4096, 16384, 65536}) {
-    for (bool split : {true, false}) {
-      const std::string name = "decode/long/llama3_8b/context:" + std::to_string(context) +
-                               (split ? "" : "/split:0");
-      benchmark::RegisterBenchmark(name.c_str(), LongDecodeLayer, context, split)
-          ->Unit(benchmark::kMillisecond)
-          ->Iterations(kLongDecodeSteps)
-          ->ComputeStatistics("min", Min)
-          ->ComputeStatistics("max", Max);
     }
   }
 

@@ -135,13 +135,16 @@ absl::StatusOr<DispatchOptions> ReadDispatchOptions(const ServerConfig& config) 
 // The built-in models, and the test gate's when asked for.
 absl::Status AddBuiltIns(const ServerConfig& config, RunningServer& s) {
   for (Model built_in : {DotProductModel(), DistanceModel()}) {
+    built_in.kv_cache_dtype = config.sessions.kv_dtype;
     if (absl::Status added = s.registry.AddBuiltIn(std::move(built_in)); !added.ok()) return added;
   }
   if (config.test_gate_fifo.empty()) return absl::OkStatus();
   absl::StatusOr<std::unique_ptr<TestGate>> opened = TestGate::Open(config.test_gate_fifo);
   if (!opened.ok()) return opened.status();
   s.test_gate = *std::move(opened);
-  if (absl::Status added = s.registry.AddBuiltIn(TestGate::GateModel()); !added.ok()) return added;
+  Model gate = TestGate::GateModel();
+  gate.kv_cache_dtype = config.sessions.kv_dtype;
+  if (absl::Status added = s.registry.AddBuiltIn(std::move(gate)); !added.ok()) return added;
   s.dispatch_options.test_gate = s.test_gate.get();
   spdlog::warn("test gate on: batches of model '{}' wait for bytes on {}", kTestGateModelName,
                config.test_gate_fifo);
@@ -168,13 +171,16 @@ absl::Status LoadModels(const ServerConfig& config, RunningServer& s) {
   for (const auto& [name, entry] : *s.registry.snapshot()) {
     const Model& model = *entry.versions.front().model;
     s.metrics->SetModelServed(name, 1, model.kind, model.precision, true);
+    s.metrics->SetModelKvCacheDtype(name, 1, model.kv_cache_dtype.value_or(KvDtype::kFloat32),
+                                    true);
   }
   s.manager = std::make_unique<RepositoryManager>(
       &s.registry, s.metrics.get(),
       RepositoryOptions{.directory = config.model_repository,
                         .policy = *policy,
                         .max_file_bytes = static_cast<uint64_t>(config.max_model_file_bytes),
-                        .force_fp32 = config.force_fp32});
+                        .force_fp32 = config.force_fp32,
+                        .kv_cache_dtype = config.sessions.kv_dtype});
   if (config.model_repository.empty()) return absl::OkStatus();
   absl::StatusOr<RepositoryListing> listing = ScanRepository(config.model_repository);
   if (!listing.ok()) return listing.status();

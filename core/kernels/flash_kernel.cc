@@ -78,6 +78,9 @@ struct Scratch {
   // A paged problem's keys and values in contiguous rows, for the paths
   // that read them by index (Contiguous).
   std::vector<float> keys, values;
+  // A 16-bit session's rows of one block widened to float32, for the
+  // kernels that read float32 (PointAtBlock, PairKeysAndValues).
+  std::vector<float> widened_keys, widened_values;
   // The BF16 kernel's keys and values in pairs (FlashTile::key_pairs).
   std::vector<uint32_t> key_pairs, value_pairs;
 
@@ -102,7 +105,7 @@ struct Scratch {
     if (static_cast<int64_t>(value_mean.capacity()) > kKeptKernelScratchFloats) {
       std::vector<float>().swap(value_mean);
     }
-    for (std::vector<float>* rows : {&keys, &values}) {
+    for (std::vector<float>* rows : {&keys, &values, &widened_keys, &widened_values}) {
       if (static_cast<int64_t>(rows->capacity()) > kKeptKernelScratchFloats) {
         std::vector<float>().swap(*rows);
       }
@@ -235,13 +238,28 @@ void ExactRows(const FlashProblem& p, int64_t row, int64_t rows, float* weights,
   }
 }
 
-// Rows [0, n_k) of a paged problem's blocks, `width` floats from `column` of
-// each, into `out` (n_k x width).
+// Rows [first, first + count) of `blocks` (one block's), `stride` elements
+// apart from `column`, as float32 rows (see PagedKeyRows).
+const float* BlockRowsOf(const FlashProblem& p, const float* const* blocks, int64_t column,
+                         int64_t stride, int64_t first, int64_t count,
+                         std::vector<float>& widened) {
+  const int64_t offset = column + (first % p.block_rows) * stride;
+  if (p.kv_dtype == KvDtype::kFloat32) return blocks[first / p.block_rows] + offset;
+  widened.resize(count * stride);
+  WidenKvRows(ActiveIsa(), p.kv_dtype,
+              reinterpret_cast<const uint16_t*>(blocks[first / p.block_rows]) + offset,
+              count * stride, widened.data());
+  return widened.data();
+}
+
+// Rows [0, n_k) of a paged problem's blocks, `width` elements from
+// `column` of each, as float32 into `out` (n_k x width).
 void GatherBlocks(const FlashProblem& p, const float* const* blocks, int64_t stride, int64_t column,
                   int64_t width, std::vector<float>& out) {
   out.resize(p.num_keys * width);
+  std::vector<float> widened;
   for (int64_t j = 0; j < p.num_keys; ++j) {
-    const float* row = blocks[j / p.block_rows] + (j % p.block_rows) * stride + column;
+    const float* row = BlockRowsOf(p, blocks, column, stride, j, 1, widened);
     std::copy_n(row, width, out.data() + j * width);
   }
 }
@@ -256,6 +274,7 @@ FlashProblem Contiguous(const FlashProblem& p, Scratch& scratch) {
   GatherBlocks(p, p.value_blocks, p.value_stride, p.value_block_column, p.value_size,
                scratch.values);
   contiguous.key_blocks = contiguous.value_blocks = nullptr;
+  contiguous.kv_dtype = KvDtype::kFloat32;
   contiguous.keys = scratch.keys.data();
   contiguous.values = scratch.values.data();
   contiguous.key_stride = p.head_size;
@@ -264,13 +283,29 @@ FlashProblem Contiguous(const FlashProblem& p, Scratch& scratch) {
 }
 
 // Points the tile at the block that holds key tile.key_begin of a paged
-// problem, and ends its keys at that block's end.
-void PointAtBlock(const FlashProblem& p, FlashTile& tile) {
+// problem, and ends its keys at that block's end. A 16-bit session's rows
+// go to the one-row kernel as held (`rowwise`), to the lane kernel widened
+// from tile.key_begin on, one block at most per call.
+void PointAtBlock(const FlashProblem& p, FlashTile& tile, bool rowwise, Scratch& scratch) {
   const int64_t block = tile.key_begin / p.block_rows;
   tile.key_base = block * p.block_rows;
-  tile.keys = p.key_blocks[block] + p.block_column;
-  tile.values = p.value_blocks[block] + p.value_block_column;
   tile.key_end = std::min(tile.key_end, tile.key_base + p.block_rows);
+  if (p.kv_dtype == KvDtype::kFloat32) {
+    tile.keys = p.key_blocks[block] + p.block_column;
+    tile.values = p.value_blocks[block] + p.value_block_column;
+  } else if (rowwise) {
+    tile.kv_dtype = p.kv_dtype;
+    tile.keys16 = reinterpret_cast<const uint16_t*>(p.key_blocks[block]) + p.block_column;
+    tile.values16 =
+        reinterpret_cast<const uint16_t*>(p.value_blocks[block]) + p.value_block_column;
+  } else {
+    const int64_t count = tile.key_end - tile.key_begin;
+    tile.keys = BlockRowsOf(p, p.key_blocks, p.block_column, p.key_stride, tile.key_begin, count,
+                            scratch.widened_keys);
+    tile.values = BlockRowsOf(p, p.value_blocks, p.value_block_column, p.value_stride,
+                              tile.key_begin, count, scratch.widened_values);
+    tile.key_base = tile.key_begin;
+  }
 }
 
 // FlashAttention for at most kFlashQueryTile rows starting at `row`: the
@@ -312,10 +347,14 @@ void PairKeysAndValues(const FlashProblem& p, const FlashTilePath& path, int64_t
   const int64_t block_rows = p.paged() ? p.block_rows : std::max<int64_t>(key_end, 1);
   for (int64_t first = 0; first < key_end; first += block_rows) {
     const int64_t count = std::min(block_rows, key_end - first);
-    const float* keys = p.paged() ? p.key_blocks[first / block_rows] + p.block_column
-                                  : p.keys + first * p.key_stride;
-    const float* values = p.paged() ? p.value_blocks[first / block_rows] + p.value_block_column
-                                    : p.values + first * p.value_stride;
+    const float* keys =
+        p.paged() ? BlockRowsOf(p, p.key_blocks, p.block_column, p.key_stride, first, count,
+                                scratch.widened_keys)
+                  : p.keys + first * p.key_stride;
+    const float* values =
+        p.paged() ? BlockRowsOf(p, p.value_blocks, p.value_block_column, p.value_stride, first,
+                                count, scratch.widened_values)
+                  : p.values + first * p.value_stride;
     path.pair_keys(keys, p.key_stride, count, p.head_size,
                    scratch.key_pairs.data() + first * key_words);
     path.pair_values(values, p.value_stride, count, p.value_size,
@@ -418,15 +457,27 @@ bool VisitRows(const FlashProblem& p, const FlashTilePath& path, const FlashTile
   int64_t since_poll = 0;
   // A paged problem's keys a block at a time: a row's kernel call reads one.
   const int64_t step = p.paged() ? p.block_rows : kRowwiseKeys;
+  // Rows that all visit the same keys (a grouped-query group of a decoding
+  // step) of a 16-bit session go to the kernel together, which widens each
+  // key and value once for all of them.
+  const bool together = p.kv_dtype != KvDtype::kFloat32 && tile.rows > 1 &&
+                        std::all_of(tile.bounds, tile.bounds + tile.rows,
+                                    [&](float bound) { return bound == tile.bounds[0]; });
   for (int64_t first = begin; first < end;) {
     const int64_t last = std::min(end, (first / step + 1) * step);
-    for (int64_t r = 0; r < tile.rows; ++r) {
-      FlashTile row = RowTile(tile, r);
-      row.key_begin = first;
-      row.key_end = std::min(last, static_cast<int64_t>(tile.bounds[r]));
-      if (row.key_begin >= row.key_end) continue;
-      if (p.paged()) PointAtBlock(p, row);
-      path.row_kernel(row);
+    FlashTile held = tile;  // the block's keys and values, for every row
+    held.key_begin = first;
+    held.key_end = last;
+    if (p.paged()) PointAtBlock(p, held, /*rowwise=*/true, ThreadScratch());
+    if (together) {
+      path.row_kernel(held);
+    } else {
+      for (int64_t r = 0; r < tile.rows; ++r) {
+        FlashTile row = RowTile(held, r);
+        row.key_end = std::min(last, static_cast<int64_t>(tile.bounds[r]));
+        if (row.key_begin >= row.key_end) continue;
+        path.row_kernel(row);
+      }
     }
     since_poll += (last - first) * tile.rows;
     first = last;
@@ -450,7 +501,7 @@ bool VisitKeys(const FlashProblem& p, const FlashTilePath& path, FlashTile& tile
   tile.key_begin = begin;
   do {
     tile.key_end = std::min(end, tile.key_begin + chunk);
-    if (p.paged()) PointAtBlock(p, tile);
+    if (p.paged()) PointAtBlock(p, tile, /*rowwise=*/false, ThreadScratch());
     kernel(tile);
     tile.key_begin = tile.key_end;
   } while (tile.key_begin < end && !p.Stopped());
@@ -574,6 +625,21 @@ void FinishMerged(const FlashProblem& p, int64_t row, float max, float sum,
 }
 
 }  // namespace
+
+namespace internal {
+
+const float* PagedKeyRows(const FlashProblem& p, int64_t first, int64_t count,
+                          std::vector<float>& widened) {
+  return BlockRowsOf(p, p.key_blocks, p.block_column, p.key_stride, first, count, widened);
+}
+
+const float* PagedValueRows(const FlashProblem& p, int64_t first, int64_t count,
+                            std::vector<float>& widened) {
+  return BlockRowsOf(p, p.value_blocks, p.value_block_column, p.value_stride, first, count,
+                     widened);
+}
+
+}  // namespace internal
 
 bool SplitsKeys(const FlashProblem& problem) { return !PairsKeysPerCall(problem); }
 

@@ -28,7 +28,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <span>
+#include <vector>
 
+#include "core/kernels/float16.h"
 #include "core/kernels/packed_weights.h"
 #include "core/kernels/tile_sizes.h"
 
@@ -146,6 +148,14 @@ struct FlashProblem {
   // also where the -1e6 rule would give masked keys weight. Only problems
   // with a window (has_terms()) have it.
   int64_t first_held_key = 0;
+  // What the blocks hold per element: float32, or a 16-bit session's
+  // bfloat16 or float16 (core/kernels/float16.h), the blocks then arrays of
+  // uint16_t with the columns and strides above counted in them. The
+  // one-row kernel widens them in registers; the lane and terms kernels a
+  // block's rows at a time (internal::PagedKeyRows); only the rare exact
+  // paths (weights asked for, rows whose masked keys weigh or that
+  // overflow) gather a whole context, as they do float32 blocks.
+  KvDtype kv_dtype = KvDtype::kFloat32;
 
   bool Stopped() const { return stop != nullptr && stop->Stopped(); }
   // Before reading a value row at or past a query's bound.
@@ -205,6 +215,19 @@ bool FlashAttentionOverKeys(const FlashProblem& problem, int64_t query_begin, in
 // disallowed keys that weigh, float overflow) is computed again unsplit.
 void MergeKeyRanges(const FlashProblem& problem, int64_t query_begin, int64_t query_end,
                     std::span<const KeyRangePart> parts);
+
+namespace internal {
+
+// Rows [first, first + count) of a paged problem's keys, all within the
+// block that holds `first`, as float32 rows of stride key_stride: the
+// block's own for float32 blocks, else widened into `widened` (count x
+// key_stride). PagedValueRows: the same of its values.
+const float* PagedKeyRows(const FlashProblem& p, int64_t first, int64_t count,
+                          std::vector<float>& widened);
+const float* PagedValueRows(const FlashProblem& p, int64_t first, int64_t count,
+                            std::vector<float>& widened);
+
+}  // namespace internal
 
 // Most floats one buffer of a thread's kernel scratch keeps between calls
 // (1 MiB): an oversized problem's larger buffers are freed when it is done,

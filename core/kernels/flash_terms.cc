@@ -33,14 +33,18 @@ constexpr int64_t kChunkKeys = 4 * kFlashKeyTile;
 // -1e6, so skipping disallowed keys is exact.
 constexpr float kMaskedWeightVanishes = 128.0f;
 
-const float* KeyRow(const FlashProblem& p, int64_t j) {
+// Rows [j, j + count) of the keys (values), within one block of a paged
+// problem, as float32 rows: a 16-bit session's widened into the thread's
+// buffer of keys (values), which the next call of the same reuses.
+const float* KeyRow(const FlashProblem& p, int64_t j, int64_t count = 1) {
   if (!p.paged()) return p.keys + j * p.key_stride;
-  return p.key_blocks[j / p.block_rows] + (j % p.block_rows) * p.key_stride + p.block_column;
+  thread_local std::vector<float> widened;
+  return PagedKeyRows(p, j, count, widened);
 }
-const float* ValueRow(const FlashProblem& p, int64_t j) {
+const float* ValueRow(const FlashProblem& p, int64_t j, int64_t count = 1) {
   if (!p.paged()) return p.values + j * p.value_stride;
-  return p.value_blocks[j / p.block_rows] + (j % p.block_rows) * p.value_stride +
-         p.value_block_column;
+  thread_local std::vector<float> widened;
+  return PagedValueRows(p, j, count, widened);
 }
 
 // Keys [begin, end) as rows of one matrix: end within begin's block.
@@ -136,7 +140,8 @@ bool OnlineKeys(const FlashProblem& p, int64_t row, int64_t rows, int64_t lo, in
   for (int64_t begin = key_begin; begin < key_end;) {
     if (p.Stopped()) return false;
     const int64_t end = ChunkEnd(p, begin, key_end), count = end - begin;
-    const ConstRows keys(KeyRow(p, begin), count, p.head_size, Eigen::OuterStride<>(p.key_stride));
+    const ConstRows keys(KeyRow(p, begin, count), count, p.head_size,
+                         Eigen::OuterStride<>(p.key_stride));
     t.scores.noalias() = queries * keys.transpose();
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t first = p.bounds.First(row + r), bound = p.AllowedKeys(row + r);
@@ -160,7 +165,7 @@ bool OnlineKeys(const FlashProblem& p, int64_t row, int64_t rows, int64_t lo, in
       t.scores.row(r) = (t.scores.row(r).array() - new_max).exp().matrix();
       t.row_sum[r] += t.scores.row(r).sum();
     }
-    const ConstRows values(ValueRow(p, begin), count, p.value_size,
+    const ConstRows values(ValueRow(p, begin, count), count, p.value_size,
                            Eigen::OuterStride<>(p.value_stride));
     t.accumulator.noalias() += t.scores * values;
     begin = end;

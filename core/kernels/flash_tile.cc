@@ -9,14 +9,17 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "core/kernels/float16.h"
 #include "core/kernels/isa_dispatch.h"
 #include "core/kernels/packed_gemm.h"
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "core/kernels/flash_tile.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Highway's headers come after foreach_target, which re-includes this file per target.
+#include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
@@ -230,27 +233,44 @@ void FlashTileImpl(const FlashTile& t) {
   }
 }
 
+// A vector of keys' or values' elements as float32: loaded as they are, or
+// widened from the 16 bits a session holds (bf16: shifted left 16; fp16:
+// vcvtph2ps where the path has F16C).
+HWY_INLINE V LoadKv(D d, const float* p) { return hn::LoadU(d, p); }
+HWY_INLINE V LoadKv(D d, const hwy::bfloat16_t* p) {
+  return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::bfloat16_t, D>(), p));
+}
+HWY_INLINE V LoadKv(D d, const hwy::float16_t* p) {
+  return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::float16_t, D>(), p));
+}
+HWY_INLINE float KvAt(const float* p) { return *p; }
+HWY_INLINE float KvAt(const hwy::bfloat16_t* p) { return hwy::F32FromBF16(*p); }
+HWY_INLINE float KvAt(const hwy::float16_t* p) {
+  return HalfToFloat(*reinterpret_cast<const uint16_t*>(p));
+}
+
 // Scores of keys [key, key + R) for the tile's one query row (FlashRowImpl):
 // scores[r] = k_r . (scale q) + key_bias[r], the head dimensions in lanes.
-template <int R>
-HWY_INLINE void RowScoreKeys(const FlashTile& t, int64_t key, float* scores) {
+// `keys` are the tile's keys as held (T: float, or a 16-bit type).
+template <int R, typename T>
+HWY_INLINE void RowScoreKeys(const FlashTile& t, const T* keys, int64_t key, float* scores) {
   const D d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   const float* q = t.queries_t;
-  const float* k = t.keys + (key - t.key_base) * t.key_stride;
+  const T* k = keys + (key - t.key_base) * t.key_stride;
   V acc[R];
   for (int r = 0; r < R; ++r) acc[r] = hn::Zero(d);
   int64_t c = 0;
   for (; c + n <= t.head_size; c += n) {
     const V qc = hn::LoadU(d, q + c);
     for (int r = 0; r < R; ++r) {
-      acc[r] = hn::MulAdd(hn::LoadU(d, k + r * t.key_stride + c), qc, acc[r]);
+      acc[r] = hn::MulAdd(LoadKv(d, k + r * t.key_stride + c), qc, acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
     float score = hn::GetLane(hn::SumOfLanes(d, acc[r]));
     for (int64_t tail = c; tail < t.head_size; ++tail) {
-      score += q[tail] * k[r * t.key_stride + tail];
+      score += q[tail] * KvAt(k + r * t.key_stride + tail);
     }
     scores[r] = t.key_bias != nullptr ? score + t.key_bias[key + r] : score;
   }
@@ -258,13 +278,13 @@ HWY_INLINE void RowScoreKeys(const FlashTile& t, int64_t key, float* scores) {
 
 // acc[col..] = rescale acc + sum_j p_j v_j[col..] over C vectors of value
 // columns, for the one query row; the first key tile starts from zero.
-template <int C>
-HWY_INLINE void RowAccumulateColumns(const FlashTile& t, int64_t key, int64_t keys, float rescale,
-                                     int64_t col) {
+template <int C, typename T>
+HWY_INLINE void RowAccumulateColumns(const FlashTile& t, const T* values, int64_t key,
+                                     int64_t keys, float rescale, int64_t col) {
   const D d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   float* acc = t.accumulator_t + col;
-  const float* v = t.values + (key - t.key_base) * t.value_stride + col;
+  const T* v = values + (key - t.key_base) * t.value_stride + col;
   V a[C];
   for (int c = 0; c < C; ++c) {
     a[c] = key == 0 ? hn::Zero(d) : hn::Mul(hn::LoadU(d, acc + c * n), hn::Set(d, rescale));
@@ -272,7 +292,7 @@ HWY_INLINE void RowAccumulateColumns(const FlashTile& t, int64_t key, int64_t ke
   for (int64_t j = 0; j < keys; ++j) {
     const V p = hn::Set(d, t.scores[j]);
     for (int c = 0; c < C; ++c) {
-      a[c] = hn::MulAdd(p, hn::LoadU(d, v + j * t.value_stride + c * n), a[c]);
+      a[c] = hn::MulAdd(p, LoadKv(d, v + j * t.value_stride + c * n), a[c]);
     }
   }
   for (int c = 0; c < C; ++c) hn::StoreU(a[c], d, acc + c * n);
@@ -281,33 +301,49 @@ HWY_INLINE void RowAccumulateColumns(const FlashTile& t, int64_t key, int64_t ke
 // The output columns of one key tile for the one query row: vectors of
 // columns eight at a time (eight chains of FMAs, one per key each, so their
 // latency is covered), then four, then one at a time, then single columns.
-HWY_INLINE void RowAccumulate(const FlashTile& t, int64_t key, int64_t keys, float rescale) {
+template <typename T>
+HWY_INLINE void RowAccumulate(const FlashTile& t, const T* values, int64_t key, int64_t keys,
+                              float rescale) {
   const int64_t n = static_cast<int64_t>(hn::Lanes(D()));
   int64_t col = 0;
   for (; col + 8 * n <= t.value_size; col += 8 * n) {
-    RowAccumulateColumns<8>(t, key, keys, rescale, col);
+    RowAccumulateColumns<8>(t, values, key, keys, rescale, col);
   }
   for (; col + 4 * n <= t.value_size; col += 4 * n) {
-    RowAccumulateColumns<4>(t, key, keys, rescale, col);
+    RowAccumulateColumns<4>(t, values, key, keys, rescale, col);
   }
-  for (; col + n <= t.value_size; col += n) RowAccumulateColumns<1>(t, key, keys, rescale, col);
+  for (; col + n <= t.value_size; col += n) {
+    RowAccumulateColumns<1>(t, values, key, keys, rescale, col);
+  }
   for (; col < t.value_size; ++col) {
     float sum = key == 0 ? 0.0f : t.accumulator_t[col] * rescale;
     for (int64_t j = 0; j < keys; ++j) {
-      sum += t.scores[j] * t.values[(key + j - t.key_base) * t.value_stride + col];
+      sum += t.scores[j] * KvAt(values + (key + j - t.key_base) * t.value_stride + col);
     }
     t.accumulator_t[col] = sum;
   }
 }
 
-// FlashTileImpl for a tile of one query row, as a decoding step's single
-// token is: the lane-per-query kernel would compute a whole group of lanes
-// for one live lane, so here the head dimensions (scores) and the value
-// columns (P V) are in lanes, and the online softmax runs over keys in
-// lanes. queries_t holds scale * q as a row and accumulator_t the
-// unnormalised output as a row; every key visited is allowed (a tile of one
-// row ends its keys at that row's bound).
-void FlashRowImpl(const FlashTile& t) {
+// Keys ahead of the one being read whose rows the 16-bit kernels prefetch.
+constexpr int64_t kPrefetchKeys = 16;
+
+// The rows of keys and values [key, key + count) kPrefetchKeys keys ahead,
+// for the 16-bit kernels: half the bytes a key leave the hardware
+// prefetchers behind the loads, which then wait on memory.
+template <typename T>
+HWY_INLINE void PrefetchRows(const FlashTile& t, const T* keys, const T* values, int64_t key,
+                             int64_t count) {
+  // Not past the tile's keys: the next block may be anywhere.
+  if (key + kPrefetchKeys + count > t.key_end) return;
+  const T* k = keys + (key + kPrefetchKeys - t.key_base) * t.key_stride;
+  const T* v = values + (key + kPrefetchKeys - t.key_base) * t.value_stride;
+  for (int64_t c = 0; c < count * t.key_stride; c += 64 / sizeof(T)) hwy::Prefetch(k + c);
+  for (int64_t c = 0; c < count * t.value_stride; c += 64 / sizeof(T)) hwy::Prefetch(v + c);
+}
+
+// FlashRowImpl over keys and values held as T.
+template <typename T>
+void FlashRowOf(const FlashTile& t, const T* keys_held, const T* values_held) {
   const D d;
   const int64_t n = static_cast<int64_t>(hn::Lanes(d));
   constexpr float kLowest = std::numeric_limits<float>::lowest();
@@ -318,10 +354,11 @@ void FlashRowImpl(const FlashTile& t) {
     // Eight keys at a time: eight independent chains of FMAs cover their
     // latency on two ports.
     for (; j + 8 <= keys; j += 8) {
-      RowScoreKeys<8>(t, key + j, scores + j);
+      if constexpr (!std::is_same_v<T, float>) PrefetchRows(t, keys_held, values_held, key + j, 8);
+      RowScoreKeys<8>(t, keys_held, key + j, scores + j);
     }
-    for (; j + 4 <= keys; j += 4) RowScoreKeys<4>(t, key + j, scores + j);
-    for (; j < keys; ++j) RowScoreKeys<1>(t, key + j, scores + j);
+    for (; j + 4 <= keys; j += 4) RowScoreKeys<4>(t, keys_held, key + j, scores + j);
+    for (; j < keys; ++j) RowScoreKeys<1>(t, keys_held, key + j, scores + j);
     const int64_t padded = (keys + n - 1) / n * n;
     for (; j < padded; ++j) scores[j] = kLowest;  // weigh exp(lowest - max) = 0
     const float old_max = key == 0 ? kLowest : t.row_max[0];
@@ -339,7 +376,191 @@ void FlashRowImpl(const FlashTile& t) {
     const float tile_sum = hn::GetLane(hn::SumOfLanes(d, sum));
     t.row_sum[0] = key == 0 ? tile_sum : t.row_sum[0] * rescale + tile_sum;
     t.row_max[0] = new_max;
-    RowAccumulate(t, key, keys, rescale);
+    RowAccumulate(t, values_held, key, keys, rescale);
+  }
+}
+
+// Scores of keys [key, key + count) (count 1 or 2; key = tile_key + j0)
+// for R query rows over keys held in 16 bits, into row r's scores of the key
+// tile at tile_key (scores + r * kFlashKeyTile + j0): each key vector is
+// widened once for every row.
+template <int R, typename T>
+HWY_INLINE void RowsScorePair(const FlashTile& t, const T* keys, int64_t tile_key, int64_t j0,
+                              int64_t count) {
+  const int64_t key = tile_key + j0;
+  const D d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  const T* k = keys + (key - t.key_base) * t.key_stride;
+  V acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = hn::Zero(d);
+  int64_t c = 0;
+  for (; c + n <= t.head_size; c += n) {
+    const V k0 = LoadKv(d, k + c);
+    const V k1 = count > 1 ? LoadKv(d, k + t.key_stride + c) : hn::Zero(d);
+    for (int r = 0; r < R; ++r) {
+      const V q = hn::LoadU(d, t.queries_t + r * t.head_size + c);
+      acc[r][0] = hn::MulAdd(k0, q, acc[r][0]);
+      acc[r][1] = hn::MulAdd(k1, q, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* q = t.queries_t + r * t.head_size;
+    for (int64_t j = 0; j < count; ++j) {
+      float score = hn::GetLane(hn::SumOfLanes(d, acc[r][j]));
+      for (int64_t tail = c; tail < t.head_size; ++tail) {
+        score += q[tail] * KvAt(k + j * t.key_stride + tail);
+      }
+      t.scores[r * kFlashKeyTile + j0 + j] =
+          t.key_bias != nullptr ? score + t.key_bias[key + j] : score;
+    }
+  }
+}
+
+// The output columns of one key tile for R query rows, each value vector
+// widened once for every row; row r's P at scores + r * kFlashKeyTile.
+template <int R, typename T>
+HWY_INLINE void RowsAccumulate(const FlashTile& t, const T* values, int64_t key, int64_t keys,
+                               const float* rescale) {
+  const D d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  constexpr int C = 2;
+  const T* v = values + (key - t.key_base) * t.value_stride;
+  int64_t col = 0;
+  for (; col + C * n <= t.value_size; col += C * n) {
+    V a[R][C];
+    for (int r = 0; r < R; ++r) {
+      float* acc = t.accumulator_t + r * t.value_size + col;
+      for (int c = 0; c < C; ++c) {
+        a[r][c] = key == 0 ? hn::Zero(d)
+                           : hn::Mul(hn::LoadU(d, acc + c * n), hn::Set(d, rescale[r]));
+      }
+    }
+    for (int64_t j = 0; j < keys; ++j) {
+      V vc[C];
+      for (int c = 0; c < C; ++c) vc[c] = LoadKv(d, v + j * t.value_stride + col + c * n);
+      for (int r = 0; r < R; ++r) {
+        const V p = hn::Set(d, t.scores[r * kFlashKeyTile + j]);
+        for (int c = 0; c < C; ++c) a[r][c] = hn::MulAdd(p, vc[c], a[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float* acc = t.accumulator_t + r * t.value_size + col;
+      for (int c = 0; c < C; ++c) hn::StoreU(a[r][c], d, acc + c * n);
+    }
+  }
+  for (; col < t.value_size; ++col) {
+    for (int r = 0; r < R; ++r) {
+      float* acc = t.accumulator_t + r * t.value_size + col;
+      float sum = key == 0 ? 0.0f : *acc * rescale[r];
+      for (int64_t j = 0; j < keys; ++j) {
+        sum += t.scores[r * kFlashKeyTile + j] * KvAt(v + j * t.value_stride + col);
+      }
+      *acc = sum;
+    }
+  }
+}
+
+// FlashRowOf for R rows that all visit the tile's keys, over keys and values
+// held in 16 bits: a grouped-query group of a decoding step, which row by
+// row would widen every key and value once per row.
+template <int R, typename T>
+void FlashRowsOf(const FlashTile& t, const T* keys_held, const T* values_held) {
+  const D d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  constexpr float kLowest = std::numeric_limits<float>::lowest();
+  for (int64_t key = t.key_begin; key < t.key_end; key += kFlashKeyTile) {
+    const int64_t keys = t.key_end - key < kFlashKeyTile ? t.key_end - key : kFlashKeyTile;
+    for (int64_t j = 0; j < keys; j += 2) {
+      PrefetchRows(t, keys_held, values_held, key + j, 2);
+      RowsScorePair<R>(t, keys_held, key, j, keys - j < 2 ? keys - j : 2);
+    }
+    const int64_t padded = (keys + n - 1) / n * n;
+    float rescale[R];
+    for (int r = 0; r < R; ++r) {
+      float* scores = t.scores + r * kFlashKeyTile;
+      for (int64_t j = keys; j < padded; ++j) scores[j] = kLowest;
+      const float old_max = key == 0 ? kLowest : t.row_max[r];
+      V max = hn::Set(d, old_max);
+      for (int64_t j = 0; j < padded; j += n) max = hn::Max(max, hn::LoadU(d, scores + j));
+      max = hn::MaxOfLanes(d, max);
+      V sum = hn::Zero(d);
+      for (int64_t j = 0; j < padded; j += n) {
+        const V p = ExpOfNonPositive(d, hn::Sub(hn::LoadU(d, scores + j), max));
+        hn::StoreU(p, d, scores + j);
+        sum = hn::Add(sum, p);
+      }
+      const float new_max = hn::GetLane(max);
+      rescale[r] = hn::GetLane(ExpOfNonPositive(d, hn::Set(d, old_max - new_max)));
+      const float tile_sum = hn::GetLane(hn::SumOfLanes(d, sum));
+      t.row_sum[r] = key == 0 ? tile_sum : t.row_sum[r] * rescale[r] + tile_sum;
+      t.row_max[r] = new_max;
+    }
+    RowsAccumulate<R>(t, values_held, key, keys, rescale);
+  }
+}
+
+// FlashRowsOf over the tile's rows, four at a time (one row: FlashRowOf).
+template <typename T>
+void FlashRowGroupOf(const FlashTile& t, const T* keys_held, const T* values_held) {
+  if (t.rows == 1) return FlashRowOf(t, keys_held, values_held);
+  for (int64_t first = 0; first < t.rows; first += 4) {
+    FlashTile part = t;
+    part.queries_t = t.queries_t + first * t.head_size;
+    part.accumulator_t = t.accumulator_t + first * t.value_size;
+    part.row_max = t.row_max + first;
+    part.row_sum = t.row_sum + first;
+    switch (t.rows - first < 4 ? t.rows - first : 4) {
+      case 1:
+        FlashRowsOf<1>(part, keys_held, values_held);
+        break;
+      case 2:
+        FlashRowsOf<2>(part, keys_held, values_held);
+        break;
+      case 3:
+        FlashRowsOf<3>(part, keys_held, values_held);
+        break;
+      default:
+        FlashRowsOf<4>(part, keys_held, values_held);
+        break;
+    }
+  }
+}
+
+// FlashTileImpl for a tile of one query row, as a decoding step's single
+// token is: the lane-per-query kernel would compute a whole group of lanes
+// for one live lane, so here the head dimensions (scores) and the value
+// columns (P V) are in lanes, and the online softmax runs over keys in
+// lanes. queries_t holds scale * q as a row and accumulator_t the
+// unnormalised output as a row; every key visited is allowed (a tile of one
+// row ends its keys at that row's bound). Keys and values are read as the
+// tile holds them (FlashTile::kv_dtype).
+void FlashRowImpl(const FlashTile& t) {
+  switch (t.kv_dtype) {
+    case KvDtype::kBfloat16:
+      return FlashRowGroupOf(t, reinterpret_cast<const hwy::bfloat16_t*>(t.keys16),
+                             reinterpret_cast<const hwy::bfloat16_t*>(t.values16));
+    case KvDtype::kFloat16:
+      return FlashRowGroupOf(t, reinterpret_cast<const hwy::float16_t*>(t.keys16),
+                             reinterpret_cast<const hwy::float16_t*>(t.values16));
+    case KvDtype::kFloat32:
+      break;
+  }
+  FlashRowOf(t, t.keys, t.values);
+}
+
+// WidenKvRows on this path's vectors.
+void WidenKvImpl(KvDtype dtype, const uint16_t* in, int64_t count, float* out) {
+  const D d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  const auto widen = [&](const auto* held) {
+    int64_t i = 0;
+    for (; i + n <= count; i += n) hn::StoreU(LoadKv(d, held + i), d, out + i);
+    for (; i < count; ++i) out[i] = KvAt(held + i);
+  };
+  if (dtype == KvDtype::kBfloat16) {
+    widen(reinterpret_cast<const hwy::bfloat16_t*>(in));
+  } else {
+    widen(reinterpret_cast<const hwy::float16_t*>(in));
   }
 }
 
@@ -507,6 +728,11 @@ FlashTilePath FlashTilePathFor(Isa isa, Precision precision) {
             internal::RoundToBf16Pairs, internal::PairValuesBf16};
   }
   return {kLoadQueries.For(isa), kKernel.For(isa), kStoreOutput.For(isa), kRowKernel.For(isa)};
+}
+
+void WidenKvRows(Isa isa, KvDtype dtype, const uint16_t* in, int64_t count, float* out) {
+  static constexpr auto kWiden = ISA_TABLE(WidenKvImpl);
+  kWiden.For(isa)(dtype, in, count, out);
 }
 
 }  // namespace attention

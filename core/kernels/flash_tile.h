@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "core/kernels/cpu_features.h"
+#include "core/kernels/float16.h"
 #include "core/kernels/packed_weights.h"
 #include "core/kernels/tile_sizes.h"
 
@@ -68,6 +69,13 @@ struct FlashTile {
   // `keys` and `values` instead.
   const uint32_t* key_pairs = nullptr;
   const uint32_t* value_pairs = nullptr;
+  // The one-row kernel's keys and values as a 16-bit session holds them
+  // (kv_dtype bfloat16 or float16; `keys` and `values` then unused): the
+  // same rows and strides in 16-bit elements, widened to float32 in
+  // registers as they are loaded, so a decoding step reads half the bytes.
+  KvDtype kv_dtype = KvDtype::kFloat32;
+  const uint16_t* keys16 = nullptr;
+  const uint16_t* values16 = nullptr;
 };
 
 // One path's functions for a query tile, in the order a caller runs them.
@@ -89,7 +97,12 @@ struct FlashTilePath {
   // scale * q as a row (head_size floats) and accumulator_t the output as a
   // row (value_size floats), row_max[0] and row_sum[0] as for `kernel`;
   // every key visited must be allowed. The caller normalises the output.
-  // Null where one-row tiles take `kernel` (the BF16 products).
+  // Null where one-row tiles take `kernel` (the BF16 products). The only
+  // function that reads keys16 and values16; with them, a tile may also
+  // have up to kFlashQueryTile rows laid out as rows (row r's scale * q at
+  // queries_t + r head_size, its output at accumulator_t + r value_size,
+  // row_max[r], row_sum[r]) that all visit [key_begin, key_end): each
+  // 16-bit key and value is then widened once for all of them.
   void (*row_kernel)(const FlashTile& tile) = nullptr;
   // Set where `kernel` takes its keys and values as BF16 pairs (FlashTile's
   // key_pairs and value_pairs), null elsewhere. pair_keys: rows [0, count)
@@ -111,6 +124,11 @@ struct FlashTilePath {
 // queries_t then holds pairs of head dimensions as 32-bit words, in no more
 // floats than the fp32 layout), the fp32 functions on every other path.
 FlashTilePath FlashTilePathFor(Isa isa, Precision precision = Precision::kFp32);
+
+// out[i] = in[i] widened from `dtype` (bfloat16 or float16) to float32,
+// for i < count, on `isa`'s vectors (F16C's vcvtph2ps for float16 on the
+// AVX2 and AVX-512 paths).
+void WidenKvRows(Isa isa, KvDtype dtype, const uint16_t* in, int64_t count, float* out);
 
 namespace internal {
 

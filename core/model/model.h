@@ -17,6 +17,7 @@
 #include <string>
 #include <string_view>
 
+#include "core/kernels/float16.h"
 #include "core/kernels/packed_weights.h"
 #include "core/model/layer_terms.h"
 
@@ -59,6 +60,10 @@ struct Model {
   // projections and attention, dot_product's attention; the other kinds
   // report fp32.
   Precision precision = Precision::kFp32;
+  // What this model's sessions hold their keys and values in, from the
+  // file's __metadata__ "kv_cache_dtype" (docs/api.md section 5); none: the
+  // server's --kv-cache-dtype.
+  std::optional<KvDtype> kv_cache_dtype;
 
   // additive: W_q [h, d_q], W_k [h, d_k], w_v [1, h].
   // bilinear: W_k [d_q, d_k].

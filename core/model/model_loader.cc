@@ -50,6 +50,7 @@ namespace {
 constexpr absl::string_view kKindKey = "kind";
 constexpr absl::string_view kNumHeadsKey = "num_heads";
 constexpr absl::string_view kPrecisionKey = "precision";
+constexpr absl::string_view kKvCacheDtypeKey = "kv_cache_dtype";
 
 // Tensor names of the two multi-head layouts.
 constexpr absl::string_view kD2lWeights[] = {"W_q.weight", "W_k.weight", "W_v.weight", "W_o.weight"};
@@ -425,6 +426,20 @@ absl::StatusOr<Precision> PrecisionOf(const SafetensorsFile& file, bool force_fp
   return force_fp32 ? Precision::kFp32 : *precision;
 }
 
+// The "kv_cache_dtype" key, for every kind (each has sessions): none when
+// absent, else its value, which must be one ParseKvDtype knows.
+absl::StatusOr<std::optional<KvDtype>> KvCacheDtypeOf(const SafetensorsFile& file) {
+  const auto entry = file.metadata.find(std::string(kKvCacheDtypeKey));
+  if (entry == file.metadata.end()) return std::nullopt;
+  const std::optional<KvDtype> dtype = ParseKvDtype(entry->second);
+  if (!dtype) {
+    return Invalid(absl::StrCat("__metadata__ \"", kKvCacheDtypeKey, "\" is \"",
+                                absl::CHexEscape(entry->second), "\", expected ",
+                                std::string(kKvDtypeNames)));
+  }
+  return dtype;
+}
+
 // Everything but the file name; ParseModel adds it.
 absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const uint8_t> bytes,
                                       bool force_fp32) {
@@ -448,6 +463,9 @@ absl::StatusOr<Model> ParseModelBytes(const std::string& name, std::span<const u
   if (!precision.ok()) return precision.status();
   // Only these kinds have products the precision changes (docs/api.md 5.5).
   if (*kind == Kind::kMultiHead || *kind == Kind::kDotProduct) model.precision = *precision;
+  absl::StatusOr<std::optional<KvDtype>> kv_cache_dtype = KvCacheDtypeOf(*file);
+  if (!kv_cache_dtype.ok()) return kv_cache_dtype.status();
+  model.kv_cache_dtype = *kv_cache_dtype;
 
   const auto heads_entry = file->metadata.find(std::string(kNumHeadsKey));
   if (*kind != Kind::kMultiHead && heads_entry != file->metadata.end()) {

@@ -268,13 +268,14 @@ struct Session::State::Chain {
 };
 
 Session::State::State(std::shared_ptr<const Model> model, KvBlockPool::Impl& pool,
-                      SessionMemory memory, int64_t batch)
+                      SessionMemory memory, int64_t batch, KvDtype kv_dtype)
     : model(std::move(model)),
       pool(pool),
       memory(memory),
       batch(batch),
-      keys(batch),
-      values(batch) {}
+      kv_dtype(kv_dtype),
+      keys(batch, internal::BlockRows{.blocks = {}, .dropped = 0, .dtype = kv_dtype}),
+      values(batch, internal::BlockRows{.blocks = {}, .dropped = 0, .dtype = kv_dtype}) {}
 
 Session::State::~State() { Trim(0); }
 
@@ -283,8 +284,10 @@ absl::Status Session::State::Reserve(int64_t rows) {
   if (more <= 0) return absl::OkStatus();
   // A session larger than the whole pool is refused before any other
   // session is asked to make room for it.
+  const int64_t key_floats = internal::StoredWidth(key_width, kv_dtype);
+  const int64_t value_floats = internal::StoredWidth(value_width, kv_dtype);
   const int64_t needed =
-      more * batch * (BlockBytes(key_width) + (values_are_keys ? 0 : BlockBytes(value_width)));
+      more * batch * (BlockBytes(key_floats) + (values_are_keys ? 0 : BlockBytes(value_floats)));
   if (held_bytes() + needed > pool.capacity_bytes()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "session memory: the session would hold ", held_bytes() + needed, " bytes (", rows,
@@ -292,11 +295,11 @@ absl::Status Session::State::Reserve(int64_t rows) {
         pool.capacity_bytes(), " bytes"));
   }
   std::vector<float*> new_keys, new_values;
-  RETURN_IF_ERROR(pool.Allocate(key_width, more * batch, new_keys, owner));
+  RETURN_IF_ERROR(pool.Allocate(key_floats, more * batch, new_keys, owner));
   if (!values_are_keys) {
-    if (absl::Status status = pool.Allocate(value_width, more * batch, new_values, owner);
+    if (absl::Status status = pool.Allocate(value_floats, more * batch, new_values, owner);
         !status.ok()) {
-      pool.Release(key_width, new_keys);
+      pool.Release(key_floats, new_keys);
       return status;
     }
   }
@@ -313,7 +316,8 @@ absl::Status Session::State::Reserve(int64_t rows) {
 
 void Session::State::Trim(int64_t rows) {
   for (int64_t b = 0; b < batch; ++b) {
-    for (auto [tensor, width] : {std::pair{&keys[b], key_width}, {&values[b], value_width}}) {
+    for (auto [tensor, width] : {std::pair{&keys[b], internal::StoredWidth(key_width, kv_dtype)},
+                                 {&values[b], internal::StoredWidth(value_width, kv_dtype)}}) {
       const size_t kept = static_cast<size_t>(std::max(internal::BlocksFor(rows), tensor->dropped));
       if (tensor->blocks.size() <= kept) continue;
       pool.Release(width, std::span(tensor->blocks).subspan(kept));
@@ -340,7 +344,8 @@ void Session::State::DropBehindWindow() {
   if (window() == 0 || length < window()) return;
   const int64_t behind = (length - window() + 1) / kKvBlockRows;
   for (int64_t b = 0; b < batch; ++b) {
-    for (auto [tensor, width] : {std::pair{&keys[b], key_width}, {&values[b], value_width}}) {
+    for (auto [tensor, width] : {std::pair{&keys[b], internal::StoredWidth(key_width, kv_dtype)},
+                                 {&values[b], internal::StoredWidth(value_width, kv_dtype)}}) {
       const int64_t end = std::min<int64_t>(behind, static_cast<int64_t>(tensor->blocks.size()));
       if (end <= tensor->dropped) continue;
       pool.Release(width, std::span(tensor->blocks).subspan(tensor->dropped, end - tensor->dropped));
@@ -375,10 +380,11 @@ double Session::State::StepWork(const AttentionDims& dims) const {
 
 int64_t Session::State::held_bytes() const {
   int64_t bytes = 0;
+  const int64_t key_bytes = BlockBytes(internal::StoredWidth(key_width, kv_dtype));
+  const int64_t value_bytes = BlockBytes(internal::StoredWidth(value_width, kv_dtype));
   for (int64_t b = 0; b < batch; ++b) {
-    bytes += static_cast<int64_t>(keys[b].blocks.size() - keys[b].dropped) * BlockBytes(key_width) +
-             static_cast<int64_t>(values[b].blocks.size() - values[b].dropped) *
-                 BlockBytes(value_width);
+    bytes += static_cast<int64_t>(keys[b].blocks.size() - keys[b].dropped) * key_bytes +
+             static_cast<int64_t>(values[b].blocks.size() - values[b].dropped) * value_bytes;
   }
   return bytes;
 }
@@ -397,7 +403,8 @@ BlockKey TensorKey(const BlockKey& block, uint64_t tensor, uint64_t seed) {
 // Example b's hash of a block's rows, begun with the key of the block
 // before it and everything that makes the same rows give other keys and
 // values: the model object, the example, the scale, the window, the
-// soft-cap, the row widths and heads, and the block size. Rotary positions
+// soft-cap, the row widths and heads, the dtype they are held in, and the
+// block size. Rotary positions
 // are the rows' places in the session, which the chain from its first row
 // fixes.
 void Begin(const Session::State& state, int64_t b, const BlockKey& last, XXH3_state_t& hash) {
@@ -417,6 +424,7 @@ void Begin(const Session::State& state, int64_t b, const BlockKey& last, XXH3_st
                              static_cast<uint64_t>(state.heads),
                              static_cast<uint64_t>(state.kv_heads),
                              state.values_are_keys,
+                             static_cast<uint64_t>(state.kv_dtype),
                              static_cast<uint64_t>(kKvBlockRows)};
   XXH3_128bits_update(&hash, params, sizeof(params));
 }
@@ -496,11 +504,11 @@ void Session::State::ShareHeldBlocks(const SessionStep& step) {
       for (int64_t b = 0; b < batch; ++b) {
         const BlockKey& key = found[static_cast<size_t>(b)][static_cast<size_t>(taken)];
         if (float* block = pool.Acquire(TensorKey(key, 0, seed))) {
-          got.emplace_back(block, key_width);
+          got.emplace_back(block, internal::StoredWidth(key_width, kv_dtype));
         }
         if (values_are_keys) continue;
         if (float* block = pool.Acquire(TensorKey(key, 1, seed))) {
-          got.emplace_back(block, value_width);
+          got.emplace_back(block, internal::StoredWidth(value_width, kv_dtype));
         }
       }
       if (static_cast<int64_t>(got.size()) != batch * (values_are_keys ? 1 : 2)) {
@@ -563,9 +571,11 @@ void Session::State::Commit(const SessionStep& step) {
       BlockKey& last = chain->last[static_cast<size_t>(b)];
       if (length == 0) Resume(*this, b, hash, last);
       ChainRows(*this, step, b, length, hash, last, [&](int64_t block, const BlockKey& key) {
-        pool.Publish(keys[b].blocks[block], key_width, TensorKey(key, 0, seed));
+        pool.Publish(keys[b].blocks[block], internal::StoredWidth(key_width, kv_dtype),
+                     TensorKey(key, 0, seed));
         if (!values_are_keys) {
-          pool.Publish(values[b].blocks[block], value_width, TensorKey(key, 1, seed));
+          pool.Publish(values[b].blocks[block], internal::StoredWidth(value_width, kv_dtype),
+                       TensorKey(key, 1, seed));
         }
         return true;
       });
@@ -685,27 +695,28 @@ absl::Status CheckOpen(const Model& model, const SessionOpen& open, const Limits
 
 // Example b's n_k rows of `rows` (B, n_k, width) into `memory`'s blocks of
 // rows cut into `heads` (BlockRows): projected by `projection` (its in, out
-// and rows are set here), or copied. Rows of one head go straight into
-// their block; rows of several are projected a block at a time into
-// `rows_of_block` and put head by head.
+// and rows are set here), or copied. float32 rows of one head go straight
+// into their block; others are projected a block at a time into
+// `rows_of_block` and put head by head, rounded to the memory's dtype.
 void FillBlocks(const TensorView& rows, int64_t b, const internal::Projection* projection,
                 const internal::BlockRows& memory, int64_t memory_width, int64_t heads) {
   const int64_t n_k = rows.shape[1], width = rows.shape[2];
+  const bool in_place = heads == 1 && memory.dtype == KvDtype::kFloat32;
   std::vector<float> rows_of_block;
   for (int64_t first = 0; first < n_k; first += kKvBlockRows) {
     const int64_t count = std::min(kKvBlockRows, n_k - first);
     const float* in = rows.data.data() + (b * n_k + first) * width;
     const float* held = in;
     if (projection != nullptr) {
-      if (heads > 1) rows_of_block.resize(count * memory_width);
+      if (!in_place) rows_of_block.resize(count * memory_width);
       internal::Projection part = *projection;
       part.in = in;
-      part.out = heads > 1 ? rows_of_block.data() : memory.Row(first, memory_width);
+      part.out = in_place ? memory.Row(first, memory_width) : rows_of_block.data();
       part.rows = count;
       internal::ProjectAll(part);
-      if (heads == 1) continue;
+      if (in_place) continue;
       held = rows_of_block.data();
-    } else if (heads == 1) {
+    } else if (in_place) {
       std::copy_n(in, count * width, memory.Row(first, memory_width));
       continue;
     }
@@ -715,10 +726,15 @@ void FillBlocks(const TensorView& rows, int64_t b, const internal::Projection* p
   }
 }
 
-// distance: the key biases -scale/2 |k|^2 of example b (core/kernels/flash_kernel.h).
-std::vector<float> DistanceKeyBias(const TensorView& keys, int64_t b, float scale) {
+// distance: the key biases -scale/2 |k|^2 of example b (core/kernels/flash_kernel.h),
+// of the keys as the memory holds them (rounded to its dtype).
+std::vector<float> DistanceKeyBias(const TensorView& keys, int64_t b, float scale,
+                                   KvDtype dtype) {
   const int64_t n_k = keys.shape[1], d_k = keys.shape[2];
-  const Eigen::Map<const RowMatrix> k(keys.data.data() + b * n_k * d_k, n_k, d_k);
+  RowMatrix k = Eigen::Map<const RowMatrix>(keys.data.data() + b * n_k * d_k, n_k, d_k);
+  if (dtype != KvDtype::kFloat32) {
+    k = k.unaryExpr([dtype](float x) { return WidenKv(dtype, RoundKv(dtype, x)); });
+  }
   std::vector<float> bias(n_k);
   Eigen::Map<Vector>(bias.data(), n_k) = -(0.5f * scale) * k.rowwise().squaredNorm();
   return bias;
@@ -762,7 +778,8 @@ absl::Status FillCrossMemory(const SessionOpen& open, Session::State& state) {
                state.value_width, state.row_heads());
     if (model.kind == Kind::kDistance) {
       state.key_bias.push_back(
-          DistanceKeyBias(keys, b, open.scale ? *open.scale : DefaultScale(model, {})));
+          DistanceKeyBias(keys, b, open.scale ? *open.scale : DefaultScale(model, {}),
+                          state.kv_dtype));
     }
   }
   state.length = n_k;
@@ -778,7 +795,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(std::shared_ptr<const Mod
   RETURN_IF_ERROR(CheckOpen(*model, open, limits));
   const bool self = open.memory == SessionMemory::kSelf;
   const int64_t batch = self ? open.batch : open.keys->shape[0];
-  auto state = std::make_unique<State>(std::move(model), *pool.impl_, open.memory, batch);
+  auto state = std::make_unique<State>(std::move(model), *pool.impl_, open.memory, batch,
+                                       open.kv_dtype);
   state->scale = open.scale;
   state->max_length = self ? open.max_length : 0;
   state->sliding_window = open.sliding_window;

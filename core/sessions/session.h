@@ -43,6 +43,7 @@
 #include "core/engine/engine.h"
 #include "core/model/model.h"
 #include "core/engine/request.h"
+#include "core/kernels/float16.h"
 #include "core/tensor.h"
 #include "core/kernels/tile_sizes.h"
 
@@ -61,7 +62,8 @@ inline constexpr int64_t kKvBlockRows = kFlashKeyTile;
 
 class Session;
 
-// Blocks of kKvBlockRows x width floats, for every session of a server, with
+// Blocks of kKvBlockRows x width floats (a 16-bit session's rows of 2 width
+// elements take width floats), for every session of a server, with
 // one byte budget. Thread-safe. Freed blocks are kept for reuse up to the
 // budget, so a server's memory for sessions never exceeds capacity_bytes.
 //
@@ -145,6 +147,10 @@ struct SessionOpen {
   float softcap = 0;
   // Most tokens a self session may hold per example; 0 = no limit.
   int64_t max_length = 0;
+  // What the blocks hold: float32, or keys and values rounded once to 16
+  // bits when they enter the memory (half the pool's bytes a row, and half
+  // the bytes a step reads); the kernels read them as held.
+  KvDtype kv_dtype = KvDtype::kFloat32;
 };
 
 class Session {

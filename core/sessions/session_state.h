@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "core/kernels/float16.h"
 #include "core/sessions/session.h"
 
 namespace attention {
@@ -118,34 +119,66 @@ class KvBlockPool::Impl {
 namespace internal {
 
 // One example's rows of one tensor of a session's memory: row t is row
-// t % kKvBlockRows of blocks[t / kKvBlockRows]. A row of `width` floats is
+// t % kKvBlockRows of blocks[t / kKvBlockRows]. A row of `width` elements is
 // cut into `heads` slices of width / heads (a kv head's), and a block holds
 // its rows head-major, [head][row][width / heads], as vLLM's paged cache
 // does: one head's keys are contiguous within a block, so the task that
 // reads that head streams them. Row-major blocks would put a head's slices
 // a whole row apart, each on a page of its own at 4 KiB rows, where the
 // hardware prefetchers (which stay within a page) never run ahead.
+// Elements are `dtype`'s: float32, or 16 bits (bfloat16, float16) rounded
+// once by Put, so a 16-bit block is half the bytes (StoredWidth).
 struct BlockRows {
   std::vector<float*> blocks;
   // Blocks [0, dropped) went back to the pool (null here): their rows are
   // behind every later query's sliding window.
   int64_t dropped = 0;
+  KvDtype dtype = KvDtype::kFloat32;
 
-  // Head h's slice of row t; the block's next rows of that head follow it.
-  float* Head(int64_t t, int64_t width, int64_t heads, int64_t h) const {
-    const int64_t slice = width / heads;
-    return blocks[t / kKvBlockRows] + (h * kKvBlockRows + t % kKvBlockRows) * slice;
+  // Element offset of head h's slice of row t in its block.
+  static int64_t Offset(int64_t t, int64_t width, int64_t heads, int64_t h) {
+    return (h * kKvBlockRows + t % kKvBlockRows) * (width / heads);
   }
-  // Row t of rows of one head: the block's next rows follow it.
+  // Head h's slice of row t of float32 rows; the block's next rows of that
+  // head follow it.
+  float* Head(int64_t t, int64_t width, int64_t heads, int64_t h) const {
+    return blocks[t / kKvBlockRows] + Offset(t, width, heads, h);
+  }
+  // The same of 16-bit rows.
+  uint16_t* Head16(int64_t t, int64_t width, int64_t heads, int64_t h) const {
+    return reinterpret_cast<uint16_t*>(blocks[t / kKvBlockRows]) + Offset(t, width, heads, h);
+  }
+  // Row t of float32 rows of one head: the block's next rows follow it.
   float* Row(int64_t t, int64_t width) const { return Head(t, width, 1, 0); }
-  // Row t from `row` (`width` floats), each head's slice into its place.
+  // Row t from `row` (`width` floats), each head's slice into its place,
+  // rounded to the dtype.
   void Put(int64_t t, int64_t width, int64_t heads, const float* row) const {
     const int64_t slice = width / heads;
     for (int64_t h = 0; h < heads; ++h) {
-      std::copy_n(row + h * slice, slice, Head(t, width, heads, h));
+      if (dtype == KvDtype::kFloat32) {
+        std::copy_n(row + h * slice, slice, Head(t, width, heads, h));
+        continue;
+      }
+      uint16_t* out = Head16(t, width, heads, h);
+      for (int64_t c = 0; c < slice; ++c) out[c] = RoundKv(dtype, row[h * slice + c]);
     }
   }
+  // Rows [t, t + count) of one head (all in t's block) as float32 rows of
+  // `width`: in place for float32 rows, else widened into `widened`.
+  const float* Rows(int64_t t, int64_t count, int64_t width, std::vector<float>& widened) const {
+    if (dtype == KvDtype::kFloat32) return Row(t, width);
+    widened.resize(count * width);
+    const uint16_t* in = Head16(t, width, 1, 0);
+    for (int64_t i = 0; i < count * width; ++i) widened[i] = WidenKv(dtype, in[i]);
+    return widened.data();
+  }
 };
+
+// Floats of a block row that holds `width` elements of `dtype`: the pool
+// counts a block's bytes through it, so a 16-bit block takes half.
+inline int64_t StoredWidth(int64_t width, KvDtype dtype) {
+  return (width * KvDtypeBytes(dtype) + 3) / 4;
+}
 
 // Blocks that hold `rows` rows.
 inline int64_t BlocksFor(int64_t rows) { return (rows + kKvBlockRows - 1) / kKvBlockRows; }
@@ -155,7 +188,7 @@ inline int64_t BlocksFor(int64_t rows) { return (rows + kKvBlockRows - 1) / kKvB
 class Session::State {
  public:
   State(std::shared_ptr<const Model> model, KvBlockPool::Impl& pool, SessionMemory memory,
-        int64_t batch);
+        int64_t batch, KvDtype kv_dtype);
   ~State();
 
   // Blocks for `rows` rows of every example's keys and values, taken from
@@ -224,6 +257,8 @@ class Session::State {
   const Session* owner = nullptr;  // null until Open() made the Session
   const SessionMemory memory;
   const int64_t batch;
+  // What the blocks hold per element (every example's keys and values).
+  const KvDtype kv_dtype;
   int64_t length = 0;      // rows per example that steps have committed
   int64_t max_length = 0;  // 0: none
   std::optional<float> scale;

@@ -185,6 +185,7 @@ void SetMemory(FlashProblem& p, const Session::State& state, int64_t b, int64_t 
   p.value_block_column = kv_head * kKvBlockRows * value_slice;
   p.key_stride = key_slice;
   p.value_stride = value_slice;
+  p.kv_dtype = state.kv_dtype;
 }
 
 // The bounds of example b: causal from the session's length (self), or its
@@ -529,13 +530,16 @@ void AdditiveRows(const Model& model, const StepRun& run, int64_t b, const float
   const KeyBounds bounds = BoundsOf(run, b);
   thread_local RowMatrix features;
   thread_local Vector scores;
+  // A 16-bit session's block widened, one block at a time.
+  thread_local std::vector<float> widened;
   scores.resize(n_k);
   for (int64_t i = begin; i < end && !(run.stop != nullptr && run.stop->Stopped()); ++i) {
     const Eigen::Map<const Eigen::RowVectorXf> query(queries + i * hidden, hidden);
     const int64_t bound = bounds.Allowed(i, n_k);
     for (int64_t first = 0; first < bound; first += kKvBlockRows) {
       const int64_t count = std::min(kKvBlockRows, bound - first);
-      const internal::ConstMatrixMap keys(state.keys[b].Row(first, hidden), count, hidden);
+      const internal::ConstMatrixMap keys(state.keys[b].Rows(first, count, hidden, widened), count,
+                                          hidden);
       features = (keys.rowwise() + query).array().tanh();
       scores.segment(first, count).noalias() = features * w_v;
     }
@@ -543,13 +547,16 @@ void AdditiveRows(const Model& model, const StepRun& run, int64_t b, const float
     output.row(i).setZero();
     for (int64_t first = 0; first < nonzero; first += kKvBlockRows) {
       const int64_t count = std::min(kKvBlockRows, nonzero - first);
-      const internal::ConstMatrixMap values(state.values[b].Row(first, d.value_size), count,
-                                            d.value_size);
+      const internal::ConstMatrixMap values(
+          state.values[b].Rows(first, count, d.value_size, widened), count, d.value_size);
       output.row(i).noalias() += scores.segment(first, count).transpose() * values;
     }
     if (weights != nullptr) std::copy_n(scores.data(), n_k, weights + i * n_k);
   }
   if (scores.size() > kKeptKernelScratchFloats) scores.resize(0);
+  if (widened.capacity() > static_cast<size_t>(kKeptKernelScratchFloats)) {
+    std::vector<float>().swap(widened);
+  }
 }
 
 // additive: one task per (step, example, query tile).

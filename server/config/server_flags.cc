@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 
 namespace attention::server {
@@ -172,6 +173,21 @@ void AddSessionFlags(CLI::App& app, ServerConfig* c) {
          "instead of sharing them, and no block is cached once its sessions end (answers are "
          "the same either way)")
       ->envname(EnvName("--no-prefix-sharing"));
+  app.add_option_function<std::string>(
+         "--kv-cache-dtype",
+         [c](const std::string& value) { c->sessions.kv_dtype = *ParseKvDtype(value); },
+         "What sessions hold keys and values in: float32, or bfloat16 or float16 (rounded once "
+         "when appended: half the memory a token, half the bytes a step reads); a model's "
+         "__metadata__ \"kv_cache_dtype\" overrides it for that model")
+      ->envname(EnvName("--kv-cache-dtype"))
+      ->check(CLI::Validator(
+          [](std::string& value) -> std::string {
+            if (ParseKvDtype(value)) return {};
+            return absl::StrCat("--kv-cache-dtype is \"", value, "\", expected ",
+                                std::string(kKvDtypeNames));
+          },
+          "float32|bfloat16|float16"))
+      ->default_str(std::string(KvDtypeName(c->sessions.kv_dtype)));
 }
 
 // The engine's threads and kernel path.

@@ -108,6 +108,12 @@ ServerMetrics::ServerMetrics(const std::vector<std::string>& models, int max_bat
                      .Help("1 for each model version served now, labelled with its kind and "
                            "precision")
                      .Register(*registry_);
+  model_kv_cache_dtype_ =
+      &prometheus::BuildGauge()
+           .Name("attention_model_kv_cache_dtype_info")
+           .Help("1 for each model version served now, labelled with what its decoding sessions "
+                 "hold keys and values in (float32, bfloat16, float16)")
+           .Register(*registry_);
   load_failures_ = &prometheus::BuildCounter()
                         .Name("attention_model_load_failures_total")
                         .Help("Model files that failed to load or reload, by model")
@@ -173,6 +179,19 @@ ModelMetrics* ServerMetrics::ForModel(std::string_view model) {
   absl::MutexLock lock(&models_mu_);
   auto it = models_.find(model);
   return it == models_.end() ? nullptr : &it->second;
+}
+
+void ServerMetrics::SetModelKvCacheDtype(std::string_view model, int64_t version, KvDtype dtype,
+                                         bool served) {
+  prometheus::Gauge& gauge =
+      model_kv_cache_dtype_->Add({{"model", std::string(model)},
+                                  {"version", std::to_string(version)},
+                                  {"kv_cache_dtype", std::string(KvDtypeName(dtype))}});
+  if (served) {
+    gauge.Set(1);
+  } else {
+    model_kv_cache_dtype_->Remove(&gauge);
+  }
 }
 
 void ServerMetrics::SetModelServed(std::string_view model, int64_t version, Kind kind,

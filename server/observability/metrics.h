@@ -121,6 +121,10 @@ class ServerMetrics {
   // attention_model_info{model,version,kind}: 1 while served, removed after.
   void SetModelServed(std::string_view model, int64_t version, Kind kind, Precision precision,
                       bool served);
+  // attention_model_kv_cache_dtype_info{model,version,kv_cache_dtype}: 1
+  // while served, removed after: what the version's sessions hold keys and
+  // values in.
+  void SetModelKvCacheDtype(std::string_view model, int64_t version, KvDtype dtype, bool served);
   // attention_model_load_failures_total{model}.
   void CountLoadFailure(std::string_view model);
   // Counts one answered request; `model` as in ForModel, or "" for none.
@@ -170,6 +174,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Gauge>* queue_depth_;
   prometheus::Family<prometheus::Gauge>* queue_capacity_gauge_;
   prometheus::Family<prometheus::Gauge>* model_info_;
+  prometheus::Family<prometheus::Gauge>* model_kv_cache_dtype_;
   prometheus::Family<prometheus::Counter>* load_failures_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Counter>* refused_streams_;

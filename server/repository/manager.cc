@@ -161,6 +161,7 @@ void RepositoryManager::LoadVersion(const ModelFile& file, Report* report) {
   }
   // A version file is named by its number; the model by its directory.
   loaded->name = file.name;
+  if (!loaded->kv_cache_dtype) loaded->kv_cache_dtype = options_.kv_cache_dtype;
   auto model = std::make_shared<const Model>(*std::move(loaded));
   if (warm_up_) warm_up_(*model, file.version);
   if (metrics_ != nullptr) {
@@ -171,6 +172,11 @@ void RepositoryManager::LoadVersion(const ModelFile& file, Report* report) {
       metrics_->SetModelServed(file.name, file.version, serving->kind, serving->precision, false);
     }
     metrics_->SetModelServed(file.name, file.version, model->kind, model->precision, true);
+    if (serving != nullptr && serving->kv_cache_dtype != model->kv_cache_dtype) {
+      metrics_->SetModelKvCacheDtype(file.name, file.version,
+                                     serving->kv_cache_dtype.value_or(KvDtype::kFloat32), false);
+    }
+    metrics_->SetModelKvCacheDtype(file.name, file.version, *model->kv_cache_dtype, true);
   }
   report->changes.push_back(absl::StrCat(serving == nullptr ? "loaded " : "reloaded ", file.name,
                                          " version ", file.version, " (", Describe(*model),
@@ -192,6 +198,8 @@ void RepositoryManager::Unload(const std::string& name, int64_t version, Report*
       if (metrics_ != nullptr) {
         metrics_->SetModelServed(name, version, current->model->kind, current->model->precision,
                                  false);
+        metrics_->SetModelKvCacheDtype(
+            name, version, current->model->kv_cache_dtype.value_or(KvDtype::kFloat32), false);
       }
       report->changes.push_back(absl::StrCat("unloaded ", name, " version ", version));
     }

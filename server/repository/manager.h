@@ -51,6 +51,9 @@ struct RepositoryOptions {
   uint64_t max_file_bytes = 0;
   // Loads bf16 models as fp32 (--force-fp32).
   bool force_fp32 = false;
+  // What sessions of a model whose file names no "kv_cache_dtype" hold
+  // (--kv-cache-dtype): filled into its Model::kv_cache_dtype at load.
+  KvDtype kv_cache_dtype = KvDtype::kFloat32;
 };
 
 class RepositoryManager {

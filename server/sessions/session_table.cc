@@ -162,6 +162,7 @@ absl::StatusOr<SessionTable::Handle> SessionTable::Open(std::string_view model,
     }
   }
   open.max_length = options_.max_length;
+  open.kv_dtype = served.model->kv_cache_dtype.value_or(options_.kv_dtype);
   absl::StatusOr<std::unique_ptr<Session>> session =
       Session::Open(served.model, pool_, open, limits_);
   if (!session.ok()) return NameLimits(session.status());

@@ -69,6 +69,9 @@ struct SessionOptions {
   // and blocks no session holds stay cached for a later prompt
   // (KvBlockPool's prefix sharing; off: --no-prefix-sharing).
   bool prefix_sharing = true;
+  // What sessions hold their keys and values in, unless their model's file
+  // says (--kv-cache-dtype; Model::kv_cache_dtype).
+  KvDtype kv_dtype = KvDtype::kFloat32;
 };
 
 // Why a session ended: the `reason` label of attention_sessions_ended_total.

@@ -391,6 +391,28 @@ TEST(ModelLoaderTest, ForcedFp32LoadsABf16ModelAsFp32) {
   EXPECT_EQ(ParseModel("p", file)->precision, Precision::kBf16);
 }
 
+TEST(ModelLoaderTest, ReadsTheKvCacheDtypeOfEveryKind) {
+  EXPECT_FALSE(Parse("d", {}, {{"kind", "dot_product"}})->kv_cache_dtype.has_value());
+  for (const auto& [name, dtype] : std::vector<std::pair<std::string, KvDtype>>{
+           {"float32", KvDtype::kFloat32}, {"bfloat16", KvDtype::kBfloat16},
+           {"float16", KvDtype::kFloat16}}) {
+    EXPECT_EQ(Parse("d", {}, {{"kind", "dot_product"}, {"kv_cache_dtype", name}})->kv_cache_dtype,
+              dtype);
+    EXPECT_EQ(Parse("b", {Weight("W_k.weight", {2, 2})},
+                    {{"kind", "bilinear"}, {"kv_cache_dtype", name}})
+                  ->kv_cache_dtype,
+              dtype);
+  }
+}
+
+TEST(ModelLoaderTest, RejectsUnknownKvCacheDtypeNamingTheKey) {
+  for (const char* value : {"bf16", "fp16", "Float32", ""}) {
+    ExpectInvalid(Parse("d", {}, {{"kind", "dot_product"}, {"kv_cache_dtype", value}}), "d",
+                  "__metadata__ \"kv_cache_dtype\" is \"" + std::string(value) +
+                      "\", expected float32, bfloat16 or float16");
+  }
+}
+
 TEST(ModelLoaderTest, RejectsUnknownPrecisionNamingTheKey) {
   const std::vector<TensorBytes> torch = {Weight("in_proj_weight", {6, 2}),
                                           Weight("out_proj.weight", {2, 2})};

@@ -188,6 +188,10 @@ TEST(ProtoAdapterTest, ModelInfoReportsKindAndSizes) {
   EXPECT_EQ(info.output_size(), 16);
   EXPECT_EQ(ToModelInfo(DotProductModel()).query_size(), 0) << "built-ins take any size";
   EXPECT_EQ(info.precision(), "fp32");
+  EXPECT_EQ(info.kv_cache_dtype(), "float32");
+  model.kv_cache_dtype = KvDtype::kBfloat16;
+  EXPECT_EQ(ToModelInfo(model).kv_cache_dtype(), "bfloat16");
+  model.kv_cache_dtype.reset();
   model.precision = Precision::kBf16;
   EXPECT_EQ(ToModelInfo(model).precision(), "bf16");
   // The older layouts: as many kv heads as heads, E / H columns each, no

@@ -202,6 +202,18 @@ TEST(ServerConfigTest, OutOfRangeFlagIsRefused) {
   EXPECT_THAT(output, HasSubstr("--max-batch-size"));
 }
 
+TEST(ServerConfigTest, UnknownKvCacheDtypeStopsTheServerNamingTheFlag) {
+  for (const char* value : {"fp16", "bf16", ""}) {
+    std::string output;
+    EXPECT_NE(ServerProcess::RunToExit({"--kv-cache-dtype", value}, {}, &output), 0);
+    EXPECT_THAT(output, HasSubstr("--kv-cache-dtype is \"" + std::string(value) +
+                                  "\", expected float32, bfloat16 or float16"));
+  }
+  std::string output;
+  EXPECT_NE(ServerProcess::RunToExit({}, {{"ATTENTION_KV_CACHE_DTYPE", "half"}}, &output), 0);
+  EXPECT_THAT(output, HasSubstr("--kv-cache-dtype is \"half\""));
+}
+
 TEST(ServerConfigTest, SessionPreemptionTakesOnOrOff) {
   std::string output;
   EXPECT_NE(ServerProcess::RunToExit({"--session-preemption", "maybe"}, {}, &output), 0);

@@ -331,6 +331,10 @@ TEST(InferenceAdapterTest, MetadataMarksSizesTheRequestChooses) {
   mha.precision = Precision::kBf16;
   EXPECT_EQ(ToModelMetadata(mha).properties().at("precision"), "bf16");
   EXPECT_EQ(ToModelConfig(mha).parameters().at("precision").string_value(), "bf16");
+  EXPECT_EQ(metadata.properties().at("kv_cache_dtype"), "float32");
+  mha.kv_cache_dtype = KvDtype::kFloat16;
+  EXPECT_EQ(ToModelMetadata(mha).properties().at("kv_cache_dtype"), "float16");
+  EXPECT_EQ(ToModelConfig(mha).parameters().at("kv_cache_dtype").string_value(), "float16");
 
   const inference::ModelConfig config = ToModelConfig(DotProductModel());
   EXPECT_EQ(config.name(), "dot_product");

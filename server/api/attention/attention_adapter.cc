@@ -89,6 +89,8 @@ v1::ModelInfo ToModelInfo(const Model& model) {
   info.set_value_size(model.value_size);
   info.set_output_size(model.output_size);
   info.set_precision(std::string(PrecisionName(model.precision)));
+  info.set_kv_cache_dtype(
+      std::string(KvDtypeName(model.kv_cache_dtype.value_or(KvDtype::kFloat32))));
   if (model.kind == Kind::kMultiHead) {
     info.set_num_kv_heads(KvHeads(model));
     info.set_head_dim(HeadSize(model));

@@ -584,6 +584,8 @@ inference::ModelMetadataResponse ToModelMetadata(const Model& model,
   for (const TensorSpec& spec : OutputSpecs(model)) fill(spec, metadata.add_outputs());
   (*metadata.mutable_properties())["kind"] = std::string(KindName(model.kind));
   (*metadata.mutable_properties())["precision"] = std::string(PrecisionName(model.precision));
+  (*metadata.mutable_properties())["kv_cache_dtype"] =
+      std::string(KvDtypeName(model.kv_cache_dtype.value_or(KvDtype::kFloat32)));
   for (auto& [name, value] : LayerProperties(model)) {
     (*metadata.mutable_properties())[name] = std::move(value);
   }
@@ -613,6 +615,8 @@ inference::ModelConfig ToModelConfig(const Model& model) {
   }
   (*config.mutable_parameters())["precision"].set_string_value(
       std::string(PrecisionName(model.precision)));
+  (*config.mutable_parameters())["kv_cache_dtype"].set_string_value(
+      std::string(KvDtypeName(model.kv_cache_dtype.value_or(KvDtype::kFloat32))));
   for (auto& [name, value] : LayerProperties(model)) {
     (*config.mutable_parameters())[name].set_string_value(std::move(value));
   }
