@@ -70,6 +70,7 @@ class Server:
         lines = dict(line.split() for line in read_text(ports).splitlines())
         self.address = lines["grpc"]
         self.metrics_address = lines["metrics"]
+        self.http_address = lines["http"]
 
     def metric(self, name, **labels):
         """Sum of the samples of `name` with these labels; None when the

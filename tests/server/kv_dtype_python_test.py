@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
 import urllib.request
 
@@ -70,6 +69,10 @@ import attention_client  # noqa: E402
 # The model files' reader and multi_head's projections of either layout.
 sys.path.insert(0, str(SOURCE_DIR / "tools"))
 import make_bf16_cases  # noqa: E402
+
+# The client tests' server on 127.0.0.1 (ports picked by the system).
+sys.path.insert(0, str(SOURCE_DIR / "tests" / "client"))
+from python_test import Server  # noqa: E402
 
 MASKED = -1e6
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,35 +147,9 @@ def tensor(message, key):
     return np.array(message[key]["data"], dtype=np.float32).reshape(message[key]["shape"])
 
 
-class Server:
-    """attention-server on 127.0.0.1 with the conformance models, ports
-    picked by the system."""
-
-    def __init__(self, *flags, repository=CONFORMANCE / "models"):
-        self.dir = tempfile.TemporaryDirectory()
-        ports = os.path.join(self.dir.name, "ports")
-        self.log = open(os.path.join(self.dir.name, "log"), "wb")
-        self.process = subprocess.Popen(
-            [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0",
-             "--http-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
-             "--port-file", ports, "--threads", "2",
-             "--model-repository", str(repository), "--strict",
-             "--warmup", "false", *flags],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        give_up = time.monotonic() + 60
-        while not os.path.exists(ports):
-            if self.process.poll() is not None or time.monotonic() > give_up:
-                self.stop()
-                raise RuntimeError("attention-server did not start")
-            time.sleep(0.05)
-        with open(ports) as f:
-            self.ports = dict(line.split() for line in f.read().splitlines())
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=60)
-        self.log.close()
+def repository(path):
+    """Flags serving every model of `path`, refusing to start on a bad one."""
+    return ("--model-repository", str(path), "--strict")
 
 
 def steps_of(n):
@@ -217,12 +194,12 @@ class KvDtypeAccuracy(unittest.TestCase):
         return error
 
     def run_dtype(self, dtype):
-        server = Server("--kv-cache-dtype", dtype)
+        server = Server("--kv-cache-dtype", dtype, *repository(CONFORMANCE / "models"))
         held = TORCH_DTYPES[dtype]
         ran = {"cross": 0, "self": 0}
         worst = 0.0
         try:
-            client = attention_client.AttentionClient(server.ports["grpc"])
+            client = attention_client.AttentionClient(server.address)
             for case in self.cases:
                 request = case["request"]
                 kind, model, fp32 = self.model(request["model"])
@@ -266,12 +243,12 @@ class KvDtypeAccuracy(unittest.TestCase):
         names = {m.name: m.kv_cache_dtype for m in client.list_models()}
         self.assertEqual(names["dot_product"], dtype)
         self.assertEqual(names["mh_torch_small"], dtype)
-        with urllib.request.urlopen(f"http://{server.ports['metrics']}/metrics") as answer:
+        with urllib.request.urlopen(f"http://{server.metrics_address}/metrics") as answer:
             metrics = answer.read().decode()
         self.assertIn(f'attention_model_kv_cache_dtype_info{{kv_cache_dtype="{dtype}",'
                       f'model="mh_torch_small",version="1"}} 1', metrics)
         with urllib.request.urlopen(
-                f"http://{server.ports['http']}/v2/models/mh_torch_small") as answer:
+                f"http://{server.http_address}/v2/models/mh_torch_small") as answer:
             metadata = json.loads(answer.read())
         self.assertEqual(metadata["properties"]["kv_cache_dtype"], dtype)
 
@@ -282,9 +259,9 @@ class KvDtypeAccuracy(unittest.TestCase):
         layer) stays within 8 units of the dtype's rounding (2^-8 for
         bfloat16, 2^-11 for float16) of the answer's largest magnitude."""
         for dtype, unit in (("bfloat16", 2.0 ** -8), ("float16", 2.0 ** -11)):
-            server = Server("--kv-cache-dtype", dtype, repository=CONFORMANCE / "layers" / "models")
+            server = Server("--kv-cache-dtype", dtype, *repository(CONFORMANCE / "layers" / "models"))
             try:
-                client = attention_client.AttentionClient(server.ports["grpc"])
+                client = attention_client.AttentionClient(server.address)
                 ran = 0
                 for path in sorted((CONFORMANCE / "layers" / "cases").glob("*_causal.json")):
                     case = json.loads(path.read_text())
