@@ -18,7 +18,6 @@ over the whole context.
 """
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ import time
 import numpy as np
 
 import attention_client
+from prefix_sharing import start_server
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -37,21 +37,6 @@ def probe_gbps(bench):
                           "--benchmark_format=json"], check=True, capture_output=True,
                          text=True).stdout
     return json.loads(out)["benchmarks"][0]["GBps"]
-
-
-def start_server(binary, directory, memory_bytes):
-    ports = os.path.join(directory, "ports")
-    process = subprocess.Popen(
-        [str(binary), "--address", "127.0.0.1:0", "--metrics-address", "", "--http-address", "",
-         "--port-file", ports, "--session-memory-bytes", str(memory_bytes),
-         "--max-session-length", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not os.path.exists(ports):
-        if process.poll() is not None:
-            raise SystemExit("attention-server did not start")
-        time.sleep(0.05)
-    with open(ports) as f:
-        return process, dict(line.split() for line in f.read().splitlines())["grpc"]
 
 
 def reference_last(rows, query):
@@ -79,8 +64,10 @@ def main():
     rows = rng.standard_normal((args.batch, total, args.dim), dtype=np.float32)
     held_bytes = total * args.batch * args.dim * 4
     with tempfile.TemporaryDirectory() as directory:
-        server, address = start_server(args.build / "server" / "attention-server", directory,
-                                       2 * held_bytes + (64 << 20))
+        server, address, _ = start_server(
+            str(args.build / "server" / "attention-server"), directory,
+            ["--session-memory-bytes", str(2 * held_bytes + (64 << 20)),
+             "--max-session-length", "0"])
         try:
             with attention_client.AttentionClient(address) as client:
                 with client.session("dot_product", batch=args.batch, replay=False) as session:
