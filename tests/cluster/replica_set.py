@@ -20,6 +20,7 @@ backends.sh), e.g. an older one, to show what a test measures against it.
 """
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,6 +45,20 @@ class Replica(NamedTuple):
 
 
 def free_port(host="127.0.0.1"):
+    """A port nothing listens on, below the kernel's ephemeral range when it
+    can: a port the kernel picks (bind to 0) comes from that range, and may
+    become the source port of one of the test's own connections before the
+    listener it was picked for binds it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    candidates = range(10000, ephemeral_low)
+    for port in random.sample(candidates, min(200, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
