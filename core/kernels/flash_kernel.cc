@@ -308,6 +308,16 @@ void PointAtBlock(const FlashProblem& p, FlashTile& tile, bool rowwise, Scratch&
   }
 }
 
+// Gives a row-by-row tile of a paged problem, pointed at its block, the
+// start of the next block's rows of the same head, for its prefetches.
+void PointAtNextBlock(const FlashProblem& p, FlashTile& tile) {
+  const int64_t next = tile.key_end / p.block_rows;
+  const int64_t element = KvDtypeBytes(p.kv_dtype);
+  tile.next_keys = reinterpret_cast<const char*>(p.key_blocks[next]) + p.block_column * element;
+  tile.next_values =
+      reinterpret_cast<const char*>(p.value_blocks[next]) + p.value_block_column * element;
+}
+
 // FlashAttention for at most kFlashQueryTile rows starting at `row`: the
 // path's tile kernel (flash_tile.h) on the tile's queries, then each row
 // normalised, or handed to the value mean or the exact path.
@@ -458,9 +468,9 @@ bool VisitRows(const FlashProblem& p, const FlashTilePath& path, const FlashTile
   // A paged problem's keys a block at a time: a row's kernel call reads one.
   const int64_t step = p.paged() ? p.block_rows : kRowwiseKeys;
   // Rows that all visit the same keys (a grouped-query group of a decoding
-  // step) of a 16-bit session go to the kernel together, which widens each
-  // key and value once for all of them.
-  const bool together = p.kv_dtype != KvDtype::kFloat32 && tile.rows > 1 &&
+  // step) go to the kernel together, which reads (and at 16 bits widens)
+  // each key and value once for all of them.
+  const bool together = tile.rows > 1 &&
                         std::all_of(tile.bounds, tile.bounds + tile.rows,
                                     [&](float bound) { return bound == tile.bounds[0]; });
   for (int64_t first = begin; first < end;) {
@@ -468,7 +478,10 @@ bool VisitRows(const FlashProblem& p, const FlashTilePath& path, const FlashTile
     FlashTile held = tile;  // the block's keys and values, for every row
     held.key_begin = first;
     held.key_end = last;
-    if (p.paged()) PointAtBlock(p, held, /*rowwise=*/true, ThreadScratch());
+    if (p.paged()) {
+      PointAtBlock(p, held, /*rowwise=*/true, ThreadScratch());
+      if (last < end) PointAtNextBlock(p, held);
+    }
     if (together) {
       path.row_kernel(held);
     } else {

@@ -324,19 +324,29 @@ HWY_INLINE void RowAccumulate(const FlashTile& t, const T* values, int64_t key, 
   }
 }
 
-// Keys ahead of the one being read whose rows the 16-bit kernels prefetch.
+// Keys ahead of the one being read whose rows the row kernels prefetch.
 constexpr int64_t kPrefetchKeys = 16;
 
 // The rows of keys and values [key, key + count) kPrefetchKeys keys ahead,
-// for the 16-bit kernels: half the bytes a key leave the hardware
-// prefetchers behind the loads, which then wait on memory.
+// for the row kernels: the hardware prefetchers stay within a page and
+// restart at each block, so without it a block's first rows, and at 16 bits
+// most rows, wait on memory. Rows past the tile's keys are prefetched from
+// the next block when the caller gave it.
 template <typename T>
 HWY_INLINE void PrefetchRows(const FlashTile& t, const T* keys, const T* values, int64_t key,
                              int64_t count) {
-  // Not past the tile's keys: the next block may be anywhere.
-  if (key + kPrefetchKeys + count > t.key_end) return;
-  const T* k = keys + (key + kPrefetchKeys - t.key_base) * t.key_stride;
-  const T* v = values + (key + kPrefetchKeys - t.key_base) * t.value_stride;
+  const int64_t ahead = key + kPrefetchKeys;
+  const T* k = nullptr;
+  const T* v = nullptr;
+  if (ahead + count <= t.key_end) {
+    k = keys + (ahead - t.key_base) * t.key_stride;
+    v = values + (ahead - t.key_base) * t.value_stride;
+  } else if (ahead >= t.key_end && t.next_keys != nullptr) {
+    k = static_cast<const T*>(t.next_keys) + (ahead - t.key_end) * t.key_stride;
+    v = static_cast<const T*>(t.next_values) + (ahead - t.key_end) * t.value_stride;
+  } else {
+    return;
+  }
   for (int64_t c = 0; c < count * t.key_stride; c += 64 / sizeof(T)) hwy::Prefetch(k + c);
   for (int64_t c = 0; c < count * t.value_stride; c += 64 / sizeof(T)) hwy::Prefetch(v + c);
 }
@@ -354,7 +364,7 @@ void FlashRowOf(const FlashTile& t, const T* keys_held, const T* values_held) {
     // Eight keys at a time: eight independent chains of FMAs cover their
     // latency on two ports.
     for (; j + 8 <= keys; j += 8) {
-      if constexpr (!std::is_same_v<T, float>) PrefetchRows(t, keys_held, values_held, key + j, 8);
+      PrefetchRows(t, keys_held, values_held, key + j, 8);
       RowScoreKeys<8>(t, keys_held, key + j, scores + j);
     }
     for (; j + 4 <= keys; j += 4) RowScoreKeys<4>(t, keys_held, key + j, scores + j);
@@ -460,9 +470,10 @@ HWY_INLINE void RowsAccumulate(const FlashTile& t, const T* values, int64_t key,
   }
 }
 
-// FlashRowOf for R rows that all visit the tile's keys, over keys and values
-// held in 16 bits: a grouped-query group of a decoding step, which row by
-// row would widen every key and value once per row.
+// FlashRowOf for R rows that all visit the tile's keys: a grouped-query
+// group of a decoding step. Row by row, only the first row's pass would
+// stream the block from memory and the others would reread it from L2, with
+// nothing overlapping the two; a 16-bit block would be widened once a row.
 template <int R, typename T>
 void FlashRowsOf(const FlashTile& t, const T* keys_held, const T* values_held) {
   const D d;
@@ -545,7 +556,7 @@ void FlashRowImpl(const FlashTile& t) {
     case KvDtype::kFloat32:
       break;
   }
-  FlashRowOf(t, t.keys, t.values);
+  FlashRowGroupOf(t, t.keys, t.values);
 }
 
 // WidenKvRows on this path's vectors.

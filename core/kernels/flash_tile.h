@@ -76,6 +76,12 @@ struct FlashTile {
   KvDtype kv_dtype = KvDtype::kFloat32;
   const uint16_t* keys16 = nullptr;
   const uint16_t* values16 = nullptr;
+  // Where the keys and values of the rows from key_end on begin (a paged
+  // problem's next block, as `keys` and `values` or keys16 and values16
+  // are), for the row kernel to prefetch across the block's end; null when
+  // the caller reads no further.
+  const void* next_keys = nullptr;
+  const void* next_values = nullptr;
 };
 
 // One path's functions for a query tile, in the order a caller runs them.
@@ -98,11 +104,11 @@ struct FlashTilePath {
   // row (value_size floats), row_max[0] and row_sum[0] as for `kernel`;
   // every key visited must be allowed. The caller normalises the output.
   // Null where one-row tiles take `kernel` (the BF16 products). The only
-  // function that reads keys16 and values16; with them, a tile may also
-  // have up to kFlashQueryTile rows laid out as rows (row r's scale * q at
+  // function that reads keys16 and values16. A tile may also have up to
+  // kFlashQueryTile rows laid out as rows (row r's scale * q at
   // queries_t + r head_size, its output at accumulator_t + r value_size,
-  // row_max[r], row_sum[r]) that all visit [key_begin, key_end): each
-  // 16-bit key and value is then widened once for all of them.
+  // row_max[r], row_sum[r]) that all visit [key_begin, key_end): each key
+  // and value is then read (and widened) once for all of them.
   void (*row_kernel)(const FlashTile& tile) = nullptr;
   // Set where `kernel` takes its keys and values as BF16 pairs (FlashTile's
   // key_pairs and value_pairs), null elsewhere. pair_keys: rows [0, count)
