@@ -7,7 +7,9 @@ heads; bench/make_service_model.py writes it) are opened one after the
 other, each with the same PROMPT-token prompt, then stepped STEPS one-token
 steps of its own, all kept open. Prints, per run: the time of the first
 opening (its prompt's step) and of the others (median, largest, and their
-ratio to the first), one session's pool bytes (the first, measured alone)
+ratio to the first), as the client saw it and as the server spent it
+(attention_request_duration_seconds, from the request parsed to the answer
+written), one session's pool bytes (the first, measured alone)
 and the pool's used, shared and cached bytes with every session open (and
 the used bytes over one session's), and the prompt tokens looked up and
 found; then whether every answer of the two runs is the same bit for bit.
@@ -64,6 +66,16 @@ def metrics(address):
     return values
 
 
+def request_seconds(address):
+    """The server's attention_request_duration_seconds_sum over every label
+    set: the time its calls took from the request parsed to the answer
+    written, without the transport or the client."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("attention_request_duration_seconds_sum"))
+
+
 def run(binary, directory, flags, args, prompt, tokens):
     """One server's run: its answers and figures."""
     import attention_client
@@ -71,15 +83,17 @@ def run(binary, directory, flags, args, prompt, tokens):
     try:
         client = attention_client.AttentionClient(address, timeout=600)
         client.attend(prompt[:, :1], model=MODEL)  # connection and first-call costs
-        sessions, answers, openings = [], [], []
+        sessions, answers, openings, served = [], [], [], []
         one_session = None
         for s in range(args.sessions):
             session = client.session(MODEL)
             session.__enter__()
             sessions.append(session)
+            server_before = request_seconds(metrics_address)
             start = time.perf_counter()
             answers.append(session.step(prompt).output)
             openings.append(time.perf_counter() - start)
+            served.append(request_seconds(metrics_address) - server_before)
             for t in range(args.steps):
                 answers.append(session.step(tokens[s][:, t:t + 1]).output)
             if s == 0:
@@ -87,20 +101,21 @@ def run(binary, directory, flags, args, prompt, tokens):
         figures = metrics(metrics_address)
         for session in sessions:
             session.close()
-        return answers, openings, one_session, figures
+        return answers, (openings, served), one_session, figures
     finally:
         process.terminate()
         process.wait()
 
 
-def report(name, openings, one_session, figures):
-    rest = openings[1:]
+def report(name, timings, one_session, figures):
     used = figures["attention_session_pool_used_bytes"]
     print(f"{name}:")
-    print(f"  first opening {openings[0] * 1e3:9.1f} ms; the others median "
-          f"{statistics.median(rest) * 1e3:9.1f} ms, largest {max(rest) * 1e3:9.1f} ms "
-          f"({statistics.median(rest) / openings[0]:.3f}x and {max(rest) / openings[0]:.3f}x "
-          f"the first)")
+    for what, times in zip(("at the client", "in the server"), timings):
+        rest = times[1:]
+        print(f"  {what}: first opening {times[0] * 1e3:9.1f} ms; the others median "
+              f"{statistics.median(rest) * 1e3:9.1f} ms, largest {max(rest) * 1e3:9.1f} ms "
+              f"({statistics.median(rest) / times[0]:.3f}x and {max(rest) / times[0]:.3f}x "
+              f"the first)")
     print(f"  one session {one_session / 2**20:8.1f} MiB; all open: used "
           f"{used / 2**20:8.1f} MiB ({used / one_session:.2f}x one session), shared "
           f"{figures['attention_session_pool_shared_bytes'] / 2**20:8.1f} MiB, cached "
