@@ -52,6 +52,8 @@ import time
 
 import numpy as np
 
+import bench_server
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATHS = ("cpp", "cpp-infer", "py", "py-qkv", "py-old", "py-infer", "node", "node-grpcjs", "node-old",
          "torch")
@@ -201,20 +203,15 @@ def measure(path, args, target, shape):
     return result["seconds"], result["cpu"]
 
 
-def start_server(args, scratch):
-    ports = os.path.join(scratch, "ports")
+def start_server(args):
+    """attention-server of --build, without OPENBLAS_CORETYPE and ATTENTION_ISA set: the
+    process and its gRPC address."""
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "ATTENTION_ISA")}
-    server = subprocess.Popen(
-        [os.path.join(args.build, "server", "attention-server"), "--address", "127.0.0.1:0",
-         "--http-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0", "--port-file", ports],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    give_up = time.monotonic() + 60
-    while not os.path.exists(ports):
-        if server.poll() is not None or time.monotonic() > give_up:
-            raise RuntimeError("attention-server did not start")
-        time.sleep(0.05)
-    with open(ports) as f:
-        return server, dict(line.split() for line in f.read().splitlines())["grpc"]
+    server, addresses = bench_server.start(
+        os.path.join(args.build, "server", "attention-server"),
+        flags=["--http-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0"], env=env,
+        timeout=60)
+    return server, addresses["grpc"]
 
 
 def print_table(shape, paths, seconds, rounds):
@@ -271,7 +268,7 @@ def main():
     print(f"CPU: {model}, {os.cpu_count()} CPUs; load average at start "
           f"{open('/proc/loadavg').read().split()[0]}")
     with tempfile.TemporaryDirectory() as scratch:
-        server, target = start_server(args, scratch)
+        server, target = start_server(args)
         args.old_node = {path: old_node_client(scratch, path) for path in paths if path in OLD_NODE_COMMITS}
         try:
             for shape in shapes:
@@ -282,8 +279,7 @@ def main():
                         seconds[path].append(measure(path, args, target, shape))
                 print_table(shape, paths, seconds, args.rounds)
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            bench_server.stop(server, timeout=60)
     print(f"load average at end {open('/proc/loadavg').read().split()[0]}")
 
 

@@ -5,6 +5,7 @@ import os, sys, tempfile, time, statistics
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np
 import attention_client
+import bench_server
 import session_decode as sd
 
 a, b, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -39,5 +40,4 @@ try:
             statistics.median(x[0] for x in res[name]), statistics.median(x[1] for x in res[name])))
 finally:
     for process, _ in servers.values():
-        process.terminate()
-        process.wait()
+        bench_server.stop(process)

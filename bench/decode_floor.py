@@ -13,30 +13,17 @@ per-call cost. Usage: decode_floor.py BUILD_DIR [ROUNDS]
 """
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
 import attention_client  # noqa: E402
+import bench_server  # noqa: E402
 import session_decode as sd  # noqa: E402
 
 STEPS = 512
-
-
-def start_bare(binary, directory):
-    ports = os.path.join(directory, "bare-ports")
-    process = subprocess.Popen([binary, "--address", "127.0.0.1:0", "--port-file", ports],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not os.path.exists(ports):
-        if process.poll() is not None:
-            raise SystemExit("bare-attention-server did not start")
-        time.sleep(0.05)
-    with open(ports) as f:
-        return process, dict(line.split() for line in f.read().splitlines())["grpc"]
 
 
 def per_call_us(pid, calls, run):
@@ -50,8 +37,8 @@ def main():
     directory = tempfile.mkdtemp(prefix="decode_floor.")
     ours, ours_address = sd.start_server(os.path.join(build, "server", "attention-server"),
                                          directory)
-    bare, bare_address = start_bare(os.path.join(build, "bench", "bare-attention-server"),
-                                    directory)
+    bare, bare_addresses = bench_server.start(os.path.join(build, "bench", "bare-attention-server"))
+    bare_address = bare_addresses["grpc"]
     tokens = np.random.default_rng(25).uniform(-1, 1, (1, STEPS, 512)).astype(np.float32)
     one = np.ones((1, 1, 1), np.float32)
     clients = {name: attention_client.AttentionClient(address, timeout=60)
@@ -90,8 +77,7 @@ def main():
               f" a {STEPS}-step decode: {median['step'] * STEPS / 1e6:.3f} s of server CPU")
     finally:
         for process in (ours, bare):
-            process.terminate()
-            process.wait()
+            bench_server.stop(process)
 
 
 if __name__ == "__main__":

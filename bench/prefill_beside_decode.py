@@ -37,6 +37,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+import bench_server  # noqa: E402
 from session_decode import start_server  # noqa: E402
 
 E, HEADS = 1024, 16
@@ -187,8 +188,7 @@ def main():
                 pipe.send(None)
                 child.join()
         finally:
-            process.terminate()
-            process.wait()
+            bench_server.stop(process)
 
 
 def report(pb, stub, args, server_flags, pipe):

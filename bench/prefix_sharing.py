@@ -32,25 +32,10 @@ import urllib.request
 
 import numpy as np
 
+import bench_server
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODEL = "mh_torch_e1024_h16"
-
-
-def start_server(binary, directory, flags):
-    """attention-server over `directory` (the model written there), its gRPC and metrics addresses."""
-    ports = os.path.join(directory, "ports")
-    process = subprocess.Popen([binary, "--address", "127.0.0.1:0",
-                                "--metrics-address", "127.0.0.1:0", "--http-address", "",
-                                "--model-repository", directory, "--port-file", ports, *flags],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not os.path.exists(ports):
-        if process.poll() is not None:
-            raise SystemExit("attention-server did not start")
-        time.sleep(0.05)
-    with open(ports) as f:
-        addresses = dict(line.split() for line in f.read().splitlines())
-    os.remove(ports)
-    return process, addresses["grpc"], addresses["metrics"]
 
 
 def metrics(address):
@@ -79,7 +64,9 @@ def request_seconds(address):
 def run(binary, directory, flags, args, prompt, tokens):
     """One server's run: its answers and figures."""
     import attention_client
-    process, address, metrics_address = start_server(binary, directory, flags)
+    process, addresses = bench_server.start(
+        binary, directory, ["--metrics-address", "127.0.0.1:0", "--http-address", "", *flags])
+    address, metrics_address = addresses["grpc"], addresses["metrics"]
     try:
         client = attention_client.AttentionClient(address, timeout=600)
         client.attend(prompt[:, :1], model=MODEL)  # connection and first-call costs
@@ -103,8 +90,7 @@ def run(binary, directory, flags, args, prompt, tokens):
             session.close()
         return answers, (openings, served), one_session, figures
     finally:
-        process.terminate()
-        process.wait()
+        bench_server.stop(process)
 
 
 def report(name, timings, one_session, figures):

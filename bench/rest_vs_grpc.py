@@ -19,9 +19,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
+
+import bench_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,18 +92,6 @@ def run_h2load(address, body, concurrency, seconds):
     return rps, float(median.rstrip("ums")) * scale
 
 
-def start_server(directory):
-    ports = os.path.join(directory, "ports")
-    server = subprocess.Popen([os.path.join(ROOT, "build", "server", "attention-server"),
-                               "--address", "127.0.0.1:0", "--http-address", "127.0.0.1:0",
-                               "--metrics-address", "", "--port-file", ports],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not os.path.exists(ports):
-        time.sleep(0.05)
-    with open(ports) as f:
-        return server, dict(line.split() for line in f.read().splitlines())
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -110,7 +99,9 @@ def main():
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         pb, pb_grpc = inference_pb(directory)
-        server, addresses = start_server(directory)
+        server, addresses = bench_server.start(
+            os.path.join(ROOT, "build", "server", "attention-server"),
+            flags=["--http-address", "127.0.0.1:0", "--metrics-address", ""])
         try:
             import grpc
             stub = pb_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(addresses["grpc"]))
@@ -137,8 +128,7 @@ def main():
                 print(f"{name}: REST/gRPC throughput {rps['rest'] / rps['grpc']:.2f}, "
                       f"p50 latency {p50['rest'] / p50['grpc']:.2f}x (medians of {args.rounds})")
         finally:
-            server.terminate()
-            server.wait()
+            bench_server.stop(server)
 
 
 if __name__ == "__main__":

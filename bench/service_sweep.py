@@ -37,9 +37,10 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
+
+import bench_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "bench", "results")
@@ -85,22 +86,10 @@ class Server:
 
     def __init__(self, binary, args):
         self.args = args
-        self._dir = tempfile.TemporaryDirectory(prefix="service_sweep_")
-        port_file = os.path.join(self._dir.name, "ports")
-        command = [binary, "--address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
-                   "--model-repository", os.path.join(REPO, "models"), "--port-file", port_file,
-                   "--log-level", "warn", *args]
-        self._process = subprocess.Popen(command)
-        deadline = time.monotonic() + 30
-        while not os.path.exists(port_file):
-            if self._process.poll() is not None:
-                raise RuntimeError(f"attention-server exited with {self._process.returncode}: {command}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"attention-server wrote no port file in 30 s: {command}")
-            time.sleep(0.05)
-        with open(port_file) as f:
-            addresses = dict(line.split() for line in f if line.strip())
+        self._process, addresses = bench_server.start(
+            binary, os.path.join(REPO, "models"),
+            ["--http-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
+             "--log-level", "warn", *args], stdout=None, stderr=None, timeout=30)
         self.target = addresses["grpc"]
         self.metrics_url = f"http://{addresses['metrics']}/metrics"
 
@@ -145,14 +134,7 @@ class Server:
         return values
 
     def stop(self):
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-        self._dir.cleanup()
+        bench_server.stop(self._process, timeout=30)
 
 
 def client_cpu_seconds():

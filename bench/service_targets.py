@@ -56,6 +56,8 @@ import tempfile
 import time
 import urllib.request
 
+import bench_server
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TOKEN_MODEL = "mh_torch_e1024_h16"
 
@@ -101,25 +103,16 @@ def machine():
 class Server:
     def __init__(self, build, repository, work, mode):
         self.mode = mode
-        port_file = work / f"ports_{mode}"
         self.log = open(work / f"server_{mode}.log", "w")
         if mode == BARE:
-            command = [str(build / "bench/bare-attention-server"), "--address", "127.0.0.1:0",
-                       "--port-file", str(port_file)]
+            binary, repository, flags = build / "bench/bare-attention-server", None, []
         else:
-            command = [str(build / "server/attention-server"), "--address", "127.0.0.1:0",
-                       "--http-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
-                       "--model-repository", str(repository),
-                       "--port-file", str(port_file), "--log-level", "warn", *MODES[mode]]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env=clean_env())
-        for _ in range(300):
-            if port_file.exists() and port_file.read_text().strip():
-                break
-            if self.process.poll() is not None:
-                sys.exit(f"attention-server ({mode}) exited; see {self.log.name}")
-            time.sleep(0.1)
-        ports = dict(line.split() for line in port_file.read_text().splitlines())
+            binary = build / "server/attention-server"
+            flags = ["--http-address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
+                     "--log-level", "warn", *MODES[mode]]
+        self.process, ports = bench_server.start(str(binary), repository, flags, env=clean_env(),
+                                                 stdout=self.log, stderr=subprocess.STDOUT,
+                                                 timeout=30)
         self.target, self.metrics = ports["grpc"], ports.get("metrics")
 
     def scrape(self):
@@ -151,8 +144,7 @@ class Server:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self):
-        self.process.terminate()
-        self.process.wait(timeout=60)
+        bench_server.stop(self.process, timeout=60)
         self.log.close()
 
 

@@ -24,6 +24,7 @@ import time
 import grpc
 import numpy as np
 
+import bench_server
 from rest_vs_grpc import inference_pb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,18 +42,9 @@ def start_server(binary, directory, flags=(), embed_dim=512, heads=8):
     subprocess.run([sys.executable, os.path.join(ROOT, "bench", "make_service_model.py"),
                     directory, "--embed-dim", str(embed_dim), "--heads", str(heads)], check=True,
                    stdout=subprocess.DEVNULL)
-    ports = os.path.join(directory, "ports")
-    process = subprocess.Popen([binary, "--address", "127.0.0.1:0", "--metrics-address", "",
-                                "--http-address", "", "--model-repository", directory,
-                                "--port-file", ports, *flags], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    while not os.path.exists(ports):
-        if process.poll() is not None:
-            raise SystemExit("attention-server did not start")
-        time.sleep(0.05)
-    with open(ports) as f:
-        address = dict(line.split() for line in f.read().splitlines())["grpc"]
-    return process, address
+    process, addresses = bench_server.start(
+        binary, directory, ["--metrics-address", "", "--http-address", "", *flags])
+    return process, addresses["grpc"]
 
 
 def measure(name, pid, run):
@@ -93,8 +85,7 @@ def main():
         try:
             run(args.steps, address, process.pid, pb, pb_grpc)
         finally:
-            process.terminate()
-            process.wait()
+            bench_server.stop(process)
 
 
 def run(steps, address, pid, pb, pb_grpc):

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 import attention_client
-from prefix_sharing import start_server
+import bench_server
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -64,10 +64,12 @@ def main():
     rows = rng.standard_normal((args.batch, total, args.dim), dtype=np.float32)
     held_bytes = total * args.batch * args.dim * 4
     with tempfile.TemporaryDirectory() as directory:
-        server, address, _ = start_server(
+        server, addresses = bench_server.start(
             str(args.build / "server" / "attention-server"), directory,
-            ["--session-memory-bytes", str(2 * held_bytes + (64 << 20)),
+            ["--metrics-address", "127.0.0.1:0", "--http-address", "",
+             "--session-memory-bytes", str(2 * held_bytes + (64 << 20)),
              "--max-session-length", "0"])
+        address = addresses["grpc"]
         try:
             with attention_client.AttentionClient(address) as client:
                 with client.session("dot_product", batch=args.batch, replay=False) as session:
@@ -79,8 +81,7 @@ def main():
                         answer = session.step(rows[:, t:t + 1])
                         times.append(time.perf_counter() - began)
         finally:
-            server.terminate()
-            server.wait()
+            bench_server.stop(server)
     error = np.abs(np.asarray(answer.output)[:, 0] - reference_last(rows, rows[:, -1])).max()
     step = statistics.median(times)
     # The median step reads the context as it stood half way through the steps.

@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 
+import bench_server
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 MODEL = "mh_torch_e1024_h16"
 SESSIONS = (1, 64)
@@ -94,20 +96,11 @@ def main():
         models.mkdir()
         subprocess.run(["/usr/bin/python3", str(REPO / "bench" / "make_service_model.py"),
                         str(models)], check=True, capture_output=True)
-        ports = pathlib.Path(work) / "ports"
-        server = subprocess.Popen(
-            [str(args.build / "server" / "attention-server"), "--address", "127.0.0.1:0",
-             "--metrics-address", "", "--http-address", "", "--model-repository", str(models),
-             "--port-file", str(ports)], env=env, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
+        server, addresses = bench_server.start(
+            str(args.build / "server" / "attention-server"), str(models),
+            ["--metrics-address", "", "--http-address", ""], env=env, timeout=60)
         try:
-            deadline = time.time() + 60
-            while not (ports.exists() and "grpc" in ports.read_text()):
-                if time.time() > deadline or server.poll() is not None:
-                    sys.exit("attention-server did not start")
-                time.sleep(0.2)
-            target = next(line.split()[1] for line in ports.read_text().splitlines()
-                          if line.startswith("grpc"))
+            target = addresses["grpc"]
             time.sleep(1)
             rounds = []
             for index in range(args.rounds):
@@ -121,8 +114,7 @@ def main():
                     f"{served[s]['tokens_per_s']:.0f} tokens/s" for s in SESSIONS),
                     file=sys.stderr, flush=True)
         finally:
-            server.terminate()
-            server.wait()
+            bench_server.stop(server)
     summary = {}
     for s in SESSIONS:
         engine = [r["engine"][s]["tokens_per_s"] for r in rounds]

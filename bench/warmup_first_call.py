@@ -23,7 +23,6 @@ import argparse
 import concurrent.futures
 import os
 import re
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -34,25 +33,19 @@ import grpc
 import numpy as np
 from attention_client import pb2, pb2_grpc
 
+import bench_server
+
 SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def start(warmup, threads, extra):
     work = tempfile.TemporaryDirectory()
-    ports = os.path.join(work.name, "ports")
     log = open(os.path.join(work.name, "log"), "wb")
-    process = subprocess.Popen(
-        [os.environ["ATTENTION_SERVER_BIN"], "--address", "127.0.0.1:0", "--metrics-address",
-         "127.0.0.1:0", "--http-address", "", "--port-file", ports, "--threads", str(threads),
-         "--model-repository", os.path.join(SOURCE_DIR, "models"), "--warmup", warmup, *extra],
-        stdout=log, stderr=subprocess.STDOUT)
-    while not os.path.exists(ports):
-        if process.poll() is not None:
-            raise RuntimeError("attention-server exited")
-        time.sleep(0.02)
-    with open(ports) as f:
-        addresses = dict(line.split() for line in f.read().splitlines())
+    process, addresses = bench_server.start(
+        os.environ["ATTENTION_SERVER_BIN"], os.path.join(SOURCE_DIR, "models"),
+        ["--metrics-address", "127.0.0.1:0", "--http-address", "", "--threads", str(threads),
+         "--warmup", warmup, *extra], stdout=log, stderr=subprocess.STDOUT)
     return work, log, process, addresses
 
 
@@ -134,8 +127,7 @@ def run(warmup, args, request):
                 "faults": bursts[0][3], "steady_faults": steady[3],
                 "batcher_faults": bursts[0][4], "steady_batcher_faults": steady[4]}
     finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
+        bench_server.stop(process, timeout=60)
         log.close()
         work.cleanup()
 

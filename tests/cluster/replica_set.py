@@ -20,10 +20,9 @@ backends.sh), e.g. an older one, to show what a test measures against it.
 """
 
 import os
-import random
 import signal
-import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -35,6 +34,8 @@ from workload import edge_servers, wait_until
 SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EDGE_DIR = os.environ.get("ATTENTION_CLUSTER_EDGE_DIR") or os.path.join(SOURCE_DIR, "deploy", "edge")
 RUN_SH = os.path.join(EDGE_DIR, "run.sh")
+sys.path.insert(0, os.path.join(SOURCE_DIR, "tests", "support"))
+from ports import free_port  # noqa: E402
 
 
 class Replica(NamedTuple):
@@ -42,26 +43,6 @@ class Replica(NamedTuple):
     pid: int
     grpc_address: str
     metrics_address: str
-
-
-def free_port(host="127.0.0.1"):
-    """A port nothing listens on, below the kernel's ephemeral range when it
-    can: a port the kernel picks (bind to 0) comes from that range, and may
-    become the source port of one of the test's own connections before the
-    listener it was picked for binds it."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        ephemeral_low = int(f.read().split()[0])
-    candidates = range(10000, ephemeral_low)
-    for port in random.sample(candidates, min(200, len(candidates))):
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def end(process, sig=signal.SIGTERM, seconds=60):

@@ -31,6 +31,9 @@ import time
 import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests", "support"))
+from ports import free_port  # noqa: E402
+
 K8S = os.path.join(REPO, "deploy/k8s")
 EDGE = os.path.join(REPO, "deploy/edge")
 # Where the Dockerfile puts deploy/edge/ in the image.
@@ -302,12 +305,6 @@ def check_edge_configs(documents, checks):
         checks.expect(ok, f"{name}: haproxy -c accepts its configuration" + ("" if ok else f"\n{output}"))
         ok, _ = haproxy_check(command, env, "\nbackend attention\n    server extra 127.0.0.1:1\n")
         checks.expect(not ok, f"{name}: haproxy -c rejects it with a backend defined twice")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def haproxy_cli(path, command):

@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,9 @@ import urllib.request
 import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests", "support"))
+from ports import free_port  # noqa: E402
+
 DASHBOARD = os.path.join(REPO, "deploy/compose/grafana/dashboards/attention-service.json")
 ALERTS = os.path.join(REPO, "deploy/compose/alerts.yml")
 ADAPTER = os.path.join(REPO, "deploy/k8s/prometheus-adapter-values.yaml")
@@ -47,12 +49,6 @@ GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model": ".*", "$instance": ".*"
 
 class Failure(Exception):
     pass
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Processes:

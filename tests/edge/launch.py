@@ -15,18 +15,15 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
 SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_SH = os.path.join(SOURCE_DIR, "deploy", "edge", "run.sh")
 NGINX_CONF = os.path.join(SOURCE_DIR, "tests", "edge", "nginx-comparison.conf")
-
-
-def free_port(host="127.0.0.1"):
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.join(SOURCE_DIR, "tests", "support"))
+from ports import free_port  # noqa: E402
 
 
 def wait_for(predicate, what, process, seconds=60):
