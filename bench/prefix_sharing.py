@@ -38,12 +38,16 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 MODEL = "mh_torch_e1024_h16"
 
 
+def metrics_lines(address):
+    """The lines of the server's /metrics."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        return response.read().decode().splitlines()
+
+
 def metrics(address):
     """The unlabelled samples of the server's /metrics, by name."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
-        text = response.read().decode()
     values = {}
-    for line in text.splitlines():
+    for line in metrics_lines(address):
         if line.startswith("#") or "{" in line:
             continue
         name, _, value = line.partition(" ")
@@ -55,9 +59,7 @@ def request_seconds(address):
     """The server's attention_request_duration_seconds_sum over every label
     set: the time its calls took from the request parsed to the answer
     written, without the transport or the client."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+    return sum(float(line.rpartition(" ")[2]) for line in metrics_lines(address)
                if line.startswith("attention_request_duration_seconds_sum"))
 
 
