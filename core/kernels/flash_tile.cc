@@ -331,7 +331,11 @@ constexpr int64_t kPrefetchKeys = 16;
 // for the row kernels: the hardware prefetchers stay within a page and
 // restart at each block, so without it a block's first rows, and at 16 bits
 // most rows, wait on memory. Rows past the tile's keys are prefetched from
-// the next block when the caller gave it.
+// the next block when the caller gave it. Only each row's own elements: a
+// row stride may span every head's row (a request's [T, heads x d] keys).
+// HWY_INLINE, not plain inline: GCC 12 takes a function whose only effect is
+// prefetching for one with no effect, and drops the calls it does not
+// inline.
 template <typename T>
 HWY_INLINE void PrefetchRows(const FlashTile& t, const T* keys, const T* values, int64_t key,
                              int64_t count) {
@@ -347,8 +351,11 @@ HWY_INLINE void PrefetchRows(const FlashTile& t, const T* keys, const T* values,
   } else {
     return;
   }
-  for (int64_t c = 0; c < count * t.key_stride; c += 64 / sizeof(T)) hwy::Prefetch(k + c);
-  for (int64_t c = 0; c < count * t.value_stride; c += 64 / sizeof(T)) hwy::Prefetch(v + c);
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t r = 0; r < count; ++r) {
+    for (int64_t c = 0; c < t.head_size; c += kLine) hwy::Prefetch(k + r * t.key_stride + c);
+    for (int64_t c = 0; c < t.value_size; c += kLine) hwy::Prefetch(v + r * t.value_stride + c);
+  }
 }
 
 // FlashRowImpl over keys and values held as T.
