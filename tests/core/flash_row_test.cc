@@ -57,27 +57,41 @@ std::vector<float> Uniform(std::mt19937& rng, int64_t count) {
   return data;
 }
 
-// The largest error of the kernel's normalised outputs against float64,
-// with the keys visited in calls [0, split) and [split, keys).
-double RowKernelError(const RowProblem& p, int64_t split, std::mt19937& rng) {
-  const FlashTilePath path = FlashTilePathFor(ActiveIsa());
-  const int64_t key_stride = p.head_size + 5, value_stride = p.value_size + 3;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(p.head_size));
-  std::vector<float> queries = Uniform(rng, p.rows * p.head_size);
-  for (float& q : queries) q = static_cast<float>(q * scale);
-  const HeldRows keys = Hold(p.dtype, Uniform(rng, p.keys * key_stride));
-  const HeldRows values = Hold(p.dtype, Uniform(rng, p.keys * value_stride));
-  const std::vector<float> bias = Uniform(rng, p.keys);
+// A problem's data: scale * q per row, keys and values as held (row strides
+// wider than the rows), key biases.
+struct RowData {
+  int64_t key_stride, value_stride;
+  std::vector<float> queries;
+  HeldRows keys, values;
+  std::vector<float> bias;
+};
 
+RowData MakeData(const RowProblem& p, std::mt19937& rng) {
+  RowData data;
+  data.key_stride = p.head_size + 5;
+  data.value_stride = p.value_size + 3;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(p.head_size));
+  data.queries = Uniform(rng, p.rows * p.head_size);
+  for (float& q : data.queries) q = static_cast<float>(q * scale);
+  data.keys = Hold(p.dtype, Uniform(rng, p.keys * data.key_stride));
+  data.values = Hold(p.dtype, Uniform(rng, p.keys * data.value_stride));
+  data.bias = Uniform(rng, p.keys);
+  return data;
+}
+
+// The row kernel's normalised outputs (rows x value_size), its keys visited
+// in calls [0, split) and [split, keys), each pointed at its own first key
+// as a paged problem's blocks are.
+std::vector<float> RunRowKernel(const RowProblem& p, const RowData& data, int64_t split) {
   std::vector<float> accumulator(p.rows * p.value_size), row_max(p.rows), row_sum(p.rows);
   std::vector<float> scores(kFlashKeyTile * kFlashQueryTile), rescale(kFlashQueryTile);
   std::vector<float> bounds(kFlashQueryTile, static_cast<float>(p.keys));
   FlashTile tile;
-  tile.queries_t = queries.data();
-  tile.key_bias = p.bias ? bias.data() : nullptr;
+  tile.queries_t = data.queries.data();
+  tile.key_bias = p.bias ? data.bias.data() : nullptr;
   tile.bounds = bounds.data();
-  tile.key_stride = key_stride;
-  tile.value_stride = value_stride;
+  tile.key_stride = data.key_stride;
+  tile.value_stride = data.value_stride;
   tile.head_size = p.head_size;
   tile.value_size = p.value_size;
   tile.rows = p.rows;
@@ -87,16 +101,14 @@ double RowKernelError(const RowProblem& p, int64_t split, std::mt19937& rng) {
   tile.scores = scores.data();
   tile.rescale = rescale.data();
   tile.kv_dtype = p.dtype;
-  // Each call's keys from its first key on, as a paged problem's blocks.
+  const bool wide = p.dtype == KvDtype::kFloat32;
   const auto point_at = [&](int64_t first, const void** k, const void** v) {
-    if (p.dtype == KvDtype::kFloat32) {
-      *k = keys.floats.data() + first * key_stride;
-      *v = values.floats.data() + first * value_stride;
-    } else {
-      *k = keys.bits.data() + first * key_stride;
-      *v = values.bits.data() + first * value_stride;
-    }
+    *k = wide ? static_cast<const void*>(data.keys.floats.data() + first * data.key_stride)
+              : data.keys.bits.data() + first * data.key_stride;
+    *v = wide ? static_cast<const void*>(data.values.floats.data() + first * data.value_stride)
+              : data.values.bits.data() + first * data.value_stride;
   };
+  const FlashTilePath path = FlashTilePathFor(ActiveIsa());
   for (const auto& [begin, end] : {std::pair{int64_t{0}, split}, std::pair{split, p.keys}}) {
     if (begin == end) continue;
     const void *k, *v;
@@ -105,34 +117,52 @@ double RowKernelError(const RowProblem& p, int64_t split, std::mt19937& rng) {
     tile.values = static_cast<const float*>(v);
     tile.keys16 = static_cast<const uint16_t*>(k);
     tile.values16 = static_cast<const uint16_t*>(v);
-    tile.key_base = begin;
-    tile.key_begin = begin;
+    tile.key_base = tile.key_begin = begin;
     tile.key_end = end;
     tile.next_keys = tile.next_values = nullptr;
     if (end < p.keys) point_at(end, &tile.next_keys, &tile.next_values);
     path.row_kernel(tile);
   }
-
-  double error = 0;
   for (int64_t r = 0; r < p.rows; ++r) {
-    std::vector<double> s(p.keys);
+    for (int64_t c = 0; c < p.value_size; ++c) accumulator[r * p.value_size + c] /= row_sum[r];
+  }
+  return accumulator;
+}
+
+// softmax(q k^T + bias) v in float64 over the rows as held, rows x value_size.
+std::vector<double> Reference(const RowProblem& p, const RowData& data) {
+  std::vector<double> out(p.rows * p.value_size);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    std::vector<double> weights(p.keys);
     for (int64_t j = 0; j < p.keys; ++j) {
-      double dot = p.bias ? bias[j] : 0.0;
+      double dot = p.bias ? data.bias[j] : 0.0;
       for (int64_t c = 0; c < p.head_size; ++c) {
-        dot += double{queries[r * p.head_size + c]} * keys.floats[j * key_stride + c];
+        dot += double{data.queries[r * p.head_size + c]} *
+               data.keys.floats[j * data.key_stride + c];
       }
-      s[j] = dot;
+      weights[j] = dot;
     }
-    const double max = *std::max_element(s.begin(), s.end());
+    const double max = *std::max_element(weights.begin(), weights.end());
     double sum = 0;
-    for (double& x : s) sum += (x = std::exp(x - max));
+    for (double& w : weights) sum += (w = std::exp(w - max));
     for (int64_t c = 0; c < p.value_size; ++c) {
-      double want = 0;
-      for (int64_t j = 0; j < p.keys; ++j) want += s[j] * values.floats[j * value_stride + c];
-      const double got = accumulator[r * p.value_size + c] / row_sum[r];
-      error = std::max(error, std::abs(got - want / sum));
+      double total = 0;
+      for (int64_t j = 0; j < p.keys; ++j) {
+        total += weights[j] * data.values.floats[j * data.value_stride + c];
+      }
+      out[r * p.value_size + c] = total / sum;
     }
   }
+  return out;
+}
+
+// The largest error of the kernel's outputs against float64.
+double RowKernelError(const RowProblem& p, int64_t split, std::mt19937& rng) {
+  const RowData data = MakeData(p, rng);
+  const std::vector<float> got = RunRowKernel(p, data, split);
+  const std::vector<double> want = Reference(p, data);
+  double error = 0;
+  for (size_t i = 0; i < got.size(); ++i) error = std::max(error, std::abs(got[i] - want[i]));
   return error;
 }
 
