@@ -6,9 +6,13 @@
 // left.
 //
 // Every decision is taken under mu_ and acted on after it is released (see
-// Progress()), which is what makes the lifetime rule safe: once Finish() is
-// decided nothing else touches the reactor, and the subclass's OnDone()
-// deletes it.
+// Progress()). The lifetime rule: once Finish() is called nothing touches the
+// reactor, because the subclass's OnDone() deletes it. gRPC runs OnDone only
+// after every reaction (OnReadDone, OnWriteDone, OnCancel) has returned, but
+// nothing holds it back for a call from another thread (Answered(),
+// Withdrawn(), End() from a worker or the session table). So such a call
+// changes the state in the same critical section that counts it acting, and
+// Finish() is decided only by the last actor to leave.
 #pragma once
 
 #include <cstddef>
@@ -18,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
 
@@ -53,21 +58,15 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   }
 
   void OnWriteDone(bool ok) override {
-    {
-      absl::MutexLock lock(&mu_);
+    Progress([&] {
       writing_ = false;
       slots_.pop_front();
       if (!ok) broken_ = true;  // the client is gone; answers left are dropped
-    }
-    Progress();
+    });
   }
 
   void OnCancel() override {
-    {
-      absl::MutexLock lock(&mu_);
-      broken_ = true;
-    }
-    Progress();
+    Progress([&] { broken_ = true; });
   }
 
  protected:
@@ -76,23 +75,17 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   virtual void Submit(Slot& slot) = 0;
 
   void Answered(Slot& slot) {
-    {
-      absl::MutexLock lock(&mu_);
-      slot.answered = true;
-    }
-    Progress();
+    Progress([&] { slot.answered = true; });
   }
 
   // As Answered(), for a request that gets no answer of its own: its place
   // is skipped, and the status End() gives the stream stands for it (a step
   // of a session the server ended before the step began).
   void Withdrawn(Slot& slot) {
-    {
-      absl::MutexLock lock(&mu_);
+    Progress([&] {
       slot.answered = true;
       withdrawn_.insert(&slot);
-    }
-    Progress();
+    });
   }
 
   // Ends the call before it reads anything; only a stream's opening calls it.
@@ -107,24 +100,23 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   // Stops reading and finishes the call with `status` once the answers of
   // the requests read so far are written (a session the server ended).
   void End(const grpc::Status& status) {
-    {
-      absl::MutexLock lock(&mu_);
+    Progress([&] {
       ending_ = true;
       end_status_ = status;
-    }
-    Progress();
+    });
   }
 
-  // Starts whatever the state allows: the next write, the next read, or
-  // Finish() once every answer is out.
-  void Progress() {
+  // Applies `change` to the state under mu_, then starts whatever the state
+  // allows: the next write, the next read, or Finish() once every answer is
+  // out and no other thread is acting on the reactor.
+  void Progress(absl::FunctionRef<void()> change = [] {}) {
     const grpc::ByteBuffer* write = nullptr;
     grpc::ByteBuffer* read = nullptr;
-    bool finish = false;
-    grpc::Status status;
     {
       absl::MutexLock lock(&mu_);
+      change();
       if (finished_) return;
+      ++acting_;
       if (!writing_) {
         while (!slots_.empty() && slots_.front()->answered &&
                (broken_ || withdrawn_.contains(slots_.front().get()))) {
@@ -142,17 +134,23 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
         incoming_ = std::make_unique<Slot>();
         read = &incoming_->wire_request;
       }
+    }
+    if (write != nullptr) this->StartWrite(write);
+    if (read != nullptr) this->StartRead(read);
+    bool finish = false;
+    grpc::Status status;
+    {
+      absl::MutexLock lock(&mu_);
+      --acting_;
       // An ending stream does not wait for its read in flight: its client
       // may be waiting for answers before it sends more.
-      if ((!reading_ || ending_) && !writing_ && slots_.empty() &&
+      if (acting_ == 0 && (!reading_ || ending_) && !writing_ && slots_.empty() &&
           (reads_done_ || broken_ || ending_)) {
         finished_ = true;
         finish = true;
         status = ending_ && !broken_ ? end_status_ : grpc::Status::OK;
       }
     }
-    if (write != nullptr) this->StartWrite(write);
-    if (read != nullptr) this->StartRead(read);
     if (finish) this->Finish(status);
   }
 
@@ -170,6 +168,7 @@ class OrderedStream : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool ending_ ABSL_GUARDED_BY(mu_) = false;  // End() was called
+  int acting_ ABSL_GUARDED_BY(mu_) = 0;       // Progress() calls between their two sections
   grpc::Status end_status_ ABSL_GUARDED_BY(mu_);
 };
 
