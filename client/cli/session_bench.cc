@@ -3,6 +3,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <random>
@@ -39,6 +40,27 @@ SessionRequest StepRequest(int tokens, int64_t dim, std::mt19937& rng) {
   return request;
 }
 
+// Distinct step requests a session cycles through, at most, and the bytes
+// of rows all sessions' requests may hold together (at least one request
+// each). They are made before the clock starts, so that the client's CPU
+// over the run is what any client spends on a step (writing, sending,
+// waiting, reading), not drawing a token's normal values.
+constexpr int64_t kStepRequests = 8;
+constexpr int64_t kStepRequestBytes = int64_t{64} << 20;
+
+std::vector<SessionRequest> StepRequests(const SessionBenchOptions& options, int64_t dim,
+                                         int seed) {
+  const int64_t bytes = int64_t{options.tokens_per_step} * dim * sizeof(float) * options.sessions;
+  const int64_t count = std::clamp<int64_t>(kStepRequestBytes / std::max<int64_t>(bytes, 1), 1,
+                                            std::min<int64_t>(kStepRequests, options.steps));
+  std::mt19937 rng(seed);
+  std::vector<SessionRequest> requests;
+  for (int64_t i = 0; i < count; ++i) {
+    requests.push_back(StepRequest(options.tokens_per_step, dim, rng));
+  }
+  return requests;
+}
+
 // User plus system CPU of this process so far.
 absl::Duration ProcessCpu() {
   rusage usage{};
@@ -51,8 +73,8 @@ absl::StatusCode CodeOf(const SessionResponse& response) {
 }
 
 // Opens one session and steps it; every failure is tallied, not raised.
-void RunOneSession(AttentionClient& client, const SessionBenchOptions& options, int64_t dim,
-                   int seed, SessionTally& tally) {
+void RunOneSession(AttentionClient& client, const SessionBenchOptions& options,
+                   const std::vector<SessionRequest>& steps, SessionTally& tally) {
   grpc::ClientContext context;
   auto stream = client.AttendSession(context);
   SessionRequest open;
@@ -65,9 +87,8 @@ void RunOneSession(AttentionClient& client, const SessionBenchOptions& options, 
     static_cast<void>(stream->Finish());
     return;
   }
-  std::mt19937 rng(seed);
   for (int step = 0; step < options.steps; ++step) {
-    const SessionRequest request = StepRequest(options.tokens_per_step, dim, rng);
+    const SessionRequest& request = steps[step % steps.size()];
     const auto start = std::chrono::steady_clock::now();
     if (!stream->Write(request) || !stream->Read(&response)) {
       ++tally.errors_by_code[absl::StatusCode::kUnavailable];
@@ -104,12 +125,14 @@ SessionBenchResult RunSessions(AttentionClient& client, const SessionBenchOption
                                int64_t model_query_size) {
   const int64_t dim = model_query_size > 0 ? model_query_size : options.dim;
   std::vector<SessionTally> tallies(options.sessions);
+  std::vector<std::vector<SessionRequest>> steps;
+  for (int s = 0; s < options.sessions; ++s) steps.push_back(StepRequests(options, dim, s + 1));
   const absl::Duration cpu_start = ProcessCpu();
   const absl::Time start = absl::Now();
   {
     std::vector<std::jthread> threads;
     for (int s = 0; s < options.sessions; ++s) {
-      threads.emplace_back([&, s] { RunOneSession(client, options, dim, s + 1, tallies[s]); });
+      threads.emplace_back([&, s] { RunOneSession(client, options, steps[s], tallies[s]); });
     }
   }
   SessionBenchResult result;

@@ -3,7 +3,8 @@
 // that opens, then sends `steps` steps of `tokens_per_step` new rows one
 // after another, each once the one before is answered. Measures steps and
 // tokens per second over the whole run and each step's latency, from its
-// send to its answer.
+// send to its answer. Each session cycles through a few step requests made
+// before the run, so the client's CPU is its calls', not its random rows'.
 //
 //   SessionBenchResult r = RunSessions(client, {.model = "m", .sessions = 64});
 #pragma once
