@@ -16,9 +16,9 @@ The model is bench/make_service_model.py's nn.MultiheadAttention(1024, 16)
 
 for S in 1 and 64, after two unmeasured server passes of 64 sessions that
 warm the fresh server's memory. Reported per S: tokens/s (median over
-rounds, and each round's), the server's CPU per token (/proc), the client's, and the step
-latency p50 / p99; the server's tokens/s over the engine's, taken within
-each round, and its median. --json writes everything; bench/plot_report.py
+rounds, and each round's), the server's CPU per token (/proc), the
+client's, and the step latency p50 / p99; the server's tokens/s over the
+engine's, taken within each round, and its median. --json writes everything; bench/plot_report.py
 draws bench/figures/sessions.png from it.
 
   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE /usr/bin/python3 bench/session_scaling.py \\
