@@ -276,6 +276,91 @@ HWY_INLINE void RowScoreKeys(const FlashTile& t, const T* keys, int64_t key, flo
   }
 }
 
+// Lane i of the result = the sum of v[i]'s lanes, for as many vectors as a
+// vector has lanes (v is overwritten): a transposing tree of adds, 45
+// instructions for AVX-512's 16 sums where 16 SumOfLanes take some 150.
+// Pairs of vectors are interleaved by floats, then by pairs of floats, so
+// each 128-bit block holds four sources' partial sums; then halves and
+// adjacent blocks are added.
+HWY_INLINE V SumsOfLanes(V* v) {
+#if HWY_TARGET == HWY_SCALAR
+  return v[0];
+#else
+  const D d;
+  constexpr size_t n = HWY_LANES(float);
+  for (size_t i = 0; i < n / 2; ++i) {
+    v[i] = hn::Add(hn::InterleaveLower(d, v[2 * i], v[2 * i + 1]),
+                   hn::InterleaveUpper(d, v[2 * i], v[2 * i + 1]));
+  }
+  const hn::Repartition<double, D> dd;
+  for (size_t i = 0; i < n / 4; ++i) {
+    const auto a = hn::BitCast(dd, v[2 * i]);
+    const auto b = hn::BitCast(dd, v[2 * i + 1]);
+    v[i] = hn::Add(hn::BitCast(d, hn::InterleaveLower(dd, a, b)),
+                   hn::BitCast(d, hn::InterleaveUpper(dd, a, b)));
+  }
+  if constexpr (n >= 8) {
+    // Vector i's blocks hold sources 4i..4i+3. Adding halves pairs vector
+    // i with i + n/8: for 8 lanes that is the result; for 16, vector 0
+    // then holds sources 0-3 in its lower half and 8-11 in its upper,
+    // vector 1 sources 4-7 and 12-15, and the last step adds adjacent
+    // blocks into that order.
+    for (size_t i = 0; i < n / 8; ++i) {
+      v[i] = hn::Add(hn::ConcatLowerLower(d, v[i + n / 8], v[i]),
+                     hn::ConcatUpperUpper(d, v[i + n / 8], v[i]));
+    }
+  }
+  if constexpr (n == 16) {
+    v[0] = hn::Add(hn::OddEvenBlocks(hn::SwapAdjacentBlocks(v[1]), v[0]),
+                   hn::OddEvenBlocks(v[1], hn::SwapAdjacentBlocks(v[0])));
+  }
+  return v[0];
+#endif
+}
+
+// Query rows a score block holds (three as four) and its keys: as many
+// products as a vector has lanes, one accumulator each.
+template <int R>
+constexpr int64_t BlockKeys() {
+  return static_cast<int64_t>(HWY_LANES(float)) / (R == 3 ? 4 : R);
+}
+
+// Scores of keys [key, key + BlockKeys<R>()) (key = tile_key + j0) for R
+// query rows laid out as rows, into row r's scores of the key tile at
+// tile_key (scores + r * kFlashKeyTile + j0); head_size a multiple of the
+// vector's lanes. Every (row, key) product has its own accumulator, so the
+// FMAs run at the ports' rate rather than their latency, each key vector
+// is loaded (and widened) once for all rows, and the sums take one
+// SumsOfLanes for the block.
+template <int R, typename T>
+HWY_INLINE void RowsScoreBlock(const FlashTile& t, const T* keys, int64_t tile_key, int64_t j0) {
+  constexpr size_t n = HWY_LANES(float);
+  constexpr int64_t K = BlockKeys<R>();
+  const D d;
+  const int64_t key = tile_key + j0;
+  const T* k = keys + (key - t.key_base) * t.key_stride;
+  V acc[n];
+  HWY_UNROLL(16) for (size_t i = 0; i < n; ++i) acc[i] = hn::Zero(d);
+  for (int64_t c = 0; c < t.head_size; c += static_cast<int64_t>(n)) {
+    V kc[K];
+    HWY_UNROLL(16) for (int64_t i = 0; i < K; ++i) kc[i] = LoadKv(d, k + i * t.key_stride + c);
+    HWY_UNROLL(4) for (int r = 0; r < R; ++r) {
+      const V q = hn::LoadU(d, t.queries_t + r * t.head_size + c);
+      HWY_UNROLL(16) for (int64_t i = 0; i < K; ++i) {
+        acc[r * K + i] = hn::MulAdd(kc[i], q, acc[r * K + i]);
+      }
+    }
+  }
+  alignas(64) float sums[n];
+  hn::Store(SumsOfLanes(acc), d, sums);
+  for (int r = 0; r < R; ++r) {
+    float* scores = t.scores + r * kFlashKeyTile + j0;
+    for (int64_t i = 0; i < K; ++i) {
+      scores[i] = t.key_bias != nullptr ? sums[r * K + i] + t.key_bias[key + i] : sums[r * K + i];
+    }
+  }
+}
+
 // acc[col..] = rescale acc + sum_j p_j v_j[col..] over C vectors of value
 // columns, for the one query row; the first key tile starts from zero.
 template <int C, typename T>
@@ -327,6 +412,21 @@ HWY_INLINE void RowAccumulate(const FlashTile& t, const T* values, int64_t key, 
 // Keys ahead of the one being read whose rows the row kernels prefetch.
 constexpr int64_t kPrefetchKeys = 16;
 
+// The cache lines of `rows` rows of `width` elements, `stride` apart: one
+// run when the rows are contiguous, as a session block's rows of one kv
+// head are, so the loop costs little more than its prefetches.
+template <typename T>
+HWY_INLINE void PrefetchLines(const T* p, int64_t rows, int64_t width, int64_t stride) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  if (stride == width) {
+    HWY_UNROLL(4) for (int64_t c = 0; c < rows * width; c += kLine) hwy::Prefetch(p + c);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < width; c += kLine) hwy::Prefetch(p + r * stride + c);
+  }
+}
+
 // The rows of keys and values [key, key + count) kPrefetchKeys keys ahead,
 // for the row kernels: the hardware prefetchers stay within a page and
 // restart at each block, so without it a block's first rows, and at 16 bits
@@ -351,10 +451,10 @@ HWY_INLINE void PrefetchRows(const FlashTile& t, const T* keys, const T* values,
   } else {
     return;
   }
-  constexpr int64_t kLine = 64 / sizeof(T);
-  for (int64_t r = 0; r < count; ++r) {
-    for (int64_t c = 0; c < t.head_size; c += kLine) hwy::Prefetch(k + r * t.key_stride + c);
-    for (int64_t c = 0; c < t.value_size; c += kLine) hwy::Prefetch(v + r * t.value_stride + c);
+  PrefetchLines(k, count, t.head_size, t.key_stride);
+  // A session whose rows are its keys and values holds them once.
+  if (v != k || t.value_stride != t.key_stride || t.value_size > t.head_size) {
+    PrefetchLines(v, count, t.value_size, t.value_stride);
   }
 }
 
@@ -368,6 +468,12 @@ void FlashRowOf(const FlashTile& t, const T* keys_held, const T* values_held) {
   for (int64_t key = t.key_begin; key < t.key_end; key += kFlashKeyTile) {
     const int64_t keys = t.key_end - key < kFlashKeyTile ? t.key_end - key : kFlashKeyTile;
     int64_t j = 0;
+    if (t.head_size % n == 0) {
+      for (; j + BlockKeys<1>() <= keys; j += BlockKeys<1>()) {
+        PrefetchRows(t, keys_held, values_held, key + j, BlockKeys<1>());
+        RowsScoreBlock<1>(t, keys_held, key, j);
+      }
+    }
     // Eight keys at a time: eight independent chains of FMAs cover their
     // latency on two ports.
     for (; j + 8 <= keys; j += 8) {
@@ -433,38 +539,51 @@ HWY_INLINE void RowsScorePair(const FlashTile& t, const T* keys, int64_t tile_ke
   }
 }
 
-// The output columns of one key tile for R query rows, each value vector
-// widened once for every row; row r's P at scores + r * kFlashKeyTile.
+// Row r's output columns [col, col + C n) of one key tile for R query rows
+// (its P at scores + r * kFlashKeyTile), each value vector widened once
+// for every row.
+template <int R, int C, typename T>
+HWY_INLINE void RowsAccumulateColumns(const FlashTile& t, const T* v, int64_t key, int64_t keys,
+                                      const float* rescale, int64_t col) {
+  const D d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  V a[R][C];
+  for (int r = 0; r < R; ++r) {
+    float* acc = t.accumulator_t + r * t.value_size + col;
+    for (int c = 0; c < C; ++c) {
+      a[r][c] = key == 0 ? hn::Zero(d) : hn::Mul(hn::LoadU(d, acc + c * n), hn::Set(d, rescale[r]));
+    }
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    V vc[C];
+    HWY_UNROLL(4) for (int c = 0; c < C; ++c) vc[c] = LoadKv(d, v + j * t.value_stride + col + c * n);
+    HWY_UNROLL(4) for (int r = 0; r < R; ++r) {
+      const V p = hn::Set(d, t.scores[r * kFlashKeyTile + j]);
+      HWY_UNROLL(4) for (int c = 0; c < C; ++c) a[r][c] = hn::MulAdd(p, vc[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* acc = t.accumulator_t + r * t.value_size + col;
+    for (int c = 0; c < C; ++c) hn::StoreU(a[r][c], d, acc + c * n);
+  }
+}
+
+// The output columns of one key tile for R query rows: as many vectors of
+// columns at a time as leave one accumulator per (row, vector) within
+// AVX-512's 16 or AVX2's 8 (so a key's FMAs run at the ports' rate), then
+// one vector, then single columns.
 template <int R, typename T>
 HWY_INLINE void RowsAccumulate(const FlashTile& t, const T* values, int64_t key, int64_t keys,
                                const float* rescale) {
-  const D d;
-  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
-  constexpr int C = 2;
+  constexpr int kAccumulators = HWY_LANES(float) >= 16 ? 16 : 8;
+  constexpr int C = R == 1 ? 8 : kAccumulators / R >= 4 ? 4 : kAccumulators / R >= 2 ? 2 : 1;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(D()));
   const T* v = values + (key - t.key_base) * t.value_stride;
   int64_t col = 0;
   for (; col + C * n <= t.value_size; col += C * n) {
-    V a[R][C];
-    for (int r = 0; r < R; ++r) {
-      float* acc = t.accumulator_t + r * t.value_size + col;
-      for (int c = 0; c < C; ++c) {
-        a[r][c] = key == 0 ? hn::Zero(d)
-                           : hn::Mul(hn::LoadU(d, acc + c * n), hn::Set(d, rescale[r]));
-      }
-    }
-    for (int64_t j = 0; j < keys; ++j) {
-      V vc[C];
-      for (int c = 0; c < C; ++c) vc[c] = LoadKv(d, v + j * t.value_stride + col + c * n);
-      for (int r = 0; r < R; ++r) {
-        const V p = hn::Set(d, t.scores[r * kFlashKeyTile + j]);
-        for (int c = 0; c < C; ++c) a[r][c] = hn::MulAdd(p, vc[c], a[r][c]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      float* acc = t.accumulator_t + r * t.value_size + col;
-      for (int c = 0; c < C; ++c) hn::StoreU(a[r][c], d, acc + c * n);
-    }
+    RowsAccumulateColumns<R, C>(t, v, key, keys, rescale, col);
   }
+  for (; col + n <= t.value_size; col += n) RowsAccumulateColumns<R, 1>(t, v, key, keys, rescale, col);
   for (; col < t.value_size; ++col) {
     for (int r = 0; r < R; ++r) {
       float* acc = t.accumulator_t + r * t.value_size + col;
@@ -488,7 +607,17 @@ void FlashRowsOf(const FlashTile& t, const T* keys_held, const T* values_held) {
   constexpr float kLowest = std::numeric_limits<float>::lowest();
   for (int64_t key = t.key_begin; key < t.key_end; key += kFlashKeyTile) {
     const int64_t keys = t.key_end - key < kFlashKeyTile ? t.key_end - key : kFlashKeyTile;
-    for (int64_t j = 0; j < keys; j += 2) {
+    int64_t j = 0;
+    // A vector of one lane (the portable path) holds no block of more rows.
+    if constexpr (BlockKeys<R>() > 0) {
+      if (t.head_size % n == 0) {
+        for (; j + BlockKeys<R>() <= keys; j += BlockKeys<R>()) {
+          PrefetchRows(t, keys_held, values_held, key + j, BlockKeys<R>());
+          RowsScoreBlock<R>(t, keys_held, key, j);
+        }
+      }
+    }
+    for (; j < keys; j += 2) {
       PrefetchRows(t, keys_held, values_held, key + j, 2);
       RowsScorePair<R>(t, keys_held, key, j, keys - j < 2 ? keys - j : 2);
     }
