@@ -60,6 +60,13 @@
 //   decode/long/llama3_8b/context:N  the same for the Hugging Face layer of
 //       layer/llama3_8b (multi_head, rotary, 32 heads over 8 kv heads):
 //       bytes_per_step also counts its fp32 projection weights, read once.
+//   decode/row_kernel/rows:R/d:128/keys:512  the decode steps' kernel alone
+//       (FlashTilePath::row_kernel, core/kernels/flash_tile.h) on one thread:
+//       R query rows (R = 4: a grouped-query group) over 512 keys whose rows
+//       are also the values, 256 KiB in fp32, so they stay in L2: the
+//       kernel's compute rate with no memory traffic behind it, as
+//       ns_per_key. .../kv:bfloat16 and .../kv:float16 the same over rows
+//       held in 16 bits.
 //   projection/M:m/E:e/gemm:packed|packed_bf16|blas  one projection
 //       out = in W^T + b of m rows, W e x e, on one thread: over the weights
 //       packed at load (core/kernels/packed_gemm.h) in fp32 or bf16, or through Eigen
@@ -96,6 +103,8 @@
 
 #include "core/kernels/blas.h"
 #include "core/kernels/cpu_features.h"
+#include "core/kernels/flash_tile.h"
+#include "core/kernels/float16.h"
 #include "core/engine/engine.h"
 #include "core/model/layer_config.h"
 #include "core/model/model.h"
@@ -465,6 +474,47 @@ constexpr KvDtype kLongDecodeDtypes[] = {KvDtype::kFloat32, KvDtype::kBfloat16,
                                          KvDtype::kFloat16};
 std::string KvSuffix(KvDtype dtype) {
   return dtype == KvDtype::kFloat32 ? "" : "/kv:" + std::string(KvDtypeName(dtype));
+}
+
+void RowKernel(benchmark::State& state, int64_t rows, KvDtype dtype) {
+  constexpr int64_t kKeys = 512, kHead = 128;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> held(kKeys * kHead), queries(rows * kHead);
+  for (float& x : held) x = uniform(rng);
+  for (float& x : queries) x = uniform(rng) / std::sqrt(static_cast<float>(kHead));
+  std::vector<uint16_t> held16(held.size());
+  if (dtype != KvDtype::kFloat32) {
+    for (size_t i = 0; i < held.size(); ++i) held16[i] = RoundKv(dtype, held[i]);
+  }
+  std::vector<float> accumulator(rows * kHead), row_max(rows), row_sum(rows);
+  std::vector<float> scores(kFlashKeyTile * kFlashQueryTile), rescale(kFlashQueryTile);
+  std::vector<float> bounds(kFlashQueryTile, static_cast<float>(kKeys));
+  FlashTile tile;
+  tile.queries_t = queries.data();
+  tile.keys = tile.values = held.data();
+  tile.kv_dtype = dtype;
+  tile.keys16 = tile.values16 = held16.data();
+  tile.key_stride = tile.value_stride = tile.head_size = tile.value_size = kHead;
+  tile.rows = rows;
+  tile.key_end = tile.min_bound = kKeys;
+  tile.bounds = bounds.data();
+  tile.accumulator_t = accumulator.data();
+  tile.row_max = row_max.data();
+  tile.row_sum = row_sum.data();
+  tile.scores = scores.data();
+  tile.rescale = rescale.data();
+  const FlashTilePath path = FlashTilePathFor(ActiveIsa());
+  path.row_kernel(tile);  // the rows into L2
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    path.row_kernel(tile);
+    benchmark::DoNotOptimize(accumulator.data());
+    benchmark::ClobberMemory();
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  state.counters["ns_per_key"] = seconds * 1e9 / (static_cast<double>(state.iterations()) * kKeys);
 }
 
 void LongDecodeDotProduct(benchmark::State& state, int64_t heads, int64_t kv_heads,
@@ -981,6 +1031,15 @@ void RegisterAll() {
                                  ReadBandwidth, threads)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
+  }
+  for (int64_t rows : {1, 4}) {
+    for (KvDtype dtype : kLongDecodeDtypes) {
+      benchmark::RegisterBenchmark(("decode/row_kernel/rows:" + std::to_string(rows) +
+                                    "/d:128/keys:512" + KvSuffix(dtype))
+                                       .c_str(),
+                                   RowKernel, rows, dtype)
+          ->Unit(benchmark::kMicrosecond);
+    }
   }
   struct LongShape {
     int64_t heads, kv_heads;
