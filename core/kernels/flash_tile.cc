@@ -277,7 +277,7 @@ HWY_INLINE void RowScoreKeys(const FlashTile& t, const T* keys, int64_t key, flo
 }
 
 // Lane i of the result = the sum of v[i]'s lanes, for as many vectors as a
-// vector has lanes (v is overwritten): a transposing tree of adds, 45
+// vector has lanes (v is overwritten): a transposing tree of adds, 47
 // instructions for AVX-512's 16 sums where 16 SumOfLanes take some 150.
 // Pairs of vectors are interleaved by floats, then by pairs of floats, so
 // each 128-bit block holds four sources' partial sums; then halves and
