@@ -361,54 +361,6 @@ HWY_INLINE void RowsScoreBlock(const FlashTile& t, const T* keys, int64_t tile_k
   }
 }
 
-// acc[col..] = rescale acc + sum_j p_j v_j[col..] over C vectors of value
-// columns, for the one query row; the first key tile starts from zero.
-template <int C, typename T>
-HWY_INLINE void RowAccumulateColumns(const FlashTile& t, const T* values, int64_t key,
-                                     int64_t keys, float rescale, int64_t col) {
-  const D d;
-  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
-  float* acc = t.accumulator_t + col;
-  const T* v = values + (key - t.key_base) * t.value_stride + col;
-  V a[C];
-  for (int c = 0; c < C; ++c) {
-    a[c] = key == 0 ? hn::Zero(d) : hn::Mul(hn::LoadU(d, acc + c * n), hn::Set(d, rescale));
-  }
-  for (int64_t j = 0; j < keys; ++j) {
-    const V p = hn::Set(d, t.scores[j]);
-    for (int c = 0; c < C; ++c) {
-      a[c] = hn::MulAdd(p, LoadKv(d, v + j * t.value_stride + c * n), a[c]);
-    }
-  }
-  for (int c = 0; c < C; ++c) hn::StoreU(a[c], d, acc + c * n);
-}
-
-// The output columns of one key tile for the one query row: vectors of
-// columns eight at a time (eight chains of FMAs, one per key each, so their
-// latency is covered), then four, then one at a time, then single columns.
-template <typename T>
-HWY_INLINE void RowAccumulate(const FlashTile& t, const T* values, int64_t key, int64_t keys,
-                              float rescale) {
-  const int64_t n = static_cast<int64_t>(hn::Lanes(D()));
-  int64_t col = 0;
-  for (; col + 8 * n <= t.value_size; col += 8 * n) {
-    RowAccumulateColumns<8>(t, values, key, keys, rescale, col);
-  }
-  for (; col + 4 * n <= t.value_size; col += 4 * n) {
-    RowAccumulateColumns<4>(t, values, key, keys, rescale, col);
-  }
-  for (; col + n <= t.value_size; col += n) {
-    RowAccumulateColumns<1>(t, values, key, keys, rescale, col);
-  }
-  for (; col < t.value_size; ++col) {
-    float sum = key == 0 ? 0.0f : t.accumulator_t[col] * rescale;
-    for (int64_t j = 0; j < keys; ++j) {
-      sum += t.scores[j] * KvAt(values + (key + j - t.key_base) * t.value_stride + col);
-    }
-    t.accumulator_t[col] = sum;
-  }
-}
-
 // Keys ahead of the one being read whose rows the row kernels prefetch.
 constexpr int64_t kPrefetchKeys = 16;
 
@@ -458,6 +410,89 @@ HWY_INLINE void PrefetchRows(const FlashTile& t, const T* keys, const T* values,
   }
 }
 
+// Scores keys [0, keys) of the key tile at `key` for R query rows a block
+// at a time (RowsScoreBlock), prefetching ahead, as far as whole blocks go;
+// none where the head dimensions are not whole vectors, or where a vector
+// of one lane (the portable path) holds no block of R rows. Returns the
+// keys scored.
+template <int R, typename T>
+HWY_INLINE int64_t RowsScoreBlocks(const FlashTile& t, const T* keys_held, const T* values_held,
+                                   int64_t key, int64_t keys) {
+  int64_t j = 0;
+  if constexpr (BlockKeys<R>() > 0) {
+    if (t.head_size % static_cast<int64_t>(HWY_LANES(float)) == 0) {
+      for (; j + BlockKeys<R>() <= keys; j += BlockKeys<R>()) {
+        PrefetchRows(t, keys_held, values_held, key + j, BlockKeys<R>());
+        RowsScoreBlock<R>(t, keys_held, key, j);
+      }
+    }
+  }
+  return j;
+}
+
+// Row r's output columns [col, col + C n) of one key tile for R query rows
+// (its P at scores + r * kFlashKeyTile), each value vector widened once
+// for every row.
+template <int R, int C, typename T>
+HWY_INLINE void RowsAccumulateColumns(const FlashTile& t, const T* v, int64_t key, int64_t keys,
+                                      const float* rescale, int64_t col) {
+  const D d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  V a[R][C];
+  for (int r = 0; r < R; ++r) {
+    float* acc = t.accumulator_t + r * t.value_size + col;
+    for (int c = 0; c < C; ++c) {
+      a[r][c] = key == 0 ? hn::Zero(d) : hn::Mul(hn::LoadU(d, acc + c * n), hn::Set(d, rescale[r]));
+    }
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    V p[R];
+    HWY_UNROLL(4) for (int r = 0; r < R; ++r) p[r] = hn::Set(d, t.scores[r * kFlashKeyTile + j]);
+    HWY_UNROLL(8) for (int c = 0; c < C; ++c) {
+      const V vc = LoadKv(d, v + j * t.value_stride + col + c * n);
+      HWY_UNROLL(4) for (int r = 0; r < R; ++r) a[r][c] = hn::MulAdd(p[r], vc, a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* acc = t.accumulator_t + r * t.value_size + col;
+    for (int c = 0; c < C; ++c) hn::StoreU(a[r][c], d, acc + c * n);
+  }
+}
+
+// The output columns of one key tile for R query rows: as many vectors of
+// columns at a time as leave one accumulator per (row, vector) within
+// AVX-512's 16 or AVX2's 8 (so a key's FMAs run at the ports' rate; one row
+// takes eight), then four for one row, then one vector, then single
+// columns.
+template <int R, typename T>
+HWY_INLINE void RowsAccumulate(const FlashTile& t, const T* values, int64_t key, int64_t keys,
+                               const float* rescale) {
+  constexpr int kAccumulators = HWY_LANES(float) >= 16 ? 16 : 8;
+  constexpr int C = R == 1 ? 8 : kAccumulators / R >= 4 ? 4 : kAccumulators / R >= 2 ? 2 : 1;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(D()));
+  const T* v = values + (key - t.key_base) * t.value_stride;
+  int64_t col = 0;
+  for (; col + C * n <= t.value_size; col += C * n) {
+    RowsAccumulateColumns<R, C>(t, v, key, keys, rescale, col);
+  }
+  if constexpr (C > 4) {
+    for (; col + 4 * n <= t.value_size; col += 4 * n) {
+      RowsAccumulateColumns<R, 4>(t, v, key, keys, rescale, col);
+    }
+  }
+  for (; col + n <= t.value_size; col += n) RowsAccumulateColumns<R, 1>(t, v, key, keys, rescale, col);
+  for (; col < t.value_size; ++col) {
+    for (int r = 0; r < R; ++r) {
+      float* acc = t.accumulator_t + r * t.value_size + col;
+      float sum = key == 0 ? 0.0f : *acc * rescale[r];
+      for (int64_t j = 0; j < keys; ++j) {
+        sum += t.scores[r * kFlashKeyTile + j] * KvAt(v + j * t.value_stride + col);
+      }
+      *acc = sum;
+    }
+  }
+}
+
 // FlashRowImpl over keys and values held as T.
 template <typename T>
 void FlashRowOf(const FlashTile& t, const T* keys_held, const T* values_held) {
@@ -467,15 +502,10 @@ void FlashRowOf(const FlashTile& t, const T* keys_held, const T* values_held) {
   float* scores = t.scores;
   for (int64_t key = t.key_begin; key < t.key_end; key += kFlashKeyTile) {
     const int64_t keys = t.key_end - key < kFlashKeyTile ? t.key_end - key : kFlashKeyTile;
-    int64_t j = 0;
-    if (t.head_size % n == 0) {
-      for (; j + BlockKeys<1>() <= keys; j += BlockKeys<1>()) {
-        PrefetchRows(t, keys_held, values_held, key + j, BlockKeys<1>());
-        RowsScoreBlock<1>(t, keys_held, key, j);
-      }
-    }
-    // Eight keys at a time: eight independent chains of FMAs cover their
-    // latency on two ports.
+    int64_t j = RowsScoreBlocks<1>(t, keys_held, values_held, key, keys);
+    // The keys past the blocks (all of them where there are none) eight at
+    // a time: eight independent chains of FMAs cover their latency on two
+    // ports.
     for (; j + 8 <= keys; j += 8) {
       PrefetchRows(t, keys_held, values_held, key + j, 8);
       RowScoreKeys<8>(t, keys_held, key + j, scores + j);
@@ -499,7 +529,7 @@ void FlashRowOf(const FlashTile& t, const T* keys_held, const T* values_held) {
     const float tile_sum = hn::GetLane(hn::SumOfLanes(d, sum));
     t.row_sum[0] = key == 0 ? tile_sum : t.row_sum[0] * rescale + tile_sum;
     t.row_max[0] = new_max;
-    RowAccumulate(t, values_held, key, keys, rescale);
+    RowsAccumulate<1>(t, values_held, key, keys, &rescale);
   }
 }
 
@@ -539,63 +569,6 @@ HWY_INLINE void RowsScorePair(const FlashTile& t, const T* keys, int64_t tile_ke
   }
 }
 
-// Row r's output columns [col, col + C n) of one key tile for R query rows
-// (its P at scores + r * kFlashKeyTile), each value vector widened once
-// for every row.
-template <int R, int C, typename T>
-HWY_INLINE void RowsAccumulateColumns(const FlashTile& t, const T* v, int64_t key, int64_t keys,
-                                      const float* rescale, int64_t col) {
-  const D d;
-  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
-  V a[R][C];
-  for (int r = 0; r < R; ++r) {
-    float* acc = t.accumulator_t + r * t.value_size + col;
-    for (int c = 0; c < C; ++c) {
-      a[r][c] = key == 0 ? hn::Zero(d) : hn::Mul(hn::LoadU(d, acc + c * n), hn::Set(d, rescale[r]));
-    }
-  }
-  for (int64_t j = 0; j < keys; ++j) {
-    V vc[C];
-    HWY_UNROLL(4) for (int c = 0; c < C; ++c) vc[c] = LoadKv(d, v + j * t.value_stride + col + c * n);
-    HWY_UNROLL(4) for (int r = 0; r < R; ++r) {
-      const V p = hn::Set(d, t.scores[r * kFlashKeyTile + j]);
-      HWY_UNROLL(4) for (int c = 0; c < C; ++c) a[r][c] = hn::MulAdd(p, vc[c], a[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float* acc = t.accumulator_t + r * t.value_size + col;
-    for (int c = 0; c < C; ++c) hn::StoreU(a[r][c], d, acc + c * n);
-  }
-}
-
-// The output columns of one key tile for R query rows: as many vectors of
-// columns at a time as leave one accumulator per (row, vector) within
-// AVX-512's 16 or AVX2's 8 (so a key's FMAs run at the ports' rate), then
-// one vector, then single columns.
-template <int R, typename T>
-HWY_INLINE void RowsAccumulate(const FlashTile& t, const T* values, int64_t key, int64_t keys,
-                               const float* rescale) {
-  constexpr int kAccumulators = HWY_LANES(float) >= 16 ? 16 : 8;
-  constexpr int C = R == 1 ? 8 : kAccumulators / R >= 4 ? 4 : kAccumulators / R >= 2 ? 2 : 1;
-  const int64_t n = static_cast<int64_t>(hn::Lanes(D()));
-  const T* v = values + (key - t.key_base) * t.value_stride;
-  int64_t col = 0;
-  for (; col + C * n <= t.value_size; col += C * n) {
-    RowsAccumulateColumns<R, C>(t, v, key, keys, rescale, col);
-  }
-  for (; col + n <= t.value_size; col += n) RowsAccumulateColumns<R, 1>(t, v, key, keys, rescale, col);
-  for (; col < t.value_size; ++col) {
-    for (int r = 0; r < R; ++r) {
-      float* acc = t.accumulator_t + r * t.value_size + col;
-      float sum = key == 0 ? 0.0f : *acc * rescale[r];
-      for (int64_t j = 0; j < keys; ++j) {
-        sum += t.scores[r * kFlashKeyTile + j] * KvAt(v + j * t.value_stride + col);
-      }
-      *acc = sum;
-    }
-  }
-}
-
 // FlashRowOf for R rows that all visit the tile's keys: a grouped-query
 // group of a decoding step. Row by row, only the first row's pass would
 // stream the block from memory and the others would reread it from L2, with
@@ -607,16 +580,7 @@ void FlashRowsOf(const FlashTile& t, const T* keys_held, const T* values_held) {
   constexpr float kLowest = std::numeric_limits<float>::lowest();
   for (int64_t key = t.key_begin; key < t.key_end; key += kFlashKeyTile) {
     const int64_t keys = t.key_end - key < kFlashKeyTile ? t.key_end - key : kFlashKeyTile;
-    int64_t j = 0;
-    // A vector of one lane (the portable path) holds no block of more rows.
-    if constexpr (BlockKeys<R>() > 0) {
-      if (t.head_size % n == 0) {
-        for (; j + BlockKeys<R>() <= keys; j += BlockKeys<R>()) {
-          PrefetchRows(t, keys_held, values_held, key + j, BlockKeys<R>());
-          RowsScoreBlock<R>(t, keys_held, key, j);
-        }
-      }
-    }
+    int64_t j = RowsScoreBlocks<R>(t, keys_held, values_held, key, keys);
     for (; j < keys; j += 2) {
       PrefetchRows(t, keys_held, values_held, key + j, 2);
       RowsScorePair<R>(t, keys_held, key, j, keys - j < 2 ? keys - j : 2);
